@@ -1,0 +1,30 @@
+"""treelit: exact training of language models on prefix trees of token sequences.
+
+Shared prefixes (system prompts, earlier turns, GRPO prompts) are computed once;
+the loss and every gradient equal those of training each branch on its own.
+"""
+
+from treelit.loss import linear_backward, linear_loss, token_logprobs, tree_loss
+from treelit.models import DecoderConfig, TreeDecoder, build_decoder, build_model, load_hf_checkpoint, save_hf_checkpoint
+from treelit.tree import AGGREGATIONS, TokenTree, TreeBatch, TreeInputError, global_normalizer, pack_trees
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AGGREGATIONS",
+    "DecoderConfig",
+    "TokenTree",
+    "TreeBatch",
+    "TreeDecoder",
+    "TreeInputError",
+    "build_decoder",
+    "build_model",
+    "global_normalizer",
+    "linear_backward",
+    "linear_loss",
+    "load_hf_checkpoint",
+    "pack_trees",
+    "save_hf_checkpoint",
+    "token_logprobs",
+    "tree_loss",
+]

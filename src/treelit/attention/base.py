@@ -1,0 +1,102 @@
+"""The attention backend interface and its registry."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Union
+
+import torch
+
+from treelit.registry import get_registry
+
+__all__ = ["ATTENTION", "AttentionBackend", "get_backend", "resolve_backend", "available_backends"]
+
+log = logging.getLogger(__name__)
+
+ATTENTION = get_registry(
+    "attention",
+    ["treelit.attention.dense"],
+)
+
+
+class AttentionBackend:
+    """Interface of a tree attention backend.
+
+    ``plan(layout)`` runs once per forward pass (shared by all layers) and returns
+    whatever the backend precomputes from the tree structure; ``__call__`` then
+    computes ``softmax(q k^T * scale + mask) v`` for one layer:
+
+    * ``q``: ``[1, Hq, N, D]`` post-RoPE queries of the row's N tokens;
+    * ``k, v``: ``[1, Hkv, E + N, D]`` keys/values, E external ones first; ``Hq % Hkv == 0``
+      and query head ``h`` reads kv head ``h // (Hq / Hkv)`` (GQA);
+    * returns ``[1, Hq, N, D]``.
+
+    Query ``q`` attends to key ``j`` iff ``layout.kv_lo[j] <= q < layout.kv_hi[j]``.
+    """
+
+    name: str = "?"
+    requires_cuda: bool = False
+
+    def plan(self, layout) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_device(self, device: torch.device) -> None:
+        if self.requires_cuda and torch.device(device).type != "cuda":
+            others = [n for n in available_backends() if not ATTENTION.get(n).requires_cuda]
+            raise ValueError(
+                f"attention backend {self.name!r} needs a CUDA device (got {device}); "
+                f"on this device use one of: {', '.join(others)} or 'auto'"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def available_backends() -> List[str]:
+    return ATTENTION.names()
+
+
+def get_backend(name: str, **options) -> AttentionBackend:
+    """Instantiate the backend registered as ``name``."""
+    cls = ATTENTION.get(name)
+    return cls(**options)
+
+
+def resolve_backend(
+    spec: Union[str, AttentionBackend, None], device: Any = "cpu", batch=None
+) -> AttentionBackend:
+    """Turn a name (or ``"auto"``/None) into a backend instance checked against ``device``.
+
+    ``auto`` picks ``flex`` on CUDA, and on CPU ``sdpa_dense`` for tiny rows (where the
+    dense mask is cheaper than per-segment bookkeeping) and ``segment`` otherwise.
+    """
+    if isinstance(spec, AttentionBackend):
+        spec.check_device(torch.device(device))
+        return spec
+    if spec is None or spec == "auto":
+        name = auto_backend_name(torch.device(device), batch)
+        log.debug("attention=auto chose %s", name)
+        backend = get_backend(name)
+    else:
+        backend = get_backend(spec)
+    backend.check_device(torch.device(device))
+    return backend
+
+
+def auto_backend_name(device: torch.device, batch=None) -> str:
+    if device.type == "cuda" and "flex" in ATTENTION:
+        return "flex"
+    if batch is None or "segment" not in ATTENTION:
+        return "sdpa_dense"
+    return "sdpa_dense" if _dense_is_cheaper(batch) else "segment"
+
+
+def _dense_is_cheaper(batch, min_tokens: int = 1024) -> bool:
+    """Dense wins on small rows, or when the tree is close to a single chain."""
+    N = batch.num_tokens
+    if N <= min_tokens or batch.num_segments <= 2:
+        return True
+    return False

@@ -1,0 +1,172 @@
+"""The linearized baseline: every branch is its own causal sequence.
+
+This is what per-branch training computes, written without any tree code: branches
+are sorted by length and run in right-padded micro-batches through the same model
+(causal SDPA, positions ``0..L-1``) and the same log-prob head. Token ``t`` of a
+branch is predicted from position ``t-1`` and counts iff its loss mask is set.
+It is the reference for exactness tests and the baseline for speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from treelit.loss.logprobs import token_logprobs
+from treelit.models.context import CausalContext
+from treelit.models.decoder import decoder_hidden, output_weight
+from treelit.tree.batch import check_aggregation
+from treelit.tree.token_tree import TreeInputError, _as_mask_array, _as_token_array
+
+__all__ = ["LinearBranches", "linear_loss", "linear_backward", "linear_micro_batches"]
+
+
+@dataclass
+class LinearBranches:
+    """Validated branches with their targets counted: ``n[b]`` trainable targets per branch."""
+
+    tokens: List[np.ndarray]
+    masks: List[np.ndarray]  # target mask (first position cleared)
+    weights: np.ndarray
+    n: np.ndarray
+
+    @classmethod
+    def build(cls, branches, loss_masks=None, weights=None) -> "LinearBranches":
+        if len(branches) == 0:
+            raise TreeInputError("need at least one branch")
+        toks = [_as_token_array(b, i, "") for i, b in enumerate(branches)]
+        if loss_masks is None:
+            masks = [np.ones(len(t), dtype=bool) for t in toks]
+        else:
+            if len(loss_masks) != len(toks):
+                raise TreeInputError(f"got {len(loss_masks)} loss masks for {len(toks)} branches")
+            masks = [
+                np.ones(len(t), dtype=bool) if m is None else _as_mask_array(m, len(t), i, "").copy()
+                for i, (t, m) in enumerate(zip(toks, loss_masks))
+            ]
+        for m in masks:
+            m[0] = False  # nothing predicts a branch's first token
+        w = np.ones(len(toks)) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
+        if w.shape[0] != len(toks):
+            raise TreeInputError(f"got {w.shape[0]} weights for {len(toks)} branches")
+        if not np.all(np.isfinite(w) & (w >= 0)):
+            b = int(np.flatnonzero(~(np.isfinite(w) & (w >= 0)))[0])
+            raise TreeInputError(f"branch {b}: weight {w[b]!r} must be finite and >= 0")
+        n = np.array([m.sum() for m in masks], dtype=np.float64)
+        return cls(toks, masks, w, n)
+
+    def coefficients(self, aggregation: str) -> np.ndarray:
+        """Per-branch coefficient c_b multiplying each of its token losses (before 1/Z)."""
+        check_aggregation(aggregation)
+        if aggregation == "seq-mean-token-mean":
+            return self.weights * np.divide(1.0, self.n, out=np.zeros_like(self.n), where=self.n > 0)
+        return self.weights.copy()
+
+    def normalizer(self, aggregation: str) -> float:
+        check_aggregation(aggregation)
+        if aggregation == "token-mean":
+            return float(self.n.sum())
+        if aggregation == "sum":
+            return 1.0
+        return float((self.n > 0).sum())
+
+    def validate_for_model(self, vocab_size: int, max_seq_len: Optional[int]) -> None:
+        for b, t in enumerate(self.tokens):
+            if t.max() >= vocab_size:
+                pos = int(np.argmax(t >= vocab_size))
+                raise TreeInputError(
+                    f"token id {int(t[pos])} at position {pos} of branch {b} is outside the model's "
+                    f"vocabulary (size {vocab_size})"
+                )
+            if max_seq_len is not None and len(t) > max_seq_len:
+                raise TreeInputError(f"branch {b} has {len(t)} tokens, more than the model's max_seq_len {max_seq_len}")
+
+
+def linear_micro_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
+    """Group branch indices, sorted by length, so that rows x longest <= max_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups: List[List[int]] = []
+    cur: List[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _group_loss(model, lb: LinearBranches, idx: List[int], coef: np.ndarray, chunk_rows, device) -> torch.Tensor:
+    L = max(len(lb.tokens[i]) for i in idx)
+    ids = torch.zeros(len(idx), L, dtype=torch.long)
+    tmask = torch.zeros(len(idx), L, dtype=torch.bool)
+    c = torch.zeros(len(idx), L, dtype=torch.float64)
+    for r, i in enumerate(idx):
+        n = len(lb.tokens[i])
+        ids[r, :n] = torch.from_numpy(lb.tokens[i])
+        tmask[r, :n] = torch.from_numpy(lb.masks[i])
+        c[r, :n] = float(coef[i])
+    ids, tmask, c = ids.to(device), tmask.to(device), c.to(device)
+    pos = torch.arange(L, device=device).expand(len(idx), L)
+    lengths = torch.tensor([len(lb.tokens[i]) for i in idx], device=device)
+    h = decoder_hidden(model, ids, pos, CausalContext(lengths))
+    rows, cols = torch.nonzero(tmask, as_tuple=True)
+    logp, _ = token_logprobs(h[rows, cols - 1], output_weight(model), ids[rows, cols], chunk_rows=chunk_rows)
+    return -(c[rows, cols].to(logp.dtype) * logp).sum()
+
+
+def _prepare(model, branches, loss_masks, weights, aggregation):
+    lb = branches if isinstance(branches, LinearBranches) else LinearBranches.build(branches, loss_masks, weights)
+    lb.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
+    return lb, lb.coefficients(aggregation)
+
+
+def linear_loss(
+    model,
+    branches,
+    loss_masks=None,
+    weights=None,
+    aggregation: str = "token-mean",
+    *,
+    normalizer: Optional[float] = None,
+    max_tokens: int = 8192,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Per-branch (linearized) loss; differentiable. ``normalizer`` overrides Z (global over a step)."""
+    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation)
+    Z = lb.normalizer(aggregation) if normalizer is None else float(normalizer)
+    device = next(model.parameters()).device
+    total = None
+    for idx in linear_micro_batches([len(t) for t in lb.tokens], max_tokens):
+        part = _group_loss(model, lb, idx, coef, chunk_rows, device)
+        total = part if total is None else total + part
+    return total / Z if Z > 0 else total * 0.0
+
+
+def linear_backward(
+    model,
+    branches,
+    loss_masks=None,
+    weights=None,
+    aggregation: str = "token-mean",
+    *,
+    normalizer: Optional[float] = None,
+    max_tokens: int = 8192,
+    chunk_rows: Optional[int] = None,
+) -> float:
+    """Per-branch training step as a trainer runs it: forward and backward per micro-batch,
+    accumulating ``.grad``. Returns the loss value."""
+    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation)
+    Z = lb.normalizer(aggregation) if normalizer is None else float(normalizer)
+    device = next(model.parameters()).device
+    total = 0.0
+    for idx in linear_micro_batches([len(t) for t in lb.tokens], max_tokens):
+        part = _group_loss(model, lb, idx, coef, chunk_rows, device)
+        part = part / Z if Z > 0 else part * 0.0
+        part.backward()
+        total += float(part.detach())
+    return total

@@ -1,0 +1,116 @@
+"""Token log-probabilities (and entropies) without an N x vocab tensor.
+
+``token_logprobs(h, W, targets)`` returns ``log softmax(h @ W^T)[target]`` per
+row. Rows are processed in chunks; the backward pass recomputes each chunk's
+logits instead of storing them, so neither pass ever holds more than one chunk
+of ``chunk_rows x V`` logits (plus its gradient). The gradient with respect to
+the logits of row r is ``g_r * (onehot(target_r) - p_r)`` (and, for the entropy
+``H_r = -sum_j p_rj log p_rj``, ``-g^H_r * p_r * (log p_r + H_r)``).
+
+Half-precision inputs are upcast to float32 per chunk; float32/float64 run in
+their own precision.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["token_logprobs", "default_chunk_rows"]
+
+_MAX_CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk (32 MiB in float32)
+
+
+def default_chunk_rows(vocab_size: int, max_elements: int = _MAX_CHUNK_ELEMENTS) -> int:
+    return max(1, max_elements // max(1, vocab_size))
+
+
+def _cdt(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_rows: int, with_entropy: bool):
+        cd = _cdt(hidden)
+        M = hidden.shape[0]
+        W = weight.to(cd)
+        logp = torch.empty(M, dtype=cd, device=hidden.device)
+        lse_all = torch.empty(M, dtype=cd, device=hidden.device)
+        ent = torch.empty(M if with_entropy else 0, dtype=cd, device=hidden.device)
+        for s in range(0, M, chunk_rows):
+            e = min(M, s + chunk_rows)
+            logits = hidden[s:e].to(cd) @ W.t()
+            lse = torch.logsumexp(logits, dim=-1)
+            lse_all[s:e] = lse
+            logp[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - lse
+            if with_entropy:
+                p = torch.exp(logits - lse[:, None])
+                ent[s:e] = lse - (p * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse_all, ent)
+        ctx.chunk_rows = chunk_rows
+        ctx.with_entropy = with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, targets, lse_all, ent = ctx.saved_tensors
+        cd = _cdt(hidden)
+        W = weight.to(cd)
+        M = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(W) if need_w else None
+        use_ent = ctx.with_entropy and g_ent is not None
+        for s in range(0, M, ctx.chunk_rows):
+            e = min(M, s + ctx.chunk_rows)
+            h = hidden[s:e].to(cd)
+            logits = h @ W.t()
+            logp_all = logits - lse_all[s:e, None]
+            p = torch.exp(logp_all)
+            g = g_logp[s:e].to(cd) if g_logp is not None else torch.zeros(e - s, dtype=cd, device=h.device)
+            gl = p * (-g[:, None])
+            gl.scatter_add_(1, targets[s:e, None], g[:, None])
+            if use_ent:
+                ge = g_ent[s:e].to(cd)
+                gl -= (ge[:, None] * p) * (logp_all + ent[s:e, None])
+            if need_h:
+                grad_h[s:e] = (gl @ W).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(gl.t(), h)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_rows: Optional[int] = None,
+    with_entropy: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probabilities of ``targets`` under ``softmax(hidden @ weight^T)``.
+
+    Args:
+        hidden: ``[M, D]`` final-norm hidden states (one row per target).
+        weight: ``[V, D]`` output projection.
+        targets: ``[M]`` long token ids.
+        chunk_rows: rows per chunk; bounds memory to ``chunk_rows x V`` logits per pass.
+        with_entropy: also return the entropy of each row's distribution.
+
+    Returns:
+        ``(logp [M], entropy [M] or None)`` in float32 (half inputs) or the input precision.
+    """
+    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"expected hidden [M, D] and targets [M], got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    rows = chunk_rows or default_chunk_rows(weight.shape[0])
+    if hidden.shape[0] == 0:
+        z = hidden.new_zeros(0, dtype=_cdt(hidden)) + 0 * hidden.sum() + 0 * weight.sum()
+        return z, (z if with_entropy else None)
+    logp, ent = _ChunkedLogProbs.apply(hidden, weight, targets, rows, with_entropy)
+    return logp, (ent if with_entropy else None)

@@ -1,0 +1,81 @@
+"""Tree-mode forward and loss: every tree token computed once.
+
+``tree_hidden`` runs the decoder over one DFS-serialized row with ancestor-only
+attention; ``tree_loss`` reads each target token's log-prob from its parent's
+hidden state and applies the folded weights of :mod:`treelit.tree.batch`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from treelit.attention.base import AttentionBackend, resolve_backend
+from treelit.loss.logprobs import token_logprobs
+from treelit.models.context import ExternalKV, TreeContext
+from treelit.models.decoder import decoder_hidden, output_weight
+from treelit.tree.batch import TreeBatch, global_normalizer
+from treelit.tree.token_tree import TokenTree
+
+__all__ = ["tree_hidden", "tree_loss", "prepare_batch"]
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def prepare_batch(model, batch: Union[TreeBatch, TokenTree]) -> TreeBatch:
+    """Accept a tree or a batch, check it against the model, move it to the model's device."""
+    if isinstance(batch, TokenTree):
+        batch = batch.to_batch()
+    if not isinstance(batch, TreeBatch):
+        raise TypeError(f"expected a TreeBatch or TokenTree, got {type(batch).__name__}")
+    batch.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
+    device = _model_device(model)
+    return batch if batch.device == device else batch.to(device)
+
+
+def tree_hidden(
+    model,
+    batch: TreeBatch,
+    attention: Union[str, AttentionBackend, None] = "auto",
+    *,
+    external: Optional[ExternalKV] = None,
+    capture_kv: bool = False,
+):
+    """Final hidden states ``[N, D]`` of the row and the :class:`TreeContext` used."""
+    backend = resolve_backend(attention, batch.device, batch)
+    ctx = TreeContext(batch, backend, external=external, capture_kv=capture_kv)
+    h = decoder_hidden(model, batch.input_ids[None], batch.position_ids[None], ctx)[0]
+    return h, ctx
+
+
+def tree_loss(
+    model,
+    batch: Union[TreeBatch, TokenTree],
+    aggregation: str = "token-mean",
+    attention: Union[str, AttentionBackend, None] = "auto",
+    *,
+    normalizer: Optional[float] = None,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Exactly the per-branch training loss, computed on the tree.
+
+    Args:
+        model: a :class:`~treelit.models.decoder.TreeDecoder` (or compatible torchtune decoder).
+        batch: a :class:`TreeBatch` (one packed row) or a :class:`TokenTree`.
+        aggregation: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or ``sum``.
+        attention: backend name (``auto``, ``sdpa_dense``, ``segment``, ``flex``) or instance.
+        normalizer: the step-global normaliser Z (see :func:`treelit.global_normalizer`); by
+            default this row's own.
+        chunk_rows: rows per log-prob chunk (bounds the logits memory).
+    """
+    batch = prepare_batch(model, batch)
+    W = batch.token_weights(aggregation)
+    Z = global_normalizer([batch], aggregation) if normalizer is None else float(normalizer)
+    h, _ = tree_hidden(model, batch, attention)
+    sel = torch.nonzero((W != 0) & (batch.parent >= 0)).squeeze(1)
+    logp, _ = token_logprobs(h[batch.parent[sel]], output_weight(model), batch.input_ids[sel], chunk_rows=chunk_rows)
+    total = -(W[sel].to(logp.dtype) * logp).sum()
+    return total / Z if Z > 0 else total * 0.0

@@ -1,0 +1,240 @@
+"""Decoders built from torchtune modules, with a forward pass that runs trees.
+
+:class:`TreeDecoder` *is* a torchtune ``TransformerDecoder`` (same modules, same
+parameter names as torchtune's own llama3.2 / qwen2 / mistral builders), so
+torchtune checkpoints, recipes and its own ``forward`` keep working. What treelit
+adds is :func:`decoder_hidden`, a forward over the same modules that takes its
+attention (and recurrent-state routing) from a *sequence context*:
+
+* :class:`~treelit.models.context.CausalContext` - independent causal rows
+  (the linearized per-branch baseline);
+* :class:`~treelit.models.context.TreeContext` - one DFS-serialized tree row,
+  attention restricted to ancestors through a tree attention backend.
+
+The layer arithmetic is written out here (rather than calling torchtune's
+``MultiHeadAttention.forward``) for three reasons: the tree backend needs the
+post-RoPE, un-expanded K/V; partitioning needs to inject and capture per-layer
+K/V; and torchtune's RMSNorm and interleaved RoPE round through float32, which
+would make float64 equivalence tests meaningless. For bf16/fp16 inputs the
+norm and RoPE are computed in float32 exactly like torchtune does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+from torchtune.modules import (
+    FeedForward,
+    MultiHeadAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TiedLinear,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
+
+from treelit.models.config import DecoderConfig
+
+__all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "output_weight", "rope_style_of"]
+
+
+class TreeDecoder(TransformerDecoder):
+    """A torchtune ``TransformerDecoder`` that knows its :class:`DecoderConfig`."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        c = config
+        rope = _make_rope(c)
+        layers = nn.ModuleList()
+        for i in range(c.num_layers):
+            kind = c.layer_type(i)
+            if kind == "attention":
+                layers.append(_attention_layer(c, rope))
+            else:
+                from treelit.ssm.layers import build_recurrent_layer
+
+                layers.append(build_recurrent_layer(c, kind, i))
+        tok = nn.Embedding(c.vocab_size, c.embed_dim)
+        output = TiedLinear(tok) if c.tie_word_embeddings else nn.Linear(c.embed_dim, c.vocab_size, bias=False)
+        super().__init__(
+            tok_embeddings=tok,
+            layers=layers,
+            max_seq_len=c.max_seq_len,
+            num_heads=c.num_heads,
+            head_dim=c.head_dim,
+            norm=RMSNorm(c.embed_dim, eps=c.norm_eps),
+            output=output,
+        )
+        self.config = c
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Hugging Face-style init: N(0, std) for linear and embedding weights, zero biases,
+        unit norm scales. (torchtune leaves embeddings at N(0, 1), which makes tied heads
+        produce huge logits.)"""
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=std)
+                if getattr(mod, "bias", None) is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, RMSNorm):
+                nn.init.ones_(mod.scale)
+            elif hasattr(mod, "reset_tree_parameters"):
+                mod.reset_tree_parameters(std)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok_embeddings.num_embeddings
+
+
+def build_decoder(config: Optional[DecoderConfig] = None, **overrides) -> TreeDecoder:
+    """Build a randomly initialised :class:`TreeDecoder` from a config (or keyword overrides)."""
+    if config is None:
+        config = DecoderConfig(**overrides)
+    elif overrides:
+        config = DecoderConfig(**{**config.to_dict(), **overrides})
+    return TreeDecoder(config)
+
+
+def _make_rope(c: DecoderConfig) -> nn.Module:
+    if c.rope_style == "half":
+        return Qwen2RotaryPositionalEmbeddings(dim=c.head_dim, max_seq_len=c.max_seq_len, base=c.rope_base)
+    if c.rope_scaling is not None:
+        s = c.rope_scaling
+        return Llama3ScaledRoPE(
+            dim=c.head_dim,
+            max_seq_len=c.max_seq_len,
+            base=c.rope_base,
+            scale_factor=s.get("factor", 8),
+            low_freq_factor=s.get("low_freq_factor", 1),
+            high_freq_factor=s.get("high_freq_factor", 4),
+            old_context_len=s.get("original_max_position_embeddings", 8192),
+        )
+    return RotaryPositionalEmbeddings(dim=c.head_dim, max_seq_len=c.max_seq_len, base=c.rope_base)
+
+
+def _attention_layer(c: DecoderConfig, rope: nn.Module) -> TransformerSelfAttentionLayer:
+    hd, bias = c.head_dim, bool(c.qkv_bias)
+    attn = MultiHeadAttention(
+        embed_dim=c.embed_dim,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=hd,
+        q_proj=nn.Linear(c.embed_dim, c.num_heads * hd, bias=bias),
+        k_proj=nn.Linear(c.embed_dim, c.num_kv_heads * hd, bias=bias),
+        v_proj=nn.Linear(c.embed_dim, c.num_kv_heads * hd, bias=bias),
+        output_proj=nn.Linear(c.num_heads * hd, c.embed_dim, bias=False),
+        pos_embeddings=rope,
+        max_seq_len=c.max_seq_len,
+    )
+    mlp = FeedForward(
+        gate_proj=nn.Linear(c.embed_dim, c.intermediate_dim, bias=False),
+        down_proj=nn.Linear(c.intermediate_dim, c.embed_dim, bias=False),
+        up_proj=nn.Linear(c.embed_dim, c.intermediate_dim, bias=False),
+    )
+    return TransformerSelfAttentionLayer(
+        attn=attn,
+        mlp=mlp,
+        sa_norm=RMSNorm(c.embed_dim, eps=c.norm_eps),
+        mlp_norm=RMSNorm(c.embed_dim, eps=c.norm_eps),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# numerics shared by every layer
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply a torchtune ``RMSNorm`` in the input's precision (float32 for half types)."""
+    if not isinstance(norm, RMSNorm):
+        return norm(x)
+    xf = x.to(_compute_dtype(x))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (y * norm.scale.to(xf.dtype)).to(x.dtype)
+
+
+def rope_style_of(rope: nn.Module) -> str:
+    if isinstance(rope, Qwen2RotaryPositionalEmbeddings):
+        return "half"
+    if isinstance(rope, (RotaryPositionalEmbeddings, Llama3ScaledRoPE)):
+        return "interleaved"
+    raise TypeError(f"unsupported positional embedding module {type(rope).__name__}")
+
+
+def apply_rope(rope: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, L, H, D]`` by positions ``pos [B, L]`` using ``rope``'s frequencies.
+
+    Angles are formed in float64 from the module's ``theta`` so that float64 models are
+    exact; the rotation runs in the input's precision (float32 for half types).
+    """
+    theta = rope.theta.to(torch.float64)
+    ang = pos.to(torch.float64).unsqueeze(-1) * theta  # [B, L, D/2]
+    dt = _compute_dtype(x)
+    cos = ang.cos().to(dt).unsqueeze(2)  # [B, L, 1, D/2]
+    sin = ang.sin().to(dt).unsqueeze(2)
+    xf = x.to(dt)
+    if rope_style_of(rope) == "half":
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        xs = xf.reshape(*xf.shape[:-1], -1, 2)
+        x1, x2 = xs[..., 0], xs[..., 1]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def output_weight(model: TransformerDecoder) -> torch.Tensor:
+    """The ``[V, D]`` weight of the language-model head (tied or not)."""
+    out = model.output
+    if isinstance(out, TiedLinear):
+        return out.tied_module.weight
+    if isinstance(out, nn.Linear):
+        if out.bias is not None:
+            raise NotImplementedError("an output projection with bias is not supported")
+        return out.weight
+    raise TypeError(f"unsupported output projection {type(out).__name__}")
+
+
+def _attention_block(layer: TransformerSelfAttentionLayer, idx: int, x: torch.Tensor, pos, ctx) -> torch.Tensor:
+    attn: MultiHeadAttention = layer.attn
+    if attn.q_norm is not None or attn.k_norm is not None:
+        raise NotImplementedError("q/k norms are not supported in tree mode yet")
+    B, L, _ = x.shape
+    hd = attn.head_dim
+    q = attn.q_proj(x).view(B, L, attn.num_heads, hd)
+    k = attn.k_proj(x).view(B, L, attn.num_kv_heads, hd)
+    v = attn.v_proj(x).view(B, L, attn.num_kv_heads, hd)
+    if attn.pos_embeddings is not None:
+        q = apply_rope(attn.pos_embeddings, q, pos)
+        k = apply_rope(attn.pos_embeddings, k, pos)
+    o = ctx.attention(idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    o = o.transpose(1, 2).reshape(B, L, attn.num_heads * hd)
+    return attn.output_proj(o)
+
+
+def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
+    """Final-norm hidden states ``[B, L, D]`` of ``model`` over ``input_ids [B, L]``.
+
+    ``ctx`` decides what each token sees (see :mod:`treelit.models.context`).
+    Layers that are not torchtune self-attention layers must provide
+    ``tree_forward(x, layer_index, ctx)`` (treelit's recurrent layers do).
+    """
+    h = model.tok_embeddings(input_ids)
+    for i, layer in enumerate(model.layers):
+        if hasattr(layer, "tree_forward"):
+            h = layer.tree_forward(h, i, ctx)
+        elif isinstance(layer, TransformerSelfAttentionLayer):
+            a = _attention_block(layer, i, rms_norm(layer.sa_norm, h), position_ids, ctx)
+            h = h + layer.sa_scale(a)
+            h = h + layer.mlp_scale(layer.mlp(rms_norm(layer.mlp_norm, h)))
+        else:
+            raise TypeError(f"layer {i} ({type(layer).__name__}) cannot run in tree mode")
+    return rms_norm(model.norm, h)

@@ -1,0 +1,52 @@
+"""Named model presets (registry kind ``model``).
+
+Tiny random-init variants of each supported family are for tests, examples and
+the CPU benchmark; real-size presets mirror the published architectures (their
+weights come from a Hugging Face checkpoint via ``model.hf_checkpoint``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treelit.models.config import DecoderConfig
+from treelit.models.decoder import TreeDecoder
+from treelit.registry import get_registry
+
+__all__ = ["MODELS", "build_model"]
+
+MODELS = get_registry("model", ["treelit.models.registry"])
+
+_TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=2048)
+
+
+def _preset(name: str, **defaults: Any) -> None:
+    def make(**overrides: Any) -> TreeDecoder:
+        return TreeDecoder(DecoderConfig(**{**defaults, **overrides}))
+
+    make.__name__ = name
+    make.__doc__ = f"Build the {name!r} preset; keyword arguments override its DecoderConfig fields."
+    make.defaults = dict(defaults)  # type: ignore[attr-defined]
+    MODELS.register(name, make)
+
+
+_preset("llama3_2_tiny", family="llama", vocab_size=512, rope_base=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}, **_TINY)
+_preset("qwen2_tiny", family="qwen2", vocab_size=512, rope_base=1000000.0, norm_eps=1e-6, **_TINY)
+_preset("qwen2_5_tiny", family="qwen2", vocab_size=512, rope_base=1000000.0, norm_eps=1e-6,
+        tie_word_embeddings=True, **_TINY)
+_preset("mistral_tiny", family="mistral", vocab_size=512, rope_base=1000000.0, **_TINY)
+# Real architectures (random init unless loaded from a checkpoint).
+_preset("llama3_2_1b", family="llama", vocab_size=128256, num_layers=16, num_heads=32, num_kv_heads=8,
+        embed_dim=2048, intermediate_dim=8192, max_seq_len=131072, rope_base=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})
+_preset("qwen2_5_0_5b", family="qwen2", vocab_size=151936, num_layers=24, num_heads=14, num_kv_heads=2,
+        embed_dim=896, intermediate_dim=4864, max_seq_len=32768, rope_base=1000000.0, norm_eps=1e-6,
+        tie_word_embeddings=True)
+
+
+def build_model(name: str, **overrides: Any) -> TreeDecoder:
+    """Build the registered model preset ``name`` (random init)."""
+    return MODELS.get(name)(**overrides)

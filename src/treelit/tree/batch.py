@@ -1,0 +1,296 @@
+"""DFS-serialized trees as flat tensors, with the per-branch loss folded onto tree tokens.
+
+Loss folding. Per-branch training minimises
+
+    L = (1/Z) * sum_b sum_t c_{b,t} * l_t,     c_{b,t} = w_b * m_{b,t} * s_b
+
+where ``l_t = -log p(token t | its ancestors)``, ``w_b`` is the branch weight,
+``m_{b,t}`` the branch's loss mask, ``s_b`` a per-branch scale (1, or ``1/n_b``
+for seq-mean-token-mean with ``n_b`` the branch's number of targets) and ``Z``
+a normaliser that depends only on counts. A token shared by several branches
+has the same ``l_t`` in all of them (same ancestors, same position), so the sum
+regroups by tree token: ``L = (1/Z) * sum_i W_i * l_i`` with
+``W_i = sum_{b containing i} c_{b,i}``. Each tree token's log-prob is computed
+once, with its folded weight ``W_i``.
+
+``Z`` must be global over an optimizer step (all micro-batches, all ranks) for
+micro-batching and gradient accumulation to leave the result unchanged: sum the
+per-batch :meth:`TreeBatch.norm_contribution` before dividing.
+
+============================  =====================================  ===========================
+aggregation                   per-token weight ``W_i``               normaliser ``Z``
+============================  =====================================  ===========================
+``token-mean``                sum_b w_b m_{b,i}                      number of (branch, position) targets
+``seq-mean-token-mean``       sum_b w_b m_{b,i} / n_b                number of branches with a target
+``seq-mean-token-sum``        sum_b w_b m_{b,i}                      number of branches with a target
+``sum``                       sum_b w_b m_{b,i}                      1
+============================  =====================================  ===========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["TreeBatch", "AGGREGATIONS", "pack_trees", "global_normalizer", "check_aggregation"]
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum")
+
+
+def check_aggregation(aggregation: str) -> str:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+    return aggregation
+
+
+@dataclass
+class TreeBatch:
+    """One packed row of DFS-serialized trees. N tree tokens, S segments, B branches, F flat tokens.
+
+    Token tensors ``[N]``:
+        ``input_ids`` (long): token ids in DFS pre-order.
+        ``position_ids`` (long): depth of the token = its position in every branch through it.
+        ``parent`` (long): index of the parent token, ``-1`` for a root. Token ``i`` is predicted
+            from the hidden state of ``parent[i]``.
+        ``subtree_end`` (long): exclusive end of the token's subtree; query ``q`` sees key ``kv``
+            iff ``kv <= q < subtree_end[kv]``.
+        ``target_weight_sum`` (float64): ``sum_b w_b m_{b,i}`` over branches with token ``i`` as target.
+        ``target_weight_mean`` (float64): ``sum_b w_b m_{b,i} / n_b`` (seq-mean-token-mean).
+        ``target_count`` (float64): number of branches that have token ``i`` as a target.
+    Segment tensors ``[S]`` (long): ``seg_start``, ``seg_len``, ``seg_parent`` (-1 for roots).
+    ``tree_ptr [T+1]`` (long): token offsets of the T trees packed in this row.
+    Branch tensors: ``branch_ptr [B+1]``, ``branch_tokens [F]`` (tree index of every branch token),
+        ``branch_mask [F]`` (bool), ``branch_weight [B]`` (float64), ``branch_tree [B]`` (long).
+    ``branch_fields``: per-branch Python values carried from the input (e.g. RL fields).
+    ``num_targets`` / ``num_sequences``: this row's (branch, position) targets / branches with a target.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    parent: torch.Tensor
+    subtree_end: torch.Tensor
+    target_weight_sum: torch.Tensor
+    target_weight_mean: torch.Tensor
+    target_count: torch.Tensor
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    seg_parent: torch.Tensor
+    tree_ptr: torch.Tensor
+    branch_ptr: torch.Tensor
+    branch_tokens: torch.Tensor
+    branch_mask: torch.Tensor
+    branch_weight: torch.Tensor
+    branch_tree: torch.Tensor
+    num_targets: int
+    num_sequences: int
+    branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
+
+    # construction ----------------------------------------------------------------------
+    @classmethod
+    def from_tree(cls, tree) -> "TreeBatch":
+        N, B = tree.num_tokens, tree.num_branches
+        ptr = tree.branch_ptr
+        lengths = np.diff(ptr)
+        # The first token of each branch is never a target.
+        is_first = np.zeros(int(ptr[-1]), dtype=bool)
+        is_first[ptr[:-1]] = True
+        target = tree.branch_mask & ~is_first
+        branch_of = np.repeat(np.arange(B), lengths)
+        n_b = np.bincount(branch_of, weights=target, minlength=B)
+        w_flat = tree.branch_weight[branch_of] * target
+        scale = np.divide(1.0, n_b, out=np.zeros(B), where=n_b > 0)
+        idx = tree.branch_tokens
+        t = lambda a, dt=torch.long: torch.from_numpy(np.ascontiguousarray(a)).to(dt)  # noqa: E731
+        return cls(
+            input_ids=t(tree.input_ids),
+            position_ids=t(tree.depth),
+            parent=t(tree.parent),
+            subtree_end=t(tree.subtree_end),
+            target_weight_sum=t(np.bincount(idx, weights=w_flat, minlength=N), torch.float64),
+            target_weight_mean=t(np.bincount(idx, weights=w_flat * scale[branch_of], minlength=N), torch.float64),
+            target_count=t(np.bincount(idx, weights=target, minlength=N), torch.float64),
+            seg_start=t(tree.seg_start),
+            seg_len=t(tree.seg_len),
+            seg_parent=t(tree.seg_parent),
+            tree_ptr=torch.tensor([0, N], dtype=torch.long),
+            branch_ptr=t(ptr),
+            branch_tokens=t(idx),
+            branch_mask=t(tree.branch_mask, torch.bool),
+            branch_weight=t(tree.branch_weight, torch.float64),
+            branch_tree=torch.zeros(B, dtype=torch.long),
+            num_targets=int(n_b.sum()),
+            num_sequences=int((n_b > 0).sum()),
+            branch_fields={k: list(v) for k, v in tree.branch_fields.items()},
+        )
+
+    @classmethod
+    def pack(cls, batches: Sequence["TreeBatch"]) -> "TreeBatch":
+        """Concatenate several rows into one; indices are shifted, trees stay independent."""
+        if len(batches) == 0:
+            raise ValueError("cannot pack an empty list of batches")
+        if len(batches) == 1:
+            return batches[0]
+        tok_off = np.cumsum([0] + [b.num_tokens for b in batches])
+        seg_off = np.cumsum([0] + [b.num_segments for b in batches])
+        flat_off = np.cumsum([0] + [b.flat_tokens for b in batches])
+        tree_off = np.cumsum([0] + [b.num_trees for b in batches])
+
+        def shift(x: torch.Tensor, off: int) -> torch.Tensor:
+            return torch.where(x >= 0, x + off, x)
+
+        keys = set().union(*(b.branch_fields.keys() for b in batches))
+        for k in keys:
+            if not all(k in b.branch_fields for b in batches):
+                raise ValueError(f"cannot pack batches: branch field {k!r} is missing in some of them")
+        return cls(
+            input_ids=torch.cat([b.input_ids for b in batches]),
+            position_ids=torch.cat([b.position_ids for b in batches]),
+            parent=torch.cat([shift(b.parent, int(o)) for b, o in zip(batches, tok_off)]),
+            subtree_end=torch.cat([b.subtree_end + int(o) for b, o in zip(batches, tok_off)]),
+            target_weight_sum=torch.cat([b.target_weight_sum for b in batches]),
+            target_weight_mean=torch.cat([b.target_weight_mean for b in batches]),
+            target_count=torch.cat([b.target_count for b in batches]),
+            seg_start=torch.cat([b.seg_start + int(o) for b, o in zip(batches, tok_off)]),
+            seg_len=torch.cat([b.seg_len for b in batches]),
+            seg_parent=torch.cat([shift(b.seg_parent, int(o)) for b, o in zip(batches, seg_off)]),
+            tree_ptr=torch.cat([batches[0].tree_ptr[:1]] + [b.tree_ptr[1:] + int(o) for b, o in zip(batches, tok_off)]),
+            branch_ptr=torch.cat([batches[0].branch_ptr[:1]] + [b.branch_ptr[1:] + int(o) for b, o in zip(batches, flat_off)]),
+            branch_tokens=torch.cat([b.branch_tokens + int(o) for b, o in zip(batches, tok_off)]),
+            branch_mask=torch.cat([b.branch_mask for b in batches]),
+            branch_weight=torch.cat([b.branch_weight for b in batches]),
+            branch_tree=torch.cat([b.branch_tree + int(o) for b, o in zip(batches, tree_off)]),
+            num_targets=sum(b.num_targets for b in batches),
+            num_sequences=sum(b.num_sequences for b in batches),
+            branch_fields={k: [v for b in batches for v in b.branch_fields[k]] for k in sorted(keys)},
+        )
+
+    # sizes -----------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_start.shape[0])
+
+    @property
+    def num_branches(self) -> int:
+        return int(self.branch_ptr.shape[0] - 1)
+
+    @property
+    def num_trees(self) -> int:
+        return int(self.tree_ptr.shape[0] - 1)
+
+    @property
+    def flat_tokens(self) -> int:
+        return int(self.branch_ptr[-1])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.position_ids.max()) + 1 if self.num_tokens else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def branch_token_ids(self, b: int) -> torch.Tensor:
+        return self.input_ids[self.branch_tokens[self.branch_ptr[b] : self.branch_ptr[b + 1]]]
+
+    def stats(self) -> Dict[str, float]:
+        flat, N = self.flat_tokens, self.num_tokens
+        return {
+            "flat_tokens": flat,
+            "tree_tokens": N,
+            "por": 1.0 - N / flat if flat else 0.0,
+            "ideal_speedup": flat / N if N else 0.0,
+            "segments": self.num_segments,
+            "branches": self.num_branches,
+            "trees": self.num_trees,
+            "depth": self.max_depth,
+        }
+
+    # loss folding ----------------------------------------------------------------------
+    def token_weights(self, aggregation: str) -> torch.Tensor:
+        """Folded per-token weights ``W [N]`` (float64) for ``aggregation``, before normalisation."""
+        check_aggregation(aggregation)
+        return self.target_weight_mean if aggregation == "seq-mean-token-mean" else self.target_weight_sum
+
+    def norm_contribution(self, aggregation: str) -> float:
+        """This row's share of the normaliser ``Z``; sum these over an optimizer step."""
+        check_aggregation(aggregation)
+        if aggregation == "token-mean":
+            return float(self.num_targets)
+        if aggregation == "sum":
+            return 0.0  # Z is the constant 1 (see global_normalizer)
+        return float(self.num_sequences)
+
+    # movement --------------------------------------------------------------------------
+    def to(self, device: Any) -> "TreeBatch":
+        kw = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **kw)
+
+    def validate_for_model(self, vocab_size: int, max_seq_len: Optional[int]) -> None:
+        """Raise a clear error if a token id is outside the vocabulary or a branch is too long."""
+        from treelit.tree.token_tree import TreeInputError
+
+        if self.num_tokens == 0:
+            raise TreeInputError("empty batch: no tokens")
+        bad = (self.input_ids < 0) | (self.input_ids >= vocab_size)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            b = self._branch_of_token(i)
+            raise TreeInputError(
+                f"token id {int(self.input_ids[i])} at position {int(self.position_ids[i])} of branch {b} "
+                f"is outside the model's vocabulary (size {vocab_size})"
+            )
+        if max_seq_len is not None:
+            lengths = torch.diff(self.branch_ptr)
+            too_long = torch.nonzero(lengths > max_seq_len)
+            if too_long.numel():
+                b = int(too_long[0])
+                raise TreeInputError(
+                    f"branch {b} has {int(lengths[b])} tokens, more than the model's max_seq_len "
+                    f"{max_seq_len}; raise the model's max_seq_len or truncate the data"
+                )
+
+    def _branch_of_token(self, i: int) -> int:
+        hits = torch.nonzero(self.branch_tokens == i)
+        if not hits.numel():
+            return -1
+        return int(torch.searchsorted(self.branch_ptr, hits[0], right=True)[0]) - 1
+
+
+def pack_trees(items: Iterable[Any], max_tokens: int) -> List[TreeBatch]:
+    """Greedily pack trees (``TokenTree`` or ``TreeBatch``) in order into rows of at most
+    ``max_tokens`` tree tokens. A tree larger than ``max_tokens`` gets a row of its own
+    (partitioning is what bounds memory for such trees)."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    rows: List[TreeBatch] = []
+    cur: List[TreeBatch] = []
+    size = 0
+    for item in items:
+        b = item if isinstance(item, TreeBatch) else item.to_batch()
+        if cur and size + b.num_tokens > max_tokens:
+            rows.append(TreeBatch.pack(cur))
+            cur, size = [], 0
+        cur.append(b)
+        size += b.num_tokens
+    if cur:
+        rows.append(TreeBatch.pack(cur))
+    return rows
+
+
+def global_normalizer(batches: Iterable[TreeBatch], aggregation: str) -> float:
+    """The normaliser ``Z`` of one optimizer step made of ``batches`` (micro-batches)."""
+    check_aggregation(aggregation)
+    if aggregation == "sum":
+        return 1.0
+    return float(sum(b.norm_contribution(aggregation) for b in batches))

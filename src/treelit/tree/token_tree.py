@@ -1,0 +1,350 @@
+"""Prefix trees of token sequences.
+
+A :class:`TokenTree` is a compressed trie (radix tree) over a set of *branches*
+(token sequences). Equal tokens after equal prefixes are merged; everything else
+stays apart, so distinct first tokens give a forest. A *segment* is a maximal
+chain of tokens without branching; children hang off a segment's last token.
+
+The tree is stored in DFS pre-order (children in first-insertion order), which
+is the layout every other part of treelit consumes:
+
+* token ``kv`` is an ancestor-or-self of token ``q`` iff
+  ``kv <= q < subtree_end[kv]``;
+* the position (RoPE index) of a token is its depth, i.e. its index inside every
+  branch that contains it;
+* the log-probability of token ``i`` is read from the hidden state of
+  ``parent[i]``.
+
+Each branch remembers the tree index of each of its tokens (``branch_tokens``),
+its per-token loss mask and its weight, so the per-branch loss can be folded
+onto tree tokens exactly (see :mod:`treelit.tree.batch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["TokenTree", "TreeInputError"]
+
+
+class TreeInputError(ValueError):
+    """Malformed branches, masks or weights (raised before any compute)."""
+
+
+class _Seg:
+    """A segment while the trie is being built."""
+
+    __slots__ = ("tokens", "parent", "children", "ends")
+
+    def __init__(self, tokens: np.ndarray, parent: Optional["_Seg"]) -> None:
+        self.tokens = tokens
+        self.parent = parent
+        self.children: Dict[int, _Seg] = {}
+        self.ends: List[tuple] = []  # (branch index, number of this segment's tokens on it)
+
+    def split(self, at: int) -> None:
+        """Keep ``tokens[:at]`` here and move the rest (with the children) to a new child."""
+        tail = _Seg(self.tokens[at:], self)
+        tail.children = self.children
+        for ch in tail.children.values():
+            ch.parent = tail
+        keep = []
+        for b, n in self.ends:
+            (tail.ends.append((b, n - at)) if n > at else keep.append((b, n)))
+        self.ends = keep
+        self.tokens = self.tokens[:at]
+        self.children = {int(tail.tokens[0]): tail}
+
+
+def _as_token_array(branch: Any, b: int, source: str) -> np.ndarray:
+    try:
+        arr = np.asarray(branch)
+    except Exception as exc:  # ragged or non-numeric
+        raise TreeInputError(f"{source}branch {b}: token ids must be a flat list of integers ({exc})") from exc
+    if arr.ndim != 1:
+        raise TreeInputError(f"{source}branch {b}: token ids must be a flat list, got shape {arr.shape}")
+    if arr.size == 0:
+        raise TreeInputError(f"{source}branch {b} is empty; every branch needs at least one token")
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise TreeInputError(f"{source}branch {b}: token ids must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.min() < 0:
+        pos = int(np.argmin(arr))
+        raise TreeInputError(f"{source}branch {b}: negative token id {int(arr[pos])} at position {pos}")
+    return arr
+
+
+def _as_mask_array(mask: Any, length: int, b: int, source: str) -> np.ndarray:
+    arr = np.asarray(mask)
+    if arr.ndim != 1 or arr.shape[0] != length:
+        raise TreeInputError(
+            f"{source}branch {b}: loss_mask has length {arr.shape[0] if arr.ndim == 1 else arr.shape}, "
+            f"but the branch has {length} tokens"
+        )
+    if arr.dtype == bool:
+        return arr
+    if not np.all((arr == 0) | (arr == 1)):
+        raise TreeInputError(f"{source}branch {b}: loss_mask values must be 0/1 or booleans")
+    return arr.astype(bool)
+
+
+@dataclass
+class TokenTree:
+    """A prefix tree (forest) over branches, in DFS pre-order. All arrays are numpy.
+
+    Token arrays, shape ``[N]`` (N = tree tokens):
+        ``input_ids``: token id of each tree token.
+        ``parent``: index of the parent token, ``-1`` for roots.
+        ``depth``: 0 for roots; the token's position inside every branch through it.
+        ``subtree_end``: exclusive end of the token's subtree in DFS order.
+    Segment arrays, shape ``[S]``:
+        ``seg_start``, ``seg_len``: token range of each segment (DFS order).
+        ``seg_parent``: index of the parent segment, ``-1`` for root segments.
+    Branch arrays (B branches, F = flat tokens = sum of branch lengths):
+        ``branch_ptr [B+1]``: CSR offsets into the flat arrays.
+        ``branch_tokens [F]``: tree index of every token of every branch.
+        ``branch_mask [F]``: the branch's loss mask (``True`` = token is a target).
+        ``branch_weight [B]``: per-branch loss weight (float64, finite, >= 0).
+        ``branch_fields``: optional per-branch extras (e.g. RL fields), each a list of length B.
+    """
+
+    input_ids: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+    subtree_end: np.ndarray
+    seg_start: np.ndarray
+    seg_len: np.ndarray
+    seg_parent: np.ndarray
+    branch_ptr: np.ndarray
+    branch_tokens: np.ndarray
+    branch_mask: np.ndarray
+    branch_weight: np.ndarray
+    branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
+
+    # construction ----------------------------------------------------------------------
+    @classmethod
+    def from_branches(
+        cls,
+        branches: Sequence[Sequence[int]],
+        loss_masks: Optional[Sequence[Sequence[int]]] = None,
+        weights: Optional[Sequence[float]] = None,
+        *,
+        branch_fields: Optional[Mapping[str, Sequence[Any]]] = None,
+        source: str = "",
+    ) -> "TokenTree":
+        """Build the prefix tree of ``branches``.
+
+        Args:
+            branches: B token sequences (non-empty, non-negative integer ids).
+            loss_masks: optional B masks, one 0/1 value per token; ``loss_mask[i]`` says whether
+                token ``i`` is a prediction target. The first token of a branch has nothing to be
+                predicted from and is never a target. Default: every token is a target.
+            weights: optional B non-negative finite branch weights (default 1).
+            branch_fields: optional extra per-branch values carried along (length B each).
+            source: prefix for error messages (e.g. ``"data.jsonl:12: "``).
+        """
+        if isinstance(branches, (str, bytes)) or not hasattr(branches, "__len__"):
+            raise TreeInputError(f"{source}branches must be a list of token lists")
+        B = len(branches)
+        if B == 0:
+            raise TreeInputError(f"{source}a tree needs at least one branch")
+        arrays = [_as_token_array(br, b, source) for b, br in enumerate(branches)]
+        if loss_masks is None:
+            masks = [np.ones(len(a), dtype=bool) for a in arrays]
+        else:
+            if len(loss_masks) != B:
+                raise TreeInputError(f"{source}got {len(loss_masks)} loss masks for {B} branches")
+            masks = [
+                np.ones(len(a), dtype=bool) if m is None else _as_mask_array(m, len(a), b, source)
+                for b, (a, m) in enumerate(zip(arrays, loss_masks))
+            ]
+        if weights is None:
+            w = np.ones(B, dtype=np.float64)
+        else:
+            try:
+                w = np.asarray(weights, dtype=np.float64).reshape(-1)
+            except (TypeError, ValueError) as exc:
+                raise TreeInputError(f"{source}branch weights must be numbers ({exc})") from exc
+            if w.shape[0] != B:
+                raise TreeInputError(f"{source}got {w.shape[0]} weights for {B} branches")
+            bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+            if bad.size:
+                b = int(bad[0])
+                raise TreeInputError(f"{source}branch {b}: weight {w[b]!r} must be finite and >= 0")
+        fields: Dict[str, List[Any]] = {}
+        for key, vals in (branch_fields or {}).items():
+            vals = list(vals)
+            if len(vals) != B:
+                raise TreeInputError(f"{source}field {key!r} has {len(vals)} values for {B} branches")
+            fields[key] = vals
+
+        roots: Dict[int, _Seg] = {}
+        for b, arr in enumerate(arrays):
+            _insert(roots, arr, b)
+        return cls._flatten(roots, arrays, masks, w, fields)
+
+    @classmethod
+    def _flatten(cls, roots, arrays, masks, weights, fields) -> "TokenTree":
+        # DFS pre-order over segments, children in insertion order.
+        order: List[_Seg] = []
+        stack = list(reversed(list(roots.values())))
+        while stack:
+            s = stack.pop()
+            order.append(s)
+            stack.extend(reversed(list(s.children.values())))
+        S = len(order)
+        index = {id(s): i for i, s in enumerate(order)}
+        seg_len = np.fromiter((len(s.tokens) for s in order), dtype=np.int64, count=S)
+        seg_start = np.zeros(S, dtype=np.int64)
+        np.cumsum(seg_len[:-1], out=seg_start[1:])
+        seg_parent = np.fromiter(
+            (-1 if s.parent is None else index[id(s.parent)] for s in order), dtype=np.int64, count=S
+        )
+        N = int(seg_len.sum())
+        input_ids = np.concatenate([s.tokens for s in order]).astype(np.int64)
+        # Per segment: depth of its first token and end of its subtree (reverse pre-order).
+        seg_depth = np.zeros(S, dtype=np.int64)
+        for i in range(S):  # parents come before children in pre-order
+            p = seg_parent[i]
+            if p >= 0:
+                seg_depth[i] = seg_depth[p] + seg_len[p]
+        seg_end = seg_start + seg_len
+        for i in range(S - 1, -1, -1):
+            p = seg_parent[i]
+            if p >= 0 and seg_end[i] > seg_end[p]:
+                seg_end[p] = seg_end[i]
+        seg_of = np.repeat(np.arange(S), seg_len)
+        offset = np.arange(N, dtype=np.int64) - seg_start[seg_of]
+        depth = seg_depth[seg_of] + offset
+        subtree_end = seg_end[seg_of]
+        parent = np.arange(N, dtype=np.int64) - 1
+        first = seg_start
+        parent[first] = np.where(seg_parent >= 0, seg_start[seg_parent] + seg_len[seg_parent] - 1, -1)
+
+        # Branch paths: tree index of each branch token.
+        B = len(arrays)
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=B)
+        branch_ptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(lengths, out=branch_ptr[1:])
+        branch_tokens = np.empty(int(branch_ptr[-1]), dtype=np.int64)
+        for s in order:
+            for b, n in s.ends:
+                end_tok = seg_start[index[id(s)]] + n - 1  # last token of the branch
+                # Walk up: the path is the ancestor chain of the end token; depth = position.
+                L = lengths[b]
+                out = branch_tokens[branch_ptr[b] : branch_ptr[b + 1]]
+                si, last = index[id(s)], end_tok
+                pos = L
+                while si >= 0:
+                    take = last - seg_start[si] + 1
+                    out[pos - take : pos] = np.arange(seg_start[si], last + 1)
+                    pos -= take
+                    p = seg_parent[si]
+                    if p >= 0:
+                        last = seg_start[p] + seg_len[p] - 1
+                    si = p
+                if pos != 0:  # pragma: no cover - internal invariant
+                    raise AssertionError("branch path does not reach a root")
+        branch_mask = np.concatenate(masks) if B else np.zeros(0, dtype=bool)
+        return cls(
+            input_ids=input_ids,
+            parent=parent,
+            depth=depth,
+            subtree_end=subtree_end,
+            seg_start=seg_start,
+            seg_len=seg_len,
+            seg_parent=seg_parent,
+            branch_ptr=branch_ptr,
+            branch_tokens=branch_tokens,
+            branch_mask=branch_mask,
+            branch_weight=weights,
+            branch_fields=fields,
+        )
+
+    # views ---------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_branches(self) -> int:
+        return int(self.branch_ptr.shape[0] - 1)
+
+    @property
+    def branch_lengths(self) -> np.ndarray:
+        return np.diff(self.branch_ptr)
+
+    def branch(self, b: int) -> np.ndarray:
+        """Token ids of branch ``b`` (reconstructed from the tree)."""
+        return self.input_ids[self.branch_tokens[self.branch_ptr[b] : self.branch_ptr[b + 1]]]
+
+    def branches(self) -> List[List[int]]:
+        return [self.branch(b).tolist() for b in range(self.num_branches)]
+
+    def loss_mask(self, b: int) -> np.ndarray:
+        return self.branch_mask[self.branch_ptr[b] : self.branch_ptr[b + 1]]
+
+    def stats(self) -> Dict[str, Any]:
+        """Tree statistics.
+
+        ``flat_tokens`` (sum of branch lengths), ``tree_tokens``, ``por`` (prefix overlap
+        ratio, 1 - tree/flat), ``ideal_speedup`` (flat/tree), ``depth`` (longest branch),
+        ``segments``, ``leaves`` (segments without children), ``branches``, ``roots``.
+        """
+        flat = int(self.branch_ptr[-1])
+        N = self.num_tokens
+        S = int(self.seg_start.shape[0])
+        has_child = np.zeros(S, dtype=bool)
+        has_child[self.seg_parent[self.seg_parent >= 0]] = True
+        return {
+            "flat_tokens": flat,
+            "tree_tokens": N,
+            "por": 1.0 - N / flat,
+            "ideal_speedup": flat / N,
+            "depth": int(self.branch_lengths.max()),
+            "segments": S,
+            "leaves": int((~has_child).sum()),
+            "branches": self.num_branches,
+            "roots": int((self.seg_parent < 0).sum()),
+        }
+
+    def to_batch(self):
+        """Serialize into a :class:`~treelit.tree.batch.TreeBatch` (one packed row)."""
+        from treelit.tree.batch import TreeBatch
+
+        return TreeBatch.from_tree(self)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"TokenTree(branches={s['branches']}, flat_tokens={s['flat_tokens']}, "
+            f"tree_tokens={s['tree_tokens']}, segments={s['segments']}, por={s['por']:.3f})"
+        )
+
+
+def _insert(roots: Dict[int, _Seg], arr: np.ndarray, b: int) -> None:
+    container, parent, pos, L = roots, None, 0, int(arr.shape[0])
+    while True:
+        seg = container.get(int(arr[pos]))
+        if seg is None:
+            seg = _Seg(arr[pos:], parent)
+            container[int(arr[pos])] = seg
+            seg.ends.append((b, L - pos))
+            return
+        n = int(seg.tokens.shape[0])
+        m = min(n, L - pos)
+        neq = np.flatnonzero(seg.tokens[:m] != arr[pos : pos + m])
+        c = int(neq[0]) if neq.size else m
+        if c == L - pos:  # the branch ends inside (or at the end of) this segment
+            seg.ends.append((b, c))
+            return
+        if c < n:  # diverges inside the segment: split it, then continue below the split
+            seg.split(c)
+        pos += c
+        container, parent = seg.children, seg
