@@ -54,7 +54,7 @@ class LinearBranches:
             raise TreeInputError(f"got {w.shape[0]} weights for {len(toks)} branches")
         if not np.all(np.isfinite(w) & (w >= 0)):
             b = int(np.flatnonzero(~(np.isfinite(w) & (w >= 0)))[0])
-            raise TreeInputError(f"branch {b}: weight {w[b]!r} must be finite and >= 0")
+            raise TreeInputError(f"branch {b}: weight {float(w[b])!r} must be finite and >= 0")
         n = np.array([m.sum() for m in masks], dtype=np.float64)
         return cls(toks, masks, w, n)
 

@@ -167,6 +167,48 @@ class TreeBatch:
             branch_fields={k: [v for b in batches for v in b.branch_fields[k]] for k in sorted(keys)},
         )
 
+    def token_slice(self, start: int, end: int) -> "TreeBatch":
+        """The tokens ``[start, end)`` as a row of their own (a partition of the tree).
+
+        ``start`` must begin a segment and the range must be closed under descendants of the
+        tokens it keeps (e.g. a whole subtree, or a subtree with some child subtrees cut off
+        and dropped by the caller). Parents outside the range become ``-1``; positions stay
+        the tokens' depths in the full tree. Branch tables are dropped (a partition's loss
+        uses the folded token weights and the full tree's normaliser).
+        """
+        n = end - start
+        if not (0 <= start < end <= self.num_tokens):
+            raise ValueError(f"bad token range [{start}, {end}) for a row of {self.num_tokens} tokens")
+        seg_sel = (self.seg_start >= start) & (self.seg_start < end)
+        seg_ids = torch.nonzero(seg_sel).squeeze(1)
+        if seg_ids.numel() == 0 or int(self.seg_start[seg_ids[0]]) != start:
+            raise ValueError(f"token {start} does not begin a segment")
+        seg_map = torch.full((self.num_segments,), -1, dtype=torch.long, device=self.device)
+        seg_map[seg_ids] = torch.arange(seg_ids.numel(), device=self.device)
+        sp = self.seg_parent[seg_ids]
+        parent = self.parent[start:end] - start
+        empty_l = torch.zeros(0, dtype=torch.long, device=self.device)
+        return TreeBatch(
+            input_ids=self.input_ids[start:end],
+            position_ids=self.position_ids[start:end],
+            parent=torch.where(parent >= 0, parent, torch.full_like(parent, -1)),
+            subtree_end=(self.subtree_end[start:end] - start).clamp(max=n),
+            target_weight_sum=self.target_weight_sum[start:end],
+            target_weight_mean=self.target_weight_mean[start:end],
+            target_count=self.target_count[start:end],
+            seg_start=self.seg_start[seg_ids] - start,
+            seg_len=torch.minimum(self.seg_len[seg_ids], end - self.seg_start[seg_ids]),
+            seg_parent=torch.where(sp >= 0, seg_map[sp.clamp(min=0)], sp),
+            tree_ptr=torch.tensor([0, n], dtype=torch.long, device=self.device),
+            branch_ptr=torch.zeros(1, dtype=torch.long, device=self.device),
+            branch_tokens=empty_l,
+            branch_mask=torch.zeros(0, dtype=torch.bool, device=self.device),
+            branch_weight=torch.zeros(0, dtype=torch.float64, device=self.device),
+            branch_tree=empty_l,
+            num_targets=0,
+            num_sequences=0,
+        )
+
     # sizes -----------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:

@@ -176,7 +176,7 @@ class TokenTree:
             bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
             if bad.size:
                 b = int(bad[0])
-                raise TreeInputError(f"{source}branch {b}: weight {w[b]!r} must be finite and >= 0")
+                raise TreeInputError(f"{source}branch {b}: weight {float(w[b])!r} must be finite and >= 0")
         fields: Dict[str, List[Any]] = {}
         for key, vals in (branch_fields or {}).items():
             vals = list(vals)
@@ -346,5 +346,9 @@ def _insert(roots: Dict[int, _Seg], arr: np.ndarray, b: int) -> None:
             return
         if c < n:  # diverges inside the segment: split it, then continue below the split
             seg.split(c)
+        elif not seg.children:  # runs past a leaf segment: extend it (segments stay maximal)
+            seg.tokens = np.concatenate([seg.tokens, arr[pos + n :]])
+            seg.ends.append((b, L - pos))
+            return
         pos += c
         container, parent = seg.children, seg

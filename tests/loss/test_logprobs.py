@@ -1,0 +1,65 @@
+"""The chunked log-prob head against a plain full log_softmax, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treelit.loss.logprobs import token_logprobs
+
+
+def reference(h, W, t):
+    logp_all = torch.log_softmax(h @ W.t(), dim=-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(1, t[:, None]).squeeze(1), ent
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 100])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_values_and_gradients(chunk_rows, dtype):
+    g = torch.Generator().manual_seed(1)
+    M, D, V = 13, 6, 29
+    h = torch.randn(M, D, generator=g, dtype=dtype, requires_grad=True)
+    W = torch.randn(V, D, generator=g, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (M,), generator=g)
+    a = torch.randn(M, generator=g, dtype=dtype)
+    b = torch.randn(M, generator=g, dtype=dtype)
+    logp, ent = token_logprobs(h, W, t, chunk_rows=chunk_rows, with_entropy=True)
+    (logp * a + ent * b).sum().backward()
+    gh, gW = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    rl, re = reference(h, W, t)
+    (rl * a + re * b).sum().backward()
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logp, rl.detach(), **tol)
+    torch.testing.assert_close(ent, re.detach(), **tol)
+    torch.testing.assert_close(gh, h.grad, **tol)
+    torch.testing.assert_close(gW, W.grad, **tol)
+
+
+def test_gradcheck_float64():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 7, (5,), generator=g)
+
+    def f(h, W):
+        lp, en = token_logprobs(h, W, t, chunk_rows=2, with_entropy=True)
+        return lp, en
+
+    assert torch.autograd.gradcheck(f, (h, W))
+
+
+def test_bfloat16_inputs_upcast():
+    h = torch.randn(4, 8).bfloat16()
+    W = torch.randn(16, 8).bfloat16()
+    t = torch.randint(0, 16, (4,))
+    logp, _ = token_logprobs(h, W, t)
+    assert logp.dtype == torch.float32
+    ref, _ = reference(h.float(), W.float(), t)
+    torch.testing.assert_close(logp, ref)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="expected hidden"):
+        token_logprobs(torch.randn(3, 2), torch.randn(5, 2), torch.zeros(4, dtype=torch.long))
