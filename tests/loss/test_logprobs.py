@@ -63,3 +63,26 @@ def test_bfloat16_inputs_upcast():
 def test_shape_errors():
     with pytest.raises(ValueError, match="expected hidden"):
         token_logprobs(torch.randn(3, 2), torch.randn(5, 2), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 50])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_weighted_nll(chunk_rows, dtype):
+    from treelit.loss.logprobs import weighted_nll
+
+    g = torch.Generator().manual_seed(4)
+    M, D, V = 11, 5, 23
+    h = torch.randn(M, D, generator=g, dtype=dtype, requires_grad=True)
+    W = torch.randn(V, D, generator=g, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (M,), generator=g)
+    c = torch.rand(M, generator=g, dtype=dtype)
+    loss = weighted_nll(h, W, t, c, chunk_rows=chunk_rows)
+    (2.5 * loss).backward()
+    gh, gW = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    ref = -(c * reference(h, W, t)[0]).sum()
+    (2.5 * ref).backward()
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss, ref.detach(), **tol)
+    torch.testing.assert_close(gh, h.grad, **tol)
+    torch.testing.assert_close(gW, W.grad, **tol)

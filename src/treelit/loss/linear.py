@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from treelit.loss.logprobs import token_logprobs
+from treelit.loss.logprobs import weighted_nll
 from treelit.models.context import CausalContext
 from treelit.models.decoder import decoder_hidden, output_weight
 from treelit.tree.batch import check_aggregation
@@ -101,6 +101,7 @@ def linear_micro_batches(lengths: Sequence[int], max_tokens: int) -> List[List[i
 
 
 def _group_loss(model, lb: LinearBranches, idx: List[int], coef: np.ndarray, chunk_rows, device) -> torch.Tensor:
+    """Sum over the group's targets of c_b * -log p (coefficients already divided by Z)."""
     L = max(len(lb.tokens[i]) for i in idx)
     ids = torch.zeros(len(idx), L, dtype=torch.long)
     tmask = torch.zeros(len(idx), L, dtype=torch.bool)
@@ -115,14 +116,18 @@ def _group_loss(model, lb: LinearBranches, idx: List[int], coef: np.ndarray, chu
     lengths = torch.tensor([len(lb.tokens[i]) for i in idx], device=device)
     h = decoder_hidden(model, ids, pos, CausalContext(lengths))
     rows, cols = torch.nonzero(tmask, as_tuple=True)
-    logp, _ = token_logprobs(h[rows, cols - 1], output_weight(model), ids[rows, cols], chunk_rows=chunk_rows)
-    return -(c[rows, cols].to(logp.dtype) * logp).sum()
+    return weighted_nll(
+        h[rows, cols - 1], output_weight(model), ids[rows, cols], c[rows, cols].to(h.dtype), chunk_rows=chunk_rows
+    )
 
 
-def _prepare(model, branches, loss_masks, weights, aggregation):
+def _prepare(model, branches, loss_masks, weights, aggregation, normalizer):
+    """Validate, and return the branches with their coefficients c_b / Z."""
     lb = branches if isinstance(branches, LinearBranches) else LinearBranches.build(branches, loss_masks, weights)
     lb.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
-    return lb, lb.coefficients(aggregation)
+    Z = lb.normalizer(aggregation) if normalizer is None else float(normalizer)
+    coef = lb.coefficients(aggregation)
+    return lb, (coef / Z if Z > 0 else np.zeros_like(coef))
 
 
 def linear_loss(
@@ -137,14 +142,13 @@ def linear_loss(
     chunk_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Per-branch (linearized) loss; differentiable. ``normalizer`` overrides Z (global over a step)."""
-    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation)
-    Z = lb.normalizer(aggregation) if normalizer is None else float(normalizer)
+    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation, normalizer)
     device = next(model.parameters()).device
     total = None
     for idx in linear_micro_batches([len(t) for t in lb.tokens], max_tokens):
         part = _group_loss(model, lb, idx, coef, chunk_rows, device)
         total = part if total is None else total + part
-    return total / Z if Z > 0 else total * 0.0
+    return total
 
 
 def linear_backward(
@@ -160,13 +164,11 @@ def linear_backward(
 ) -> float:
     """Per-branch training step as a trainer runs it: forward and backward per micro-batch,
     accumulating ``.grad``. Returns the loss value."""
-    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation)
-    Z = lb.normalizer(aggregation) if normalizer is None else float(normalizer)
+    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation, normalizer)
     device = next(model.parameters()).device
     total = 0.0
     for idx in linear_micro_batches([len(t) for t in lb.tokens], max_tokens):
         part = _group_loss(model, lb, idx, coef, chunk_rows, device)
-        part = part / Z if Z > 0 else part * 0.0
         part.backward()
         total += float(part.detach())
     return total

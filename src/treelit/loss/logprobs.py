@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["token_logprobs", "default_chunk_rows"]
+__all__ = ["token_logprobs", "weighted_nll", "default_chunk_rows"]
 
 _MAX_CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk (32 MiB in float32)
 
@@ -114,3 +114,75 @@ def token_logprobs(
         return z, (z if with_entropy else None)
     logp, ent = _ChunkedLogProbs.apply(hidden, weight, targets, rows, with_entropy)
     return logp, (ent if with_entropy else None)
+
+
+class _FusedWeightedNLL(torch.autograd.Function):
+    """``sum_r coef_r * -log p_r(target_r)`` with its gradients formed during the forward.
+
+    The gradient of this loss with respect to the logits is known in the forward pass
+    (``coef_r * (p_r - onehot_r)``), so each chunk's logits are used once for the value
+    and both gradients and then freed: three matmuls per chunk instead of the four of a
+    recomputing backward, and no logits kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, coef, chunk_rows: int):
+        cd = _cdt(hidden)
+        W = weight.to(cd)
+        M = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(W) if need_w else None
+        total = torch.zeros((), dtype=cd, device=hidden.device)
+        coef = coef.to(cd)
+        for s in range(0, M, chunk_rows):
+            e = min(M, s + chunk_rows)
+            h = hidden[s:e].to(cd)
+            logits = h @ W.t()
+            lse = torch.logsumexp(logits, dim=-1)
+            c = coef[s:e]
+            total -= (c * (logits.gather(1, targets[s:e, None]).squeeze(1) - lse)).sum()
+            if need_h or need_w:
+                g = torch.exp(logits.sub_(lse[:, None])).mul_(c[:, None])  # reuse the logits buffer
+                g.scatter_add_(1, targets[s:e, None], -c[:, None])
+                if need_h:
+                    grad_h[s:e] = (g @ W).to(hidden.dtype)
+                if need_w:
+                    grad_w.addmm_(g.t(), h)
+        ctx.save_for_backward(grad_h if need_h else None, grad_w.to(weight.dtype) if need_w else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_h, grad_w = ctx.saved_tensors
+        return (
+            None if grad_h is None else grad_h * g.to(grad_h.dtype),
+            None if grad_w is None else grad_w * g.to(grad_w.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def weighted_nll(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """``sum_r coef[r] * -log softmax(hidden[r] @ weight^T)[targets[r]]`` (fused, chunked).
+
+    The SFT loss head: gradients are formed chunk by chunk in the forward pass, so memory
+    stays at one ``chunk_rows x V`` block and the backward pass is a scaling.
+    """
+    if hidden.dim() != 2 or targets.shape != coef.shape or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"expected hidden [M, D], targets [M], coef [M]; got {tuple(hidden.shape)}, "
+            f"{tuple(targets.shape)}, {tuple(coef.shape)}"
+        )
+    if hidden.shape[0] == 0:
+        return 0.0 * hidden.sum() + 0.0 * weight.sum()
+    rows = chunk_rows or default_chunk_rows(weight.shape[0])
+    return _FusedWeightedNLL.apply(hidden, weight, targets, coef, rows)

@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from treelit.attention.base import AttentionBackend, resolve_backend
-from treelit.loss.logprobs import token_logprobs
+from treelit.loss.logprobs import weighted_nll
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.decoder import decoder_hidden, output_weight
 from treelit.tree.batch import TreeBatch, global_normalizer
@@ -76,6 +76,7 @@ def tree_loss(
     Z = global_normalizer([batch], aggregation) if normalizer is None else float(normalizer)
     h, _ = tree_hidden(model, batch, attention)
     sel = torch.nonzero((W != 0) & (batch.parent >= 0)).squeeze(1)
-    logp, _ = token_logprobs(h[batch.parent[sel]], output_weight(model), batch.input_ids[sel], chunk_rows=chunk_rows)
-    total = -(W[sel].to(logp.dtype) * logp).sum()
-    return total / Z if Z > 0 else total * 0.0
+    coef = W[sel] / Z if Z > 0 else torch.zeros_like(W[sel])
+    return weighted_nll(
+        h[batch.parent[sel]], output_weight(model), batch.input_ids[sel], coef.to(h.dtype), chunk_rows=chunk_rows
+    )
