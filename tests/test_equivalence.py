@@ -16,8 +16,14 @@ from hypothesis import strategies as st
 import treelit
 from conftest import FAMILIES, assert_equivalent, cached_model
 from strategies import forests
+from treelit.attention.segment import SegmentAttention
 
 DTYPES = [torch.float64, torch.float32]
+
+
+def backend(name):
+    """Backends under test; ``segment`` with tiny chunks so chunking is exercised too."""
+    return SegmentAttention(chunk=3) if name == "segment" else name
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -26,14 +32,15 @@ DTYPES = [torch.float64, torch.float32]
     family=st.sampled_from(FAMILIES),
     aggregation=st.sampled_from(treelit.AGGREGATIONS),
     dtype=st.sampled_from(DTYPES),
+    attention=st.sampled_from(["sdpa_dense", "segment"]),
 )
-def test_random_forests(data, family, aggregation, dtype):
+def test_random_forests(data, family, aggregation, dtype, attention):
     branches, masks, weights = data
     model = cached_model(family, dtype)
     tree = treelit.TokenTree.from_branches(branches, masks, weights)
     assert_equivalent(
         model,
-        lambda: treelit.tree_loss(model, tree, aggregation, attention="sdpa_dense"),
+        lambda: treelit.tree_loss(model, tree, aggregation, attention=backend(attention)),
         lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
         dtype,
         f"{family}/{aggregation}/{dtype}",
@@ -57,16 +64,17 @@ NASTY = {
 }
 
 
+@pytest.mark.parametrize("attention", ["sdpa_dense", "segment"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 @pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
 @pytest.mark.parametrize("case", sorted(NASTY))
-def test_nasty_cases(family, case, aggregation, dtype):
+def test_nasty_cases(family, case, aggregation, dtype, attention):
     branches, masks, weights = NASTY[case]
     model = cached_model(family, dtype)
     tree = treelit.TokenTree.from_branches(branches, masks, weights)
     assert_equivalent(
         model,
-        lambda: treelit.tree_loss(model, tree, aggregation, attention="sdpa_dense"),
+        lambda: treelit.tree_loss(model, tree, aggregation, attention=backend(attention)),
         lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
         dtype,
         case,
@@ -78,8 +86,9 @@ def test_nasty_cases(family, case, aggregation, dtype):
     parts=st.lists(forests(max_branches=4), min_size=2, max_size=4),
     family=st.sampled_from(FAMILIES),
     aggregation=st.sampled_from(treelit.AGGREGATIONS),
+    attention=st.sampled_from(["sdpa_dense", "segment"]),
 )
-def test_several_trees_packed_in_one_row(parts, family, aggregation):
+def test_several_trees_packed_in_one_row(parts, family, aggregation, attention):
     model = cached_model(family, torch.float64)
     packed = treelit.TreeBatch.pack([treelit.TokenTree.from_branches(*p).to_batch() for p in parts])
     branches = [b for p in parts for b in p[0]]
@@ -87,7 +96,7 @@ def test_several_trees_packed_in_one_row(parts, family, aggregation):
     weights = [w for p in parts for w in p[2]]
     assert_equivalent(
         model,
-        lambda: treelit.tree_loss(model, packed, aggregation, attention="sdpa_dense"),
+        lambda: treelit.tree_loss(model, packed, aggregation, attention=backend(attention)),
         lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
         torch.float64,
         "packed",

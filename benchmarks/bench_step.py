@@ -1,0 +1,166 @@
+"""Tree mode vs the linearized baseline: one forward+backward step, same process, same model.
+
+For each agentic-shaped case this times a full training step (forward, loss, backward)
+in tree mode and in linearized per-branch mode (warm-up, then several repetitions,
+median), measures each mode's peak tensor memory, and checks that both modes give the
+same gradients. Speed is reported as a ratio, because absolute times on shared machines
+are noise.
+
+    python benchmarks/bench_step.py --json results.json          # full suite (~8k tree tokens per case)
+    python benchmarks/bench_step.py --quick --json quick.json    # small trees, a minute or two
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import treelit  # noqa: E402
+from agentic import GENERATORS, make_case  # noqa: E402
+from memory import peak_memory  # noqa: E402
+
+
+def bench_model(args) -> treelit.TreeDecoder:
+    torch.manual_seed(0)
+    return treelit.build_decoder(
+        family="qwen2",
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=args.dim,
+        intermediate_dim=3 * args.dim,
+        max_seq_len=32768,
+    )
+
+
+def grads_of(model) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
+
+
+def run_case(name: str, model, args) -> Dict:
+    case = make_case(name, seed=args.seed, vocab=args.vocab, scale=args.scale, mask_mode=args.mask)
+    t0 = time.perf_counter()
+    tree = treelit.TokenTree.from_branches(case.branches, case.masks)
+    batch = tree.to_batch()
+    build_s = time.perf_counter() - t0
+    stats = tree.stats()
+
+    def tree_step():
+        loss = treelit.tree_loss(model, batch, args.aggregation, attention=args.attention)
+        loss.backward()
+        return float(loss.detach())
+
+    def linear_step():
+        return treelit.linear_backward(
+            model, case.branches, case.masks, aggregation=args.aggregation, max_tokens=args.linear_tokens
+        )
+
+    modes = {"tree": tree_step, "linear": linear_step}
+    result: Dict = {"name": name, **stats, "tree_build_s": build_s}
+    grads, times = {}, {m: [] for m in modes}
+    for mode, step in modes.items():  # warm-up doubles as the memory and gradient pass
+        model.zero_grad(set_to_none=True)
+        peak, loss = peak_memory(step) if args.memory else (None, step())
+        grads[mode] = grads_of(model)
+        result[f"loss_{mode}"] = loss
+        result[f"peak_mem_{mode}_bytes"] = peak
+    for _ in range(args.reps):
+        for mode, step in modes.items():  # interleaved, so drifts in machine load hit both
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            step()
+            times[mode].append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    t_tree, t_lin = statistics.median(times["tree"]), statistics.median(times["linear"])
+    result.update(
+        time_tree_s=t_tree,
+        time_linear_s=t_lin,
+        measured_speedup=t_lin / t_tree,
+        efficiency=(t_lin / t_tree) / stats["ideal_speedup"],
+        max_rel_grad_diff=max_rel_diff(grads["tree"], grads["linear"]),
+        attention=args.attention,
+    )
+    return result
+
+
+def fmt_bytes(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.0f}M"
+
+
+def print_table(rows: List[Dict]) -> None:
+    head = (
+        f"{'case':<17}{'flat':>7}{'tree':>7}{'POR':>6}{'ideal':>7}{'measured':>9}{'eff':>6}"
+        f"{'t_tree':>8}{'t_lin':>8}{'mem_tree':>9}{'mem_lin':>9}{'grad_diff':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['name']:<17}{r['flat_tokens']:>7}{r['tree_tokens']:>7}{r['por']:>6.2f}{r['ideal_speedup']:>6.2f}x"
+            f"{r['measured_speedup']:>8.2f}x{r['efficiency']:>6.2f}{r['time_tree_s']:>7.2f}s{r['time_linear_s']:>7.2f}s"
+            f"{fmt_bytes(r['peak_mem_tree_bytes']):>9}{fmt_bytes(r['peak_mem_linear_bytes']):>9}"
+            f"{r['max_rel_grad_diff']:>10.1e}"
+        )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write results here")
+    p.add_argument("--quick", action="store_true", help="small trees (scale 0.25), one repetition")
+    p.add_argument("--cases", default=",".join(GENERATORS), help="comma-separated case names")
+    p.add_argument("--scale", type=float, default=None, help="size multiplier for the cases (default 1)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (default 3; quick: 1)")
+    p.add_argument("--mask", choices=["all", "assistant"], default="all", help="loss mask of each branch")
+    p.add_argument("--aggregation", default="token-mean", choices=treelit.AGGREGATIONS)
+    p.add_argument("--attention", default="auto", help="tree attention backend")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--linear-tokens", type=int, default=8192, help="padded tokens per linear micro-batch")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory pass")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.scale = args.scale if args.scale is not None else (0.25 if args.quick else 1.0)
+    args.reps = args.reps if args.reps is not None else (1 if args.quick else 3)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = bench_model(args)
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "model": f"qwen2-style, {args.layers} layers, dim {args.dim}, vocab {args.vocab}, float32",
+        "mask": args.mask,
+        "aggregation": args.aggregation,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+    print(f"# {env['model']}; torch {env['torch']}, {env['threads']} threads; mask={args.mask}; attention={args.attention}")
+    rows = []
+    for name in [c for c in args.cases.split(",") if c]:
+        rows.append(run_case(name, model, args))
+        print(f"  {name}: {rows[-1]['measured_speedup']:.2f}x (ideal {rows[-1]['ideal_speedup']:.2f}x)", flush=True)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "cases": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
