@@ -129,27 +129,39 @@ class _FusedWeightedNLL(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, coef, chunk_rows: int):
         cd = _cdt(hidden)
         W = weight.to(cd)
+        Wt = W.t()
         M = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.empty(hidden.shape, dtype=cd, device=hidden.device) if need_h else None
         grad_w = torch.zeros_like(W) if need_w else None
         total = torch.zeros((), dtype=cd, device=hidden.device)
         coef = coef.to(cd)
+        # One logits buffer for all chunks, updated in place: repeated large allocations
+        # cost more than the arithmetic on CPU (page faults) and fragment GPU memory.
+        buf = torch.empty(min(M, chunk_rows), W.shape[0], dtype=cd, device=hidden.device)
         for s in range(0, M, chunk_rows):
             e = min(M, s + chunk_rows)
             h = hidden[s:e].to(cd)
-            logits = h @ W.t()
-            lse = torch.logsumexp(logits, dim=-1)
+            z = buf[: e - s]
+            torch.mm(h, Wt, out=z)
+            t = targets[s:e, None]
             c = coef[s:e]
-            total -= (c * (logits.gather(1, targets[s:e, None]).squeeze(1) - lse)).sum()
+            z_t = z.gather(1, t).squeeze(1)
+            mx = z.amax(dim=1, keepdim=True)
+            z.sub_(mx).exp_()  # z = exp(logits - max)
+            se = z.sum(dim=1, keepdim=True)
+            lse = (mx + se.log()).squeeze(1)
+            total -= (c * (z_t - lse)).sum()
             if need_h or need_w:
-                g = torch.exp(logits.sub_(lse[:, None])).mul_(c[:, None])  # reuse the logits buffer
-                g.scatter_add_(1, targets[s:e, None], -c[:, None])
+                z.mul_(c[:, None] / se)  # = c * softmax
+                z.scatter_add_(1, t, -c[:, None])  # d/dlogits of c * -log p
                 if need_h:
-                    grad_h[s:e] = (g @ W).to(hidden.dtype)
+                    torch.mm(z, W, out=grad_h[s:e])
                 if need_w:
-                    grad_w.addmm_(g.t(), h)
-        ctx.save_for_backward(grad_h if need_h else None, grad_w.to(weight.dtype) if need_w else None)
+                    grad_w.addmm_(z.t(), h)
+        ctx.save_for_backward(
+            grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None
+        )
         return total
 
     @staticmethod
