@@ -36,8 +36,8 @@ def bench_model(args) -> treelit.TreeDecoder:
         family="qwen2",
         vocab_size=args.vocab,
         num_layers=args.layers,
-        num_heads=4,
-        num_kv_heads=2,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
         embed_dim=args.dim,
         intermediate_dim=3 * args.dim,
         max_seq_len=32768,
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto", help="tree attention backend")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--linear-tokens", type=int, default=8192, help="padded tokens per linear micro-batch")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -145,7 +147,10 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
-        "model": f"qwen2-style, {args.layers} layers, dim {args.dim}, vocab {args.vocab}, float32",
+        "model": (
+            f"qwen2-style, {args.layers} layers, dim {args.dim}, {args.heads} heads "
+            f"({args.kv_heads} kv), vocab {args.vocab}, float32"
+        ),
         "mask": args.mask,
         "aggregation": args.aggregation,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),

@@ -22,8 +22,9 @@ DTYPES = [torch.float64, torch.float32]
 
 
 def backend(name):
-    """Backends under test; ``segment`` with tiny chunks so chunking is exercised too."""
-    return SegmentAttention(chunk=3) if name == "segment" else name
+    """Backends under test; ``segment`` batching chains of up to 3 tokens, so that both
+    its batched and its per-chain paths run."""
+    return SegmentAttention(batch_below=3) if name == "segment" else name
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,9 +15,9 @@ from treelit.attention.segment import SegmentAttention
 from treelit.models.context import TreeLayout
 
 CPU_BACKENDS = {
-    "segment": lambda: SegmentAttention(),
-    "segment_chunk2": lambda: SegmentAttention(chunk=2),
-    "segment_chunk5": lambda: SegmentAttention(chunk=5),
+    "segment": lambda: SegmentAttention(),  # short chains batched with padding
+    "segment_unbatched": lambda: SegmentAttention(batch_below=0),  # every chain on its own
+    "segment_batch3": lambda: SegmentAttention(batch_below=3),  # mixed
 }
 
 
@@ -85,6 +85,28 @@ def test_segment_cost_follows_segments_not_rows():
     assert plan.cost < 0.5 * N * N
 
 
-def test_bad_chunk():
-    with pytest.raises(ValueError, match="chunk must be >= 1"):
-        SegmentAttention(chunk=0)
+def test_bad_option():
+    with pytest.raises(ValueError, match="batch_below must be >= 0"):
+        SegmentAttention(batch_below=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_merged_math_fallback_matches_cpu_kernels(dtype):
+    """The non-CPU fallback of the prefix/causal merge computes what the CPU kernels do."""
+    from treelit.attention import merged
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=dtype)
+    k = torch.randn(2, 2, 9, 8, generator=g, dtype=dtype)
+    v = torch.randn(2, 2, 9, 8, generator=g, dtype=dtype)
+    bias = torch.zeros(2, 1, 1, 9, dtype=dtype)
+    bias[1, ..., 7:] = torch.finfo(dtype).min
+    go = torch.randn(2, 4, 6, 8, generator=g, dtype=dtype)
+    for causal, b, kk, vv in [(False, bias, k, v), (True, None, k[:, :, :6], v[:, :, :6])]:
+        o_ref, l_ref = merged._cpu_fwd(q, kk, vv, 0.0, causal, attn_mask=b)
+        o, l = merged._math_fwd(q, kk, vv, causal, b)
+        torch.testing.assert_close(o, o_ref)
+        torch.testing.assert_close(l, l_ref)
+        ref = merged._cpu_bwd(go, q, kk, vv, o_ref, l_ref, 0.0, causal, attn_mask=b)
+        for a, r in zip(merged._math_bwd(go, q, kk, vv, o_ref, l_ref, causal, b), ref):
+            torch.testing.assert_close(a, r)

@@ -88,11 +88,12 @@ def test_stats():
     assert s["depth"] == 4 and s["segments"] == 4 and s["leaves"] == 3 and s["roots"] == 2
 
 
-def test_dfs_order_follows_first_insertion():
-    tree = treelit.TokenTree.from_branches([[1, 2, 9], [1, 3], [1, 2, 8]])
-    assert tree.input_ids.tolist() == [1, 2, 9, 8, 3]
-    assert tree.parent.tolist() == [-1, 0, 1, 1, 0]
-    assert tree.subtree_end.tolist() == [5, 4, 3, 4, 5]
+def test_dfs_order_heaviest_child_first():
+    tree = treelit.TokenTree.from_branches([[1, 2, 9], [1, 3], [1, 2, 8], [5], [1, 3, 4, 4, 4]])
+    # roots in insertion order; under 1, the child 3 (4 tokens below) precedes 2 (3 tokens)
+    assert tree.input_ids.tolist() == [1, 3, 4, 4, 4, 2, 9, 8, 5]
+    assert tree.parent.tolist() == [-1, 0, 1, 2, 3, 0, 5, 5, -1]
+    assert tree.subtree_end.tolist() == [8, 5, 5, 5, 5, 8, 7, 8, 9]
 
 
 @pytest.mark.parametrize(

@@ -6,25 +6,34 @@ dense mask over them costs about 4.5x the attention of the sixteen causal branch
 The optimal exact cost is the sum over segments of (segment length x length of its
 root-to-segment path), because a segment's queries see exactly that path.
 
-This backend computes exactly that, with no N x N tensor anywhere:
+This backend computes exactly that, with no N x N tensor anywhere.
 
-* Each segment is cut into query *units* of at most ``chunk`` tokens. A unit's keys
-  are the external keys visible to it, its ancestor segments, and its own segment up
-  to the unit's last query; its mask is then always the same shape: every key is
-  visible except a lower-right causal triangle over the unit's own queries.
-* Units with equal (queries, keys) sizes are batched into one SDPA call per layer.
-  Their mask is a strided *view* into one shared ``[chunk, chunk + max_prefix]``
-  bias, so masks cost no memory per unit (a square unit uses ``is_causal``, a
-  one-query unit needs no mask).
-* Units whose external keys are visible to only part of their queries (possible only
-  with unusual external layouts) fall back to explicit per-unit masks.
+*Chains.* In DFS order a segment's first child starts right where the segment ends,
+so a segment followed by its first child, its first grandchild, ... is one
+contiguous run of the row that is a single path: a *chain*. Every token belongs to
+exactly one chain. (treelit orders children heaviest-first, so the longest paths
+are single chains.) A chain's queries see two key sets: its *prefix* (the chain's
+ancestors, plus visible external keys), visible to all of them, and the chain
+itself, causally. The two parts are computed separately on the fastest kernels (no
+mask, and ``is_causal``) and merged through their log-sum-exps
+(:mod:`treelit.attention.merged`). Long chains read their queries and own keys as
+slices of the row; only prefixes are gathered.
 
-The plan (gather indices, masks) is built once per forward and shared by all layers.
+*Batching.* Short chains (at most ``batch_below`` tokens) are padded into groups of
+similar size and run as one batch per group and layer; padded prefix keys are hidden
+by a ``[n, 1, 1, P]`` bias, padded own keys come after every real query and are
+never seen causally, padded queries are dropped.
+
+*Irregular externals.* External keys visible to only part of a chain (not produced
+by treelit's partitioner) fall back to explicitly masked blocks.
+
+The plan is built once per forward and shared by all layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -32,63 +41,71 @@ import torch
 import torch.nn.functional as F
 
 from treelit.attention.base import ATTENTION, AttentionBackend
+from treelit.attention.merged import prefix_causal_attention
 
 
 @dataclass
 class _Group:
-    q_idx: torch.Tensor  # [n * lq] row-token index of each query slot
-    k_idx: torch.Tensor  # [n * lk] key index (into the E + N keys) of each key slot
+    """Chains computed together. ``n`` chains padded to ``lq`` queries and ``lp`` prefix keys."""
+
     n: int
     lq: int
-    lk: int
-    keep: Optional[torch.Tensor] = None  # real query slots (irregular groups only)
-    mask: Optional[torch.Tensor] = None  # [n, 1, lq, lk] bool (irregular groups only)
+    lp: int
+    q_slice: Optional[Tuple[int, int]] = None  # a single chain read as a slice [a, b)
+    q_idx: Optional[torch.Tensor] = None  # [n * lq] query token per slot (batched groups)
+    own_idx: Optional[torch.Tensor] = None  # [n * lq] own key (E + token) per slot
+    pre_idx: Optional[torch.Tensor] = None  # [n * lp] prefix key per slot
+    pre_bias: Optional[torch.Tensor] = None  # [n, 1, 1, lp] bool: real prefix keys
+    keep: Optional[torch.Tensor] = None  # real query slots
+    mask: Optional[torch.Tensor] = None  # irregular groups: [n, 1, lq, lp] bool over pre_idx keys
+    _bias: Optional[Dict[torch.dtype, torch.Tensor]] = None
+
+    def bias(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        if self.pre_bias is None:
+            return None
+        if self._bias is None:
+            self._bias = {}
+        if dtype not in self._bias:
+            zero = torch.zeros((), dtype=dtype, device=self.pre_bias.device)
+            self._bias[dtype] = torch.where(self.pre_bias, zero, torch.finfo(dtype).min)
+        return self._bias[dtype]
 
 
 @dataclass
 class SegmentPlan:
     groups: List[_Group]
-    order: torch.Tensor  # concatenated group outputs -> row order
-    max_q: int
-    max_prefix: int
-    cost: int  # query x key pairs computed (per head and layer), padding included
-    exact_cost: int  # pairs that are visible: the sum over tokens of their depth + 1
-    _bias: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+    order: Optional[torch.Tensor]  # concatenated group outputs -> row order (None: already in order)
+    cost: int  # query x key pairs computed per head and layer (padding included)
+    exact_cost: int  # visible pairs: sum over queries of the keys they see
+    chains: int
 
-    def lower_right_bias(self, dtype: torch.dtype, device: torch.device, lq: int, lk: int) -> Optional[torch.Tensor]:
-        """``[lq, lk]`` additive bias: key j visible to query i iff ``j <= lk - lq + i``."""
-        if lq == 1:
-            return None
-        key = (dtype, device)
-        G = self._bias.get(key)
-        if G is None:
-            rows = torch.arange(self.max_q, device=device)[:, None]
-            cols = torch.arange(self.max_q + self.max_prefix, device=device)[None, :]
-            zero = torch.zeros((), dtype=dtype, device=device)
-            G = torch.where(cols <= self.max_prefix + rows, zero, torch.finfo(dtype).min)
-            self._bias[key] = G
-        start = self.max_prefix - (lk - lq)
-        return G[:lq, start : start + lk]
+
+def _round_up(n: int, minimum: int = 8) -> int:
+    """Round up with at most ~12.5% padding (8 bins per power of two)."""
+    if n <= minimum:
+        return minimum
+    g = 1 << max(0, int(math.floor(math.log2(n))) - 3)
+    return int(math.ceil(n / g) * g)
 
 
 @ATTENTION.register("segment")
 class SegmentAttention(AttentionBackend):
-    """Exact tree attention over segments (CPU and CUDA; no N x N tensors).
+    """Exact tree attention over segment chains (no N x N tensors).
 
     Args:
-        chunk: maximum queries per unit. Long segments are cut into units so that the
-            causal triangle inside a unit (computed, then masked) stays small.
+        batch_below: chains of at most this many tokens are batched with similar ones;
+            longer chains run one by one on slices of the row.
     """
 
     name = "segment"
 
-    def __init__(self, chunk: int = 512) -> None:
-        if chunk < 1:
-            raise ValueError(f"segment attention chunk must be >= 1, got {chunk}")
-        self.chunk = int(chunk)
+    def __init__(self, batch_below: int = 256) -> None:
+        if batch_below < 0:
+            raise ValueError(f"segment attention batch_below must be >= 0, got {batch_below}")
+        self.batch_below = int(batch_below)
 
     def __repr__(self) -> str:
-        return f"SegmentAttention(chunk={self.chunk})"
+        return f"SegmentAttention(batch_below={self.batch_below})"
 
     # planning ------------------------------------------------------------------------
     def plan(self, layout) -> SegmentPlan:
@@ -102,104 +119,169 @@ class SegmentAttention(AttentionBackend):
         kv_hi = layout.kv_hi.cpu().numpy()
         ext_lo, ext_hi = kv_lo[:E], kv_hi[:E]
 
-        regular: Dict[Tuple[int, int], List[Tuple[int, int, np.ndarray]]] = {}
-        irregular: List[Tuple[int, int, np.ndarray]] = []
-        anc: List[np.ndarray] = []  # ancestor key indices per segment (parents come first)
-        exact = 0
+        # Chains: runs of segments where each is the previous one's contiguous first child.
+        chains: List[Tuple[int, int, int]] = []  # (first segment, token start, token end)
         for s in range(len(seg_start)):
             p = seg_parent[s]
-            if p < 0:
-                anc.append(np.zeros(0, dtype=np.int64))
+            if chains and p == s - 1 and seg_start[s] == seg_start[p] + seg_len[p]:
+                first, a, _ = chains[-1]
+                chains[-1] = (first, a, int(seg_start[s] + seg_len[s]))
             else:
-                own_p = np.arange(seg_start[p], seg_start[p] + seg_len[p], dtype=np.int64) + E
-                anc.append(np.concatenate([anc[p], own_p]))
-            a, L = int(seg_start[s]), int(seg_len[s])
-            if E:
-                touches = (ext_lo < a + L) & (ext_hi > a)
-                full = touches & (ext_lo <= a) & (ext_hi >= a + L)
-                base = np.concatenate([np.flatnonzero(touches).astype(np.int64), anc[s]])
-                partial = bool((touches & ~full).any())
-            else:
-                base, partial = anc[s], False
-            for q0 in range(a, a + L, self.chunk):
-                q1 = min(a + L, q0 + self.chunk)
-                keys = np.concatenate([base, np.arange(a, q1, dtype=np.int64) + E])
-                lq = q1 - q0
-                exact += lq * (len(base) + q0 - a) + lq * (lq + 1) // 2
-                if partial:
-                    irregular.append((q0, q1, keys))
-                else:
-                    regular.setdefault((lq, len(keys)), []).append((q0, q1, keys))
+                chains.append((s, int(seg_start[s]), int(seg_start[s] + seg_len[s])))
+        anc: Dict[int, np.ndarray] = {}  # ancestor keys (E-offset) of segments that start chains
 
-        groups, rows, cost, max_q, max_prefix = [], [], 0, 1, 0
-        for (lq, lk), units in sorted(regular.items()):
-            n = len(units)
-            q_idx = np.concatenate([np.arange(q0, q1) for q0, q1, _ in units])
-            k_idx = np.concatenate([keys for _, _, keys in units])
-            rows.append(q_idx)
-            groups.append(_Group(torch.from_numpy(q_idx).to(dev), torch.from_numpy(k_idx).to(dev), n, lq, lk))
-            cost += n * lq * lk
-            max_q, max_prefix = max(max_q, lq), max(max_prefix, lk - lq)
-        if irregular:
-            g, r = _irregular_group(irregular, kv_lo, kv_hi, dev)
+        def ancestors(s: int) -> np.ndarray:
+            out: List[np.ndarray] = []
+            p = seg_parent[s]
+            while p >= 0:
+                if p in anc:  # reuse a chain start's ancestors
+                    out.append(np.arange(seg_start[p], seg_start[p] + seg_len[p], dtype=np.int64) + E)
+                    out.append(anc[p])
+                    break
+                out.append(np.arange(seg_start[p], seg_start[p] + seg_len[p], dtype=np.int64) + E)
+                p = seg_parent[p]
+            return np.concatenate(out[::-1]) if out else np.zeros(0, dtype=np.int64)
+
+        single: List[_Group] = []
+        small: Dict[Tuple[int, int, bool], List[Tuple[int, int, np.ndarray]]] = {}
+        irregular: List[Tuple[int, int, np.ndarray]] = []
+        rows: List[np.ndarray] = []
+        exact = cost = 0
+        for first, a, b in chains:
+            anc[first] = ancestors(first)
+            pre = anc[first]
+            if E:
+                touches = (ext_lo < b) & (ext_hi > a)
+                partial = bool((touches & ~((ext_lo <= a) & (ext_hi >= b))).any())
+                pre = np.concatenate([np.flatnonzero(touches).astype(np.int64), pre])
+                if partial:
+                    irregular.append((a, b, pre))
+                    continue
+            lq, lp = b - a, len(pre)
+            exact += lq * lp + lq * (lq + 1) // 2
+            if lq > self.batch_below:
+                single.append(_Group(1, lq, lp, q_slice=(a, b), pre_idx=torch.from_numpy(pre).to(dev) if lp else None))
+                rows.append(np.arange(a, b))
+                cost += lq * lp + lq * (lq + 1) // 2
+            else:
+                small.setdefault((_round_up(lq), _round_up(lp) if lp else 0, lp > 0), []).append((a, b, pre))
+
+        groups: List[_Group] = list(single)
+        for (lq, lp, _), members in sorted(small.items()):
+            g, r = _padded_group(members, lq, lp, E, dev)
             groups.append(g)
             rows.append(r)
-            cost += g.n * g.lq * g.lk
+            cost += g.n * (lq * lp + lq * (lq + 1) // 2)
+        if irregular:
+            g, r, pairs = _irregular_group(irregular, kv_lo, kv_hi, E, dev)
+            groups.append(g)
+            rows.append(r)
+            cost += g.n * g.lq * g.lp
+            exact += pairs
         all_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-        order = np.empty_like(all_rows)
-        order[all_rows] = np.arange(len(all_rows))
-        return SegmentPlan(groups, torch.from_numpy(order).to(dev), max_q, max_prefix, cost, exact)
+        order = None
+        if not np.array_equal(all_rows, np.arange(len(all_rows))):
+            inv = np.empty_like(all_rows)
+            inv[all_rows] = np.arange(len(all_rows))
+            order = torch.from_numpy(inv).to(dev)
+        return SegmentPlan(groups, order, cost, exact, len(chains))
 
     # compute -------------------------------------------------------------------------
     def __call__(self, q, k, v, plan: SegmentPlan):
         _, Hq, N, D = q.shape
         Hkv = k.shape[1]
-        gqa = Hq != Hkv
-        q0, k0, v0 = q[0], k[0], v[0]  # [H, tokens, D]
+        E = k.shape[2] - N
         outs = []
         for g in plan.groups:
-            qb = q0.index_select(1, g.q_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
-            kb = k0.index_select(1, g.k_idx).view(Hkv, g.n, g.lk, D).transpose(0, 1)
-            vb = v0.index_select(1, g.k_idx).view(Hkv, g.n, g.lk, D).transpose(0, 1)
-            if g.mask is not None:
-                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, enable_gqa=gqa)
-            elif g.lq == g.lk:
-                ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
+            if g.mask is not None:  # irregular: explicit masks over gathered keys
+                qb = q[0].index_select(1, g.q_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
+                kb = k[0].index_select(1, g.pre_idx).view(Hkv, g.n, g.lp, D).transpose(0, 1)
+                vb = v[0].index_select(1, g.pre_idx).view(Hkv, g.n, g.lp, D).transpose(0, 1)
+                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, enable_gqa=Hq != Hkv)
+            elif g.q_slice is not None:
+                a, b = g.q_slice
+                qb, ko, vo = q[:, :, a:b], k[:, :, E + a : E + b], v[:, :, E + a : E + b]
+                kp = vp = None
+                if g.pre_idx is not None:
+                    kp, vp = k.index_select(2, g.pre_idx), v.index_select(2, g.pre_idx)
+                ob = prefix_causal_attention(qb, kp, vp, None, ko, vo)
             else:
-                bias = plan.lower_right_bias(q.dtype, q.device, g.lq, g.lk)
-                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, enable_gqa=gqa)
-            ob = ob.transpose(0, 1).reshape(Hq, g.n * g.lq, D)
-            outs.append(ob if g.keep is None else ob.index_select(1, g.keep))
+                qb = q[0].index_select(1, g.q_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
+                ko = k[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
+                vo = v[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
+                kp = vp = None
+                if g.pre_idx is not None:
+                    kp = k[0].index_select(1, g.pre_idx).view(Hkv, g.n, g.lp, D).transpose(0, 1)
+                    vp = v[0].index_select(1, g.pre_idx).view(Hkv, g.n, g.lp, D).transpose(0, 1)
+                ob = prefix_causal_attention(qb, kp, vp, g.bias(q.dtype), ko, vo)
+            if g.q_slice is not None:
+                outs.append(ob[0])
+            else:
+                ob = ob.transpose(0, 1).reshape(Hq, g.n * g.lq, D)
+                outs.append(ob if g.keep is None else ob.index_select(1, g.keep))
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return out.index_select(1, plan.order).unsqueeze(0)
+        if plan.order is not None:
+            out = out.index_select(1, plan.order)
+        return out.unsqueeze(0)
 
 
-def _irregular_group(units, kv_lo, kv_hi, dev) -> Tuple[_Group, np.ndarray]:
-    """Pad units to a common size and mask each pair by the visibility intervals."""
+def _padded_group(members, lq: int, lp: int, E: int, dev) -> Tuple[_Group, np.ndarray]:
+    n = len(members)
+    q_idx = np.zeros((n, lq), dtype=np.int64)
+    own_idx = np.zeros((n, lq), dtype=np.int64)
+    q_valid = np.zeros((n, lq), dtype=bool)
+    pre_idx = np.zeros((n, max(lp, 1)), dtype=np.int64)
+    pre_valid = np.zeros((n, max(lp, 1)), dtype=bool)
+    for r, (a, b, pre) in enumerate(members):
+        q_idx[r, : b - a] = np.arange(a, b)
+        own_idx[r, : b - a] = np.arange(a, b) + E
+        q_valid[r, : b - a] = True
+        pre_idx[r, : len(pre)] = pre
+        pre_valid[r, : len(pre)] = True
+    keep = np.flatnonzero(q_valid.reshape(-1))
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    group = _Group(
+        n,
+        lq,
+        lp,
+        q_idx=t(q_idx.reshape(-1)),
+        own_idx=t(own_idx.reshape(-1)),
+        pre_idx=t(pre_idx.reshape(-1)) if lp else None,
+        pre_bias=(t(pre_valid[:, None, None, :]) if lp and not pre_valid.all() else None),
+        keep=None if q_valid.all() else t(keep),
+    )
+    return group, q_idx.reshape(-1)[keep]
+
+
+def _irregular_group(chains, kv_lo, kv_hi, E: int, dev) -> Tuple[_Group, np.ndarray, int]:
+    """Chains with partially visible external keys: pad, and mask each (query, key) pair
+    by the visibility intervals over [prefix keys | own keys]."""
+    units = [(a, b, np.concatenate([pre, np.arange(a, b, dtype=np.int64) + E])) for a, b, pre in chains]
     n = len(units)
-    lq = max(q1 - q0 for q0, q1, _ in units)
+    lq = max(b - a for a, b, _ in units)
     lk = max(len(keys) for _, _, keys in units)
     q_idx = np.zeros((n, lq), dtype=np.int64)
     k_idx = np.zeros((n, lk), dtype=np.int64)
     q_valid = np.zeros((n, lq), dtype=bool)
     k_valid = np.zeros((n, lk), dtype=bool)
-    for r, (q0, q1, keys) in enumerate(units):
-        q_idx[r, : q1 - q0] = np.arange(q0, q1)
-        q_valid[r, : q1 - q0] = True
+    for r, (a, b, keys) in enumerate(units):
+        q_idx[r, : b - a] = np.arange(a, b)
+        q_valid[r, : b - a] = True
         k_idx[r, : len(keys)] = keys
         k_valid[r, : len(keys)] = True
     qpos = q_idx[:, :, None]
     mask = (kv_lo[k_idx][:, None, :] <= qpos) & (qpos < kv_hi[k_idx][:, None, :])
     mask &= q_valid[:, :, None] & k_valid[:, None, :]
+    pairs = int(mask.sum())
     mask[~q_valid, 0] = True  # padded queries attend to one key: finite, then dropped
     keep = np.flatnonzero(q_valid.reshape(-1))
     group = _Group(
-        torch.from_numpy(q_idx.reshape(-1)).to(dev),
-        torch.from_numpy(k_idx.reshape(-1)).to(dev),
         n,
         lq,
         lk,
+        q_idx=torch.from_numpy(q_idx.reshape(-1)).to(dev),
+        pre_idx=torch.from_numpy(k_idx.reshape(-1)).to(dev),
         keep=torch.from_numpy(keep).to(dev),
         mask=torch.from_numpy(mask[:, None]).to(dev),
     )
-    return group, q_idx.reshape(-1)[keep]
+    return group, q_idx.reshape(-1)[keep], pairs

@@ -5,8 +5,10 @@ A :class:`TokenTree` is a compressed trie (radix tree) over a set of *branches*
 stays apart, so distinct first tokens give a forest. A *segment* is a maximal
 chain of tokens without branching; children hang off a segment's last token.
 
-The tree is stored in DFS pre-order (children in first-insertion order), which
-is the layout every other part of treelit consumes:
+The tree is stored in DFS pre-order, which is the layout every other part of
+treelit consumes. Roots keep their first-insertion order; children are visited
+heaviest subtree first (ties in insertion order), so the longest paths are
+contiguous runs of the row. The layout guarantees:
 
 * token ``kv`` is an ancestor-or-self of token ``q`` iff
   ``kv <= q < subtree_end[kv]``;
@@ -191,13 +193,26 @@ class TokenTree:
 
     @classmethod
     def _flatten(cls, roots, arrays, masks, weights, fields) -> "TokenTree":
-        # DFS pre-order over segments, children in insertion order.
+        # DFS pre-order over segments, heaviest child first (ties: insertion order), so that
+        # every heavy path is one contiguous run of the row (see treelit.attention.segment).
+        weight: Dict[int, int] = {}
+        post: List[_Seg] = []
+        stack = [(s, False) for s in reversed(list(roots.values()))]
+        while stack:
+            s, done = stack.pop()
+            if done:
+                weight[id(s)] = len(s.tokens) + sum(weight[id(c)] for c in s.children.values())
+                post.append(s)
+                continue
+            stack.append((s, True))
+            stack.extend((c, False) for c in s.children.values())
         order: List[_Seg] = []
         stack = list(reversed(list(roots.values())))
         while stack:
             s = stack.pop()
             order.append(s)
-            stack.extend(reversed(list(s.children.values())))
+            kids = sorted(s.children.values(), key=lambda c: -weight[id(c)])  # stable sort
+            stack.extend(reversed(kids))
         S = len(order)
         index = {id(s): i for i, s in enumerate(order)}
         seg_len = np.fromiter((len(s.tokens) for s in order), dtype=np.int64, count=S)

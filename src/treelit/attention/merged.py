@@ -1,0 +1,116 @@
+"""Attention over two key sets merged through their log-sum-exps.
+
+For a query block whose keys split into a *prefix* (visible to every query: the
+block's ancestors) and a *diagonal* block (the queries' own tokens, causal), the
+attention over the union is
+
+    o = (e^{l_A} o_A + e^{l_B} o_B) / (e^{l_A} + e^{l_B}),   l = log(e^{l_A} + e^{l_B})
+
+where ``(o_A, l_A)`` and ``(o_B, l_B)`` are the two partial attentions and their
+row log-sum-exps. Both parts then run on the fastest kernels (no mask for the
+prefix, ``is_causal`` for the diagonal) instead of one masked call. The backward
+pass of each part, given the *merged* output and log-sum-exp, yields exactly that
+part's share of the gradients (the standard ring/split-attention identity).
+
+On CPU the two parts use torch's flash-attention kernels, which return the
+log-sum-exp; elsewhere a plain math implementation with the same contract is used
+(CUDA trees normally take the ``flex`` backend instead).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+_cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
+    rep = heads // k.shape[1]
+    return k if rep == 1 else k.repeat_interleave(rep, dim=1)
+
+
+def _math_fwd(q, k, v, causal: bool, bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias
+    if causal:
+        L = q.shape[-2]
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _math_bwd(g, q, k, v, o, lse, causal: bool, bias: Optional[torch.Tensor]):
+    H, Hkv = q.shape[1], k.shape[1]
+    ke, ve = _expand_kv(k, H), _expand_kv(v, H)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = (q @ ke.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias
+    if causal:
+        L = q.shape[-2]
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    dv = p.transpose(-1, -2) @ g
+    dp = g @ ve.transpose(-1, -2)
+    ds = p * (dp - (g * o).sum(-1, keepdim=True))
+    dq = (ds @ ke) * scale
+    dk = (ds.transpose(-1, -2) @ q) * scale
+    if H != Hkv:
+        rep = H // Hkv
+        dk = dk.unflatten(1, (Hkv, rep)).sum(2)
+        dv = dv.unflatten(1, (Hkv, rep)).sum(2)
+    return dq, dk, dv
+
+
+def _fwd(q, k, v, causal, bias):
+    if q.device.type == "cpu":
+        return _cpu_fwd(q, k, v, 0.0, causal, attn_mask=bias)
+    return _math_fwd(q, k, v, causal, bias)
+
+
+def _bwd(g, q, k, v, o, lse, causal, bias):
+    if q.device.type == "cpu":
+        return _cpu_bwd(g, q, k, v, o, lse, 0.0, causal, attn_mask=bias)
+    return _math_bwd(g, q, k, v, o, lse, causal, bias)
+
+
+class PrefixCausalAttention(torch.autograd.Function):
+    """``softmax`` attention of ``q [B, H, L, D]`` over ``[prefix keys | own keys]``.
+
+    ``k_pre, v_pre [B, Hkv, P, D]`` are visible to every query (``bias_pre``, broadcastable
+    to ``[B, H, L, P]``, may hide padding keys); ``k_own, v_own [B, Hkv, L, D]`` are the
+    queries' own tokens, visible causally. ``k_pre`` may be None (no prefix).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_pre, v_pre, bias_pre, k_own, v_own):
+        o_b, l_b = _fwd(q, k_own, v_own, True, None)
+        if k_pre is None:
+            o, lse = o_b, l_b
+        else:
+            o_a, l_a = _fwd(q, k_pre, v_pre, False, bias_pre)
+            lse = torch.logaddexp(l_a, l_b)
+            o = torch.exp(l_a - lse)[..., None] * o_a + torch.exp(l_b - lse)[..., None] * o_b
+        ctx.save_for_backward(q, k_pre, v_pre, bias_pre, k_own, v_own, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k_pre, v_pre, bias_pre, k_own, v_own, o, lse = ctx.saved_tensors
+        g = g.contiguous()
+        dq, dk_own, dv_own = _bwd(g, q, k_own, v_own, o, lse, True, None)
+        dk_pre = dv_pre = None
+        if k_pre is not None:
+            dq_a, dk_pre, dv_pre = _bwd(g, q, k_pre, v_pre, o, lse, False, bias_pre)
+            dq = dq + dq_a
+        return dq, dk_pre, dv_pre, None, dk_own, dv_own
+
+
+def prefix_causal_attention(q, k_pre, v_pre, bias_pre, k_own, v_own) -> torch.Tensor:
+    return PrefixCausalAttention.apply(q, k_pre, v_pre, bias_pre, k_own, v_own)
