@@ -12,6 +12,7 @@ token ids standing in for text (a fixed chat-frame around every message):
   calls see only the answers, so every call branches off at its thinking.
 * ``subagents``: a main agent spawns sub-agents that share the system prompt and task.
 * ``agent_group``: a GRPO group of agent trajectories, each exported per call.
+* ``wide_fanout``: many concurrent tool calls per turn (dozens of short segments).
 
 A branch's loss mask is either ``all`` (every token) or ``assistant`` (tokens of
 assistant messages, as multi-turn SFT trains them).
@@ -136,6 +137,23 @@ def agent_group(g: _Gen, mask_mode: str, G: int = 3, turns: int = 5) -> Tuple[li
     return _per_call(calls, mask_mode)
 
 
+def wide_fanout(g: _Gen, mask_mode: str, turns: int = 4, k: int = 8) -> Tuple[list, list]:
+    """Many concurrent tool calls per turn (wide trees with dozens of short segments)."""
+    ctx: List[Message] = [("system", g.text(1200)), ("user", g.text(100))]
+    calls = []
+    for _ in range(turns):
+        plan = ("assistant", g.text(40))
+        calls.append(ctx + [plan])
+        ctx = ctx + [plan]
+        follow = []
+        for _ in range(k):
+            branch = ctx + [("tool", g.text(g.jitter(120))), ("assistant", g.text(g.jitter(50)))]
+            calls.append(branch)
+            follow.append(branch)
+        ctx = follow[int(g.rng.integers(k))] + [("user", g.text(30))]
+    return _per_call(calls, mask_mode)
+
+
 GENERATORS: Dict[str, Callable[..., Tuple[list, list]]] = {
     "grpo_group": grpo_group,
     "multi_turn": multi_turn,
@@ -143,11 +161,15 @@ GENERATORS: Dict[str, Callable[..., Tuple[list, list]]] = {
     "dropped_thinking": dropped_thinking,
     "subagents": subagents,
     "agent_group": agent_group,
+    "wide_fanout": wide_fanout,
 }
 
 
-def make_case(name: str, *, seed: int = 0, vocab: int = 32768, scale: float = 1.0, mask_mode: str = "all") -> Case:
+def make_case(
+    name: str, *, seed: int = 0, vocab: int = 32768, scale: float = 1.0, mask_mode: str = "all", **shape
+) -> Case:
+    """Build case ``name``; ``shape`` overrides the generator's own parameters (turns, k, G, ...)."""
     if name not in GENERATORS:
         raise KeyError(f"unknown case {name!r}; known: {', '.join(GENERATORS)}")
-    branches, masks = GENERATORS[name](_Gen(seed, vocab, scale), mask_mode)
+    branches, masks = GENERATORS[name](_Gen(seed, vocab, scale), mask_mode, **shape)
     return Case(name, branches, masks)

@@ -110,3 +110,93 @@ def test_merged_math_fallback_matches_cpu_kernels(dtype):
         ref = merged._cpu_bwd(go, q, kk, vv, o_ref, l_ref, 0.0, causal, attn_mask=b)
         for a, r in zip(merged._math_bwd(go, q, kk, vv, o_ref, l_ref, causal, b), ref):
             torch.testing.assert_close(a, r)
+
+
+# --- flex -------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=forests(max_branches=8, max_len=12), n_ext=st.integers(0, 4))
+def test_flex_block_mask_is_the_ancestor_mask(block_size, data, n_ext):
+    """On CPU the BlockMask (block classification + mask_mod) is checked by expanding it:
+    it must equal the dense ancestor mask exactly. No N x N tensor is used to build it."""
+    from torch.nn.attention.flex_attention import create_mask  # noqa: F401  (API presence)
+
+    from treelit.attention.flex import tree_block_mask
+
+    batch = treelit.TokenTree.from_branches(data[0]).to_batch()
+    layout = random_layout(batch, n_ext, torch.Generator().manual_seed(n_ext))
+    bm = tree_block_mask(layout.kv_lo, layout.kv_hi, layout.num_queries, block_size)
+    dense = bm.to_dense()  # [1, 1, Qb, Kb] block-level view
+    Qb, Kb = dense.shape[-2:]
+    ref = layout.dense_mask()
+    N, KV = ref.shape
+    for qb in range(Qb):
+        for kb in range(Kb):
+            block = ref[qb * block_size : (qb + 1) * block_size, kb * block_size : (kb + 1) * block_size]
+            if block.any():
+                assert dense[0, 0, qb, kb], "a block with visible pairs must not be skipped"
+    full_num = bm.full_kv_num_blocks[0, 0]
+    for qb in range(Qb):
+        for kb in bm.full_kv_indices[0, 0, qb, : int(full_num[qb])].tolist():
+            block = ref[qb * block_size : (qb + 1) * block_size, kb * block_size : (kb + 1) * block_size]
+            assert block.all(), "a block marked full must be entirely visible"
+    # element level: mask_mod over the visited blocks equals the reference
+    qi = torch.arange(N)[:, None]
+    ki = torch.arange(KV)[None, :]
+    assert torch.equal(bm.mask_mod(0, 0, qi, ki), ref)
+
+
+def test_flex_forward_on_cpu_matches_dense():
+    """FlexAttention's unfused CPU forward with our BlockMask equals sdpa_dense."""
+    from treelit.attention.flex import FlexTreeAttention
+
+    batch = treelit.TokenTree.from_branches([[1, 2, 3] * 20, [1, 2, 4] * 15, [5] * 40]).to_batch()
+    layout = random_layout(batch, 3, torch.Generator().manual_seed(0))
+    backend = FlexTreeAttention(block_size=16, compile=False)
+    g = torch.Generator().manual_seed(0)
+    N, E = layout.num_queries, layout.num_external
+    q = torch.randn(1, 4, N, 8, generator=g)
+    k = torch.randn(1, 2, E + N, 8, generator=g)
+    v = torch.randn(1, 2, E + N, 8, generator=g)
+    ref = get_backend("sdpa_dense")
+    torch.testing.assert_close(backend(q, k, v, backend.plan(layout)), ref(q, k, v, ref.plan(layout)), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_on_cpu_fails_at_configuration():
+    from treelit.attention import resolve_backend
+
+    with pytest.raises(ValueError, match="'flex' needs a CUDA device.*segment"):
+        resolve_backend("flex", "cpu")
+
+
+@cuda
+@pytest.mark.cuda
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=forests(max_branches=8, max_len=40), n_ext=st.integers(0, 4))
+def test_flex_matches_dense_on_cuda(data, n_ext):
+    from treelit.attention.flex import FlexTreeAttention
+
+    batch = treelit.TokenTree.from_branches(data[0]).to_batch().to("cuda")
+    layout = random_layout(batch.to("cpu"), n_ext, torch.Generator().manual_seed(n_ext))
+    layout = TreeLayout(batch, layout.kv_lo.cuda(), layout.kv_hi.cuda(), n_ext)
+    compare_on(FlexTreeAttention(), layout, torch.float32, "cuda")
+
+
+def compare_on(backend, layout, dtype, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    N, E = layout.num_queries, layout.num_external
+    q = torch.randn(1, 4, N, 16, generator=g, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(1, 2, E + N, 16, generator=g, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(1, 2, E + N, 16, generator=g, dtype=dtype, device=device, requires_grad=True)
+    ref_backend = get_backend("sdpa_dense")
+    ref = ref_backend(q, k, v, ref_backend.plan(layout))
+    gref = torch.autograd.grad(ref.sum(), (q, k, v))
+    out = backend(q, k, v, backend.plan(layout))
+    gout = torch.autograd.grad(out.sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(gout, gref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 ATTENTION = get_registry(
     "attention",
-    ["treelit.attention.dense", "treelit.attention.segment"],
+    ["treelit.attention.dense", "treelit.attention.segment", "treelit.attention.flex"],
 )
 
 
