@@ -70,12 +70,19 @@ def run_case(name: str, model, args) -> Dict:
             model, case.branches, case.masks, aggregation=args.aggregation, max_tokens=args.linear_tokens
         )
 
+    def dense_step():
+        loss = treelit.tree_loss(model, batch, args.aggregation, attention="sdpa_dense")
+        loss.backward()
+        return float(loss.detach())
+
     modes = {"tree": tree_step, "linear": linear_step}
+    if args.compare_dense and batch.num_segments >= 32:
+        modes["tree_dense"] = dense_step
     result: Dict = {"name": name, **stats, "tree_build_s": build_s}
     grads, times = {}, {m: [] for m in modes}
     for mode, step in modes.items():  # warm-up doubles as the memory and gradient pass
         model.zero_grad(set_to_none=True)
-        peak, loss = peak_memory(step) if args.memory else (None, step())
+        peak, loss = peak_memory(step) if args.memory and mode != "tree_dense" else (None, step())
         grads[mode] = grads_of(model)
         result[f"loss_{mode}"] = loss
         result[f"peak_mem_{mode}_bytes"] = peak
@@ -87,6 +94,7 @@ def run_case(name: str, model, args) -> Dict:
             times[mode].append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
     t_tree, t_lin = statistics.median(times["tree"]), statistics.median(times["linear"])
+    result["segments"] = stats["segments"]
     result.update(
         time_tree_s=t_tree,
         time_linear_s=t_lin,
@@ -95,6 +103,9 @@ def run_case(name: str, model, args) -> Dict:
         max_rel_grad_diff=max_rel_diff(grads["tree"], grads["linear"]),
         attention=args.attention,
     )
+    if "tree_dense" in times:
+        result["time_tree_dense_s"] = statistics.median(times["tree_dense"])
+        result["auto_vs_dense_speedup"] = result["time_tree_dense_s"] / t_tree
     return result
 
 
@@ -136,6 +147,10 @@ def main(argv=None) -> int:
     p.add_argument("--linear-tokens", type=int, default=8192, help="padded tokens per linear micro-batch")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory pass")
+    p.add_argument(
+        "--no-compare-dense", dest="compare_dense", action="store_false",
+        help="skip timing the sdpa_dense tree step on trees with >= 32 segments",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.scale = args.scale if args.scale is not None else (0.25 if args.quick else 1.0)
@@ -161,6 +176,12 @@ def main(argv=None) -> int:
         rows.append(run_case(name, model, args))
         print(f"  {name}: {rows[-1]['measured_speedup']:.2f}x (ideal {rows[-1]['ideal_speedup']:.2f}x)", flush=True)
     print_table(rows)
+    for r in rows:
+        if "time_tree_dense_s" in r:
+            print(
+                f"{r['name']}: {r['segments']} segments; tree step with {args.attention} {r['time_tree_s']:.2f}s "
+                f"vs sdpa_dense {r['time_tree_dense_s']:.2f}s ({r['auto_vs_dense_speedup']:.2f}x)"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "cases": rows}, f, indent=2)

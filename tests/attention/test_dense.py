@@ -78,3 +78,22 @@ def test_unknown_backend_lists_known():
 def test_auto_on_cpu_is_not_cuda_only():
     batch = treelit.TokenTree.from_branches(BRANCHES).to_batch()
     assert not resolve_backend("auto", "cpu", batch).requires_cuda
+
+
+def test_auto_choice_depends_on_device_and_row_size(caplog):
+    from treelit.attention.base import auto_backend_name
+
+    small = treelit.TokenTree.from_branches(BRANCHES).to_batch()
+    large = treelit.TokenTree.from_branches([list(range(300)) + [1] * 300, list(range(300)) + [2] * 300]).to_batch()
+    assert auto_backend_name(torch.device("cpu"), small) == "sdpa_dense"
+    assert auto_backend_name(torch.device("cpu"), large) == "segment"
+    assert auto_backend_name(torch.device("cuda"), large) == "flex"
+    import logging
+
+    from treelit.attention import base
+
+    base._AUTO_LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="treelit.attention.base"):
+        resolve_backend("auto", "cpu", large)
+        resolve_backend("auto", "cpu", large)
+    assert [r.getMessage() for r in caplog.records].count("attention=auto: using 'segment' on cpu (exact, work = sum of segment x path)") == 1

@@ -78,7 +78,10 @@ def resolve_backend(
         return spec
     if spec is None or spec == "auto":
         name = auto_backend_name(torch.device(device), batch)
-        log.debug("attention=auto chose %s", name)
+        why = (torch.device(device).type, name)
+        if why not in _AUTO_LOGGED:  # once per (device type, choice), not once per step
+            _AUTO_LOGGED.add(why)
+            log.info("attention=auto: using %r on %s%s", name, why[0], _auto_reason(name))
         backend = get_backend(name)
     else:
         backend = get_backend(spec)
@@ -86,7 +89,19 @@ def resolve_backend(
     return backend
 
 
+_AUTO_LOGGED: set = set()
+
+
+def _auto_reason(name: str) -> str:
+    return {
+        "flex": " (fused FlexAttention kernels)",
+        "segment": " (exact, work = sum of segment x path)",
+        "sdpa_dense": " (small row: dense mask is cheapest)",
+    }.get(name, "")
+
+
 def auto_backend_name(device: torch.device, batch=None) -> str:
+    """The backend ``auto`` picks for ``batch`` on ``device``."""
     if device.type == "cuda" and "flex" in ATTENTION:
         return "flex"
     if batch is None or "segment" not in ATTENTION:
