@@ -137,7 +137,7 @@ def agent_group(g: _Gen, mask_mode: str, G: int = 3, turns: int = 5) -> Tuple[li
     return _per_call(calls, mask_mode)
 
 
-def wide_fanout(g: _Gen, mask_mode: str, turns: int = 4, k: int = 8) -> Tuple[list, list]:
+def wide_fanout(g: _Gen, mask_mode: str, turns: int = 2, k: int = 16) -> Tuple[list, list]:
     """Many concurrent tool calls per turn (wide trees with dozens of short segments)."""
     ctx: List[Message] = [("system", g.text(1200)), ("user", g.text(100))]
     calls = []
@@ -163,6 +163,10 @@ GENERATORS: Dict[str, Callable[..., Tuple[list, list]]] = {
     "agent_group": agent_group,
     "wide_fanout": wide_fanout,
 }
+
+
+# The default benchmark suite (agent_group is available by name).
+SUITE = ["grpo_group", "multi_turn", "tool_fanout", "dropped_thinking", "subagents", "wide_fanout"]
 
 
 def make_case(

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
-from agentic import GENERATORS, make_case  # noqa: E402
+from agentic import SUITE, make_case  # noqa: E402
 from memory import peak_memory  # noqa: E402
 
 
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results here")
     p.add_argument("--quick", action="store_true", help="small trees (scale 0.25), one repetition")
-    p.add_argument("--cases", default=",".join(GENERATORS), help="comma-separated case names")
+    p.add_argument("--cases", default=",".join(SUITE), help="comma-separated case names")
     p.add_argument("--scale", type=float, default=None, help="size multiplier for the cases (default 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (default 3; quick: 1)")
     p.add_argument("--mask", choices=["all", "assistant"], default="all", help="loss mask of each branch")

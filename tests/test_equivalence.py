@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treelit
-from conftest import FAMILIES, assert_equivalent, cached_model
+from helpers import FAMILIES, assert_equivalent, cached_model
 from strategies import forests
 from treelit.attention.segment import SegmentAttention
 

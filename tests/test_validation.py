@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import treelit
-from conftest import tiny_model
+from helpers import tiny_model
 from treelit import TreeInputError
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import treelit
-from conftest import tiny_model
+from helpers import tiny_model
 from treelit.attention import get_backend, resolve_backend
 from treelit.loss.tree import tree_hidden
 from treelit.models.context import ExternalKV

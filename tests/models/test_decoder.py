@@ -14,7 +14,7 @@ from torchtune.models.mistral import mistral
 from torchtune.models.qwen2 import qwen2
 
 import treelit
-from conftest import FAMILIES, tiny_model
+from helpers import FAMILIES, tiny_model
 from treelit.models.context import CausalContext
 from treelit.models.decoder import decoder_hidden, output_weight
 

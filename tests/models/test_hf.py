@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import treelit
-from conftest import FAMILIES, max_rel_grad_diff, tiny_model
+from helpers import FAMILIES, max_rel_grad_diff, tiny_model
 from treelit.models.hf import CheckpointError, tune_to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import torch
 
 from treelit.registry import get_registry
 
-__all__ = ["ATTENTION", "AttentionBackend", "get_backend", "resolve_backend", "available_backends"]
+__all__ = ["ATTENTION", "AttentionBackend", "get_backend", "make_attention", "resolve_backend", "available_backends"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,19 @@ class AttentionBackend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def make_attention(name: str = "auto", device: Optional[str] = None, **options) -> Union[str, AttentionBackend]:
+    """The ``attention`` config group: ``"auto"`` stays a name (resolved per batch); any other
+    name becomes a backend instance, checked now against the device it will run on."""
+    if name == "auto":
+        if options:
+            raise ValueError(f"attention=auto takes no options, got {sorted(options)}")
+        return "auto"
+    backend = get_backend(name, **options)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend.check_device(torch.device(dev))
+    return backend
 
 
 def available_backends() -> List[str]:

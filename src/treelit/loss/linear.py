@@ -172,3 +172,13 @@ def linear_backward(
         part.backward()
         total += float(part.detach())
     return total
+
+
+def branches_from_batch(batch):
+    """The branches of a :class:`~treelit.tree.batch.TreeBatch` as (token arrays, masks, weights)."""
+    ptr = batch.branch_ptr.cpu().numpy()
+    toks = batch.input_ids.cpu().numpy()[batch.branch_tokens.cpu().numpy()]
+    mask = batch.branch_mask.cpu().numpy()
+    branches = [toks[ptr[b] : ptr[b + 1]] for b in range(len(ptr) - 1)]
+    masks = [mask[ptr[b] : ptr[b + 1]] for b in range(len(ptr) - 1)]
+    return branches, masks, batch.branch_weight.cpu().numpy()

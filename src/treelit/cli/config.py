@@ -1,0 +1,81 @@
+"""Config-time helpers: resolvers, validation of option combinations, composition for tests."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from typing import List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = str(resources.files("treelit") / "conf")
+
+
+class ConfigError(ValueError):
+    """An invalid or incompatible combination of options (names the option)."""
+
+
+def bundled_path(name: str) -> str:
+    """Path of a data file shipped inside the package (``treelit/data/bundled``)."""
+    path = resources.files("treelit") / "data" / "bundled" / name
+    if not path.is_file():
+        raise ConfigError(f"no bundled data file {name!r}")
+    return str(path)
+
+
+def _qwen_tokenizer() -> str:
+    from treelit.data.tokenizers import qwen_tokenizer_dir
+
+    return qwen_tokenizer_dir()
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("treelit.bundled"):
+        OmegaConf.register_new_resolver("treelit.bundled", bundled_path)
+    if not OmegaConf.has_resolver("treelit.qwen_tokenizer"):
+        OmegaConf.register_new_resolver("treelit.qwen_tokenizer", _qwen_tokenizer)
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Reject incompatible options before anything is built."""
+    import torch
+
+    att = cfg.get("attention") or {}
+    if att.get("name") == "flex" and not torch.cuda.is_available():
+        raise ConfigError(
+            "attention=flex needs a CUDA device (FlexAttention has no backward on CPU); "
+            "use attention=auto, attention=segment or attention=sdpa_dense"
+        )
+    if cfg.get("mode") not in ("tree", "linear"):
+        raise ConfigError(f"mode must be 'tree' or 'linear', got {cfg.get('mode')!r}")
+    from treelit.tree.batch import AGGREGATIONS
+
+    if cfg.get("aggregation") not in AGGREGATIONS:
+        raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {cfg.get('aggregation')!r}")
+    tr = cfg.get("trainer") or {}
+    if not tr.get("max_steps") or int(tr.get("max_steps")) <= 0:
+        raise ConfigError("trainer.max_steps must be a positive number of optimizer steps (the data stream is endless)")
+    accel = tr.get("accelerator")
+    if accel in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")
+    part = cfg.get("partition") or {}
+    if part.get("name", "none") != "none":
+        from treelit.registry import get_registry
+
+        get_registry("partition").get(part["name"])  # unknown names list the known ones
+    ckpt = (cfg.get("model") or {}).get("hf_checkpoint")
+    if ckpt and not os.path.isdir(str(ckpt)):
+        raise ConfigError(f"model.hf_checkpoint: directory {str(ckpt)!r} does not exist")
+    resume = cfg.get("resume_from")
+    if resume and not os.path.isfile(str(resume)):
+        raise ConfigError(f"resume_from: checkpoint file {str(resume)!r} does not exist")
+
+
+def compose(overrides: Optional[List[str]] = None, config_name: str = "train") -> DictConfig:
+    """Compose the real treelit config (as ``treelit-train`` would) - for tests and notebooks."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []), return_hydra_config=False)

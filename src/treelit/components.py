@@ -1,0 +1,6 @@
+"""Imports every module that defines a registry, so that listing them is complete."""
+
+from treelit.attention import base as _attention  # noqa: F401
+from treelit.builders import base as _builders  # noqa: F401
+from treelit.models import registry as _models  # noqa: F401
+from treelit.objectives import base as _objectives  # noqa: F401

@@ -1,0 +1,196 @@
+"""``TreeDataModule``: records -> trees -> packed micro-batches -> optimizer steps.
+
+Trees are built once (``setup``) from a JSONL/JSON/Parquet file through a tree
+builder, checked against the model (vocabulary, context length) before training
+starts, then served as an endless, reproducible stream of *steps*: in each data
+epoch the trees are shuffled (seeded by ``seed`` and the epoch number), packed in
+order into micro-batches of at most ``micro_batch_tokens`` tree tokens, and grouped
+``micro_batches_per_step`` at a time. A step is one optimizer update; its
+normaliser is computed over all of its micro-batches. The module's state (steps
+consumed) is saved in Lightning checkpoints, so a resumed run continues with
+exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from treelit.builders.base import BuiltTree, TreeBuilder
+from treelit.builders.sequences import SequencesBuilder
+from treelit.data.records import DataError, ReadStats, read_records
+from treelit.tree.batch import TreeBatch
+
+__all__ = ["TreeDataModule", "StepBatch"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepBatch:
+    """The micro-batches of one optimizer step."""
+
+    micro_batches: List[TreeBatch]
+    index: int  # global step index in the data stream
+
+    @property
+    def tree_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.micro_batches)
+
+    @property
+    def flat_tokens(self) -> int:
+        return sum(b.flat_tokens for b in self.micro_batches)
+
+
+def _pack(batches: List[TreeBatch], budget: int) -> List[TreeBatch]:
+    rows, cur, size = [], [], 0
+    for b in batches:
+        if cur and size + b.num_tokens > budget:
+            rows.append(TreeBatch.pack(cur))
+            cur, size = [], 0
+        cur.append(b)
+        size += b.num_tokens
+    if cur:
+        rows.append(TreeBatch.pack(cur))
+    return rows
+
+
+class _StepStream(IterableDataset):
+    def __init__(self, dm: "TreeDataModule") -> None:
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        step = self.dm.consumed_steps
+        while True:
+            yield self.dm.step(step)
+            step += 1
+
+
+class TreeDataModule(pl.LightningDataModule):
+    """Args:
+        train_path: data file (``.jsonl``, ``.json``, ``.parquet``; ``.gz`` for JSON).
+        tree_builder: a tree builder instance (default ``sequences``).
+        micro_batch_tokens: tree-token budget of one packed micro-batch.
+        micro_batches_per_step: micro-batches per optimizer step (gradient accumulation).
+        shuffle: shuffle trees each data epoch (seeded).
+        seed: shuffling seed.
+        on_error: ``raise`` or ``skip`` for malformed records (skips are counted and logged).
+        max_trees: use only the first trees (smoke tests).
+    """
+
+    def __init__(
+        self,
+        train_path: Optional[str] = None,
+        tree_builder: Optional[TreeBuilder] = None,
+        micro_batch_tokens: int = 8192,
+        micro_batches_per_step: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        on_error: str = "raise",
+        max_trees: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if not train_path:
+            raise ValueError("data.train_path is required (a .jsonl, .json or .parquet file)")
+        if micro_batch_tokens <= 0 or micro_batches_per_step <= 0:
+            raise ValueError("data.micro_batch_tokens and data.micro_batches_per_step must be positive")
+        self.train_path = str(train_path)
+        self.builder = tree_builder or SequencesBuilder()
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.micro_batches_per_step = int(micro_batches_per_step)
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.on_error = on_error
+        self.max_trees = max_trees
+        self.read_stats = ReadStats()
+        self.trees: List[BuiltTree] = []
+        self._batches: List[TreeBatch] = []
+        self._epoch_cache: Dict[int, List[List[TreeBatch]]] = {}
+        self._epoch_len: Dict[int, int] = {}
+        self.consumed_steps = 0
+
+    # building ----------------------------------------------------------------------------
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.trees:
+            return
+        validate = getattr(self.builder, "validate", None)
+        records = read_records(self.train_path, on_error=self.on_error, validate=validate, stats=self.read_stats)
+        trees = self.builder(records)
+        if self.max_trees:
+            trees = trees[: self.max_trees]
+        if not trees:
+            raise DataError(f"{self.train_path}: no trees to train on ({self.read_stats.skipped} records skipped)")
+        self.trees = trees
+        self._batches = [t.tree.to_batch() for t in trees]
+        if self.read_stats.skipped:
+            log.warning("%s: skipped %d malformed records (data.on_error=skip)", self.train_path, self.read_stats.skipped)
+
+    def check_against(self, vocab_size: int, max_seq_len: Optional[int]) -> None:
+        """Fail before training if any tree does not fit the model."""
+        self.setup()
+        for t, b in zip(self.trees, self._batches):
+            try:
+                b.validate_for_model(vocab_size, max_seq_len)
+            except Exception as exc:
+                raise DataError(f"{t.source} (tree {t.id!r}): {exc}") from exc
+
+    def stats(self) -> Dict[str, Any]:
+        self.setup()
+        flat = sum(b.flat_tokens for b in self._batches)
+        tree = sum(b.num_tokens for b in self._batches)
+        return {
+            "trees": len(self._batches),
+            "branches": sum(b.num_branches for b in self._batches),
+            "flat_tokens": flat,
+            "tree_tokens": tree,
+            "por": 1 - tree / flat,
+            "ideal_speedup": flat / tree,
+            "records_skipped": self.read_stats.skipped,
+        }
+
+    # the step stream -----------------------------------------------------------------------
+    def epoch_steps(self, epoch: int) -> List[List[TreeBatch]]:
+        """The steps of data epoch ``epoch`` (the latest epoch is cached)."""
+        if epoch not in self._epoch_cache:
+            order = np.arange(len(self._batches))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(order))
+            rows = _pack([self._batches[i] for i in order], self.micro_batch_tokens)
+            k = self.micro_batches_per_step
+            self._epoch_cache = {epoch: [rows[i : i + k] for i in range(0, len(rows), k)]}
+            self._epoch_len[epoch] = len(self._epoch_cache[epoch])
+        return self._epoch_cache[epoch]
+
+    def _epoch_length(self, epoch: int) -> int:
+        if epoch not in self._epoch_len:
+            self.epoch_steps(epoch)
+        return self._epoch_len[epoch]
+
+    def step(self, index: int) -> StepBatch:
+        """The ``index``-th step of the stream (deterministic)."""
+        self.setup()
+        epoch, i = 0, index
+        while i >= self._epoch_length(epoch):
+            i -= self._epoch_length(epoch)
+            epoch += 1
+        return StepBatch(self.epoch_steps(epoch)[i], index)
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(_StepStream(self), batch_size=None, num_workers=0, collate_fn=lambda x: x)
+
+    def transfer_batch_to_device(self, batch: StepBatch, device: torch.device, dataloader_idx: int) -> StepBatch:
+        return StepBatch([b.to(device) for b in batch.micro_batches], batch.index)
+
+    # checkpointed state -------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"consumed_steps": self.consumed_steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.consumed_steps = int(state.get("consumed_steps", 0))

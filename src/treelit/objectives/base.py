@@ -1,0 +1,56 @@
+"""The objective interface and registry.
+
+An objective computes one micro-batch's share of the step loss twice over: on the
+tree (``tree_loss``) and per branch (``linear_loss``, the reference). Both return
+``(loss, metrics)`` where ``loss`` is already divided by the step-global normaliser,
+so that summing micro-batch losses (and their gradients) gives the step's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from treelit.registry import get_registry
+
+__all__ = ["OBJECTIVES", "Objective", "make_objective"]
+
+OBJECTIVES = get_registry("objective", ["treelit.objectives.sft"])
+
+Metrics = Dict[str, float]
+
+
+class Objective:
+    name = "?"
+
+    def tree_loss(
+        self,
+        model,
+        batch,
+        *,
+        aggregation: str,
+        normalizer: Optional[float],
+        attention: Any = "auto",
+        chunk_rows: Optional[int] = None,
+    ) -> Tuple[torch.Tensor, Metrics]:
+        raise NotImplementedError
+
+    def linear_loss(
+        self,
+        model,
+        batch,
+        *,
+        aggregation: str,
+        normalizer: Optional[float],
+        chunk_rows: Optional[int] = None,
+    ) -> Tuple[torch.Tensor, Metrics]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def make_objective(name: str, **options: Any) -> Objective:
+    """Instantiate the objective registered as ``name`` with its options."""
+    return OBJECTIVES.get(name)(**options)
