@@ -30,11 +30,11 @@ from agentic import SUITE, make_case  # noqa: E402
 from memory import peak_memory  # noqa: E402
 
 
-def bench_model(args) -> treelit.TreeDecoder:
+def bench_model(args, vocab=None) -> treelit.TreeDecoder:
     torch.manual_seed(0)
     return treelit.build_decoder(
         family="qwen2",
-        vocab_size=args.vocab,
+        vocab_size=vocab or args.vocab,
         num_layers=args.layers,
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
@@ -52,8 +52,24 @@ def max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
 
 
-def run_case(name: str, model, args) -> Dict:
-    case = make_case(name, seed=args.seed, vocab=args.vocab, scale=args.scale, mask_mode=args.mask)
+REAL_CASES = {"tau_bench": "real tau-bench airline trajectories, task 0 (4 trials, first 6 calls each), Qwen BPE"}
+
+
+def load_case(name: str, args):
+    """A synthetic agentic case, or a real-data one (``tau_bench``: natural per-call masks,
+    a model with the Qwen vocabulary)."""
+    if name == "tau_bench":
+        from real_data import QWEN_VOCAB, tau_bench_case
+
+        return tau_bench_case(0, max_calls=max(2, round(6 * args.scale))), QWEN_VOCAB
+    return make_case(name, seed=args.seed, vocab=args.vocab, scale=args.scale, mask_mode=args.mask), None
+
+
+def run_case(name: str, models: Dict, args) -> Dict:
+    case, vocab = load_case(name, args)
+    if vocab not in models:
+        models[vocab] = bench_model(args, vocab)
+    model = models[vocab]
     t0 = time.perf_counter()
     tree = treelit.TokenTree.from_branches(case.branches, case.masks)
     batch = tree.to_batch()
@@ -78,7 +94,8 @@ def run_case(name: str, model, args) -> Dict:
     modes = {"tree": tree_step, "linear": linear_step}
     if args.compare_dense and batch.num_segments >= 32:
         modes["tree_dense"] = dense_step
-    result: Dict = {"name": name, **stats, "tree_build_s": build_s}
+    result: Dict = {"name": name, **stats, "tree_build_s": build_s, "vocab": model.vocab_size,
+                    "targets": int(batch.num_targets)}
     grads, times = {}, {m: [] for m in modes}
     for mode, step in modes.items():  # warm-up doubles as the memory and gradient pass
         model.zero_grad(set_to_none=True)
@@ -133,7 +150,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results here")
     p.add_argument("--quick", action="store_true", help="small trees (scale 0.25), one repetition")
-    p.add_argument("--cases", default=",".join(SUITE), help="comma-separated case names")
+    p.add_argument("--cases", default=",".join(SUITE + ["tau_bench"]), help="comma-separated case names")
     p.add_argument("--scale", type=float, default=None, help="size multiplier for the cases (default 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (default 3; quick: 1)")
     p.add_argument("--mask", choices=["all", "assistant"], default="all", help="loss mask of each branch")
@@ -157,7 +174,7 @@ def main(argv=None) -> int:
     args.reps = args.reps if args.reps is not None else (1 if args.quick else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = bench_model(args)
+    models = {None: bench_model(args)}
     env = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -173,7 +190,7 @@ def main(argv=None) -> int:
     print(f"# {env['model']}; torch {env['torch']}, {env['threads']} threads; mask={args.mask}; attention={args.attention}")
     rows = []
     for name in [c for c in args.cases.split(",") if c]:
-        rows.append(run_case(name, model, args))
+        rows.append(run_case(name, models, args))
         print(f"  {name}: {rows[-1]['measured_speedup']:.2f}x (ideal {rows[-1]['ideal_speedup']:.2f}x)", flush=True)
     print_table(rows)
     for r in rows:

@@ -10,7 +10,7 @@ the entry-point group ``treelit.tree_builder``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from treelit.data.records import DataError, Record, validate_token_record
 from treelit.registry import get_registry
@@ -42,10 +42,29 @@ class TreeBuilder:
         raise NotImplementedError
 
 
-def build_tree_from_branches(branches: Sequence[Dict[str, Any]], tree_id: str, source: str) -> BuiltTree:
-    """One tree from token-level branch dicts (``input_ids``, ``loss_mask``, ``weight``, RL fields)."""
+def build_tree_from_branches(
+    branches: Sequence[Dict[str, Any]],
+    tree_id: str,
+    source: str,
+    *,
+    logprob_conflict: str = "raise",
+    logprob_tol: float = 1e-4,
+) -> BuiltTree:
+    """One tree from token-level branch dicts (``input_ids``, ``loss_mask``, ``weight``, RL fields).
+
+    ``advantage`` (per branch), ``old_logprobs`` and ``ref_logprobs`` (per token) become the
+    tree's RL data when present; see :meth:`TokenTree.from_branches` for ``logprob_conflict``.
+    """
     fields: Dict[str, List[Any]] = {k: [b.get(k) for b in branches] for k in BRANCH_FIELDS if any(k in b for b in branches)}
     fields["record"] = [b.get("_record", tree_id) for b in branches]
+    adv = None
+    if any(b.get("advantage") is not None for b in branches):
+        missing = [i for i, b in enumerate(branches) if b.get("advantage") is None]
+        if missing:
+            raise DataError(f"{source}: branches[{missing[0]}] has no advantage while others of its tree do")
+        adv = [b["advantage"] for b in branches]
+    lp = {k: ([b.get(k) for b in branches] if any(b.get(k) is not None for b in branches) else None)
+          for k in ("old_logprobs", "ref_logprobs")}
     try:
         tree = TokenTree.from_branches(
             [b["input_ids"] for b in branches],
@@ -53,10 +72,35 @@ def build_tree_from_branches(branches: Sequence[Dict[str, Any]], tree_id: str, s
             [1.0 if b.get("weight") is None else b["weight"] for b in branches],
             branch_fields=fields,
             source=f"{source}: ",
+            advantages=adv,
+            old_logprobs=lp["old_logprobs"],
+            ref_logprobs=lp["ref_logprobs"],
+            logprob_conflict=logprob_conflict,
+            logprob_tol=logprob_tol,
         )
     except TreeInputError as exc:
         raise DataError(str(exc)) from exc
     return BuiltTree(tree_id, tree, source)
+
+
+def fill_advantages(items: List[tuple], estimator: Optional[str], **options: Any) -> None:
+    """Set ``advantage`` on branch dicts that have a ``reward`` but no advantage.
+
+    ``items``: ``(branch dict, group key)`` over the whole dataset; ``estimator`` is a name
+    in the ``advantage`` registry (``grpo``, ``rloo``, ``reinforce_pp``, ``raw``).
+    """
+    if estimator is None:
+        return
+    todo = [(b, g) for b, g in items if b.get("advantage") is None]
+    if not todo:
+        return
+    if any(b.get("reward") is None for b, _ in todo):
+        raise DataError(f"advantage estimator {estimator!r} needs a 'reward' on every branch without an 'advantage'")
+    from treelit.rl.advantages import compute_advantages
+
+    adv = compute_advantages(estimator, [b["reward"] for b, _ in todo], [g for _, g in todo], **options)
+    for (b, _), a in zip(todo, adv):
+        b["advantage"] = float(a)
 
 
 def make_tree_builder(name: str, **options: Any) -> TreeBuilder:

@@ -96,6 +96,8 @@ class ChatBuilder(TreeBuilder):
         group_key: records with equal values of this field are merged into one tree
             (``None``: every record is its own tree).
         tokenizer: an already loaded tokenizer (overrides ``tokenizer_path``).
+        advantage: estimator turning the records' ``reward`` into per-branch advantages,
+            within each group (``grpo``, ``rloo``, ``reinforce_pp``, ``raw``; None: no RL data).
     """
 
     validate = staticmethod(validate_chat_record)
@@ -106,6 +108,7 @@ class ChatBuilder(TreeBuilder):
         export: str = "per_call",
         group_key: Optional[str] = "group",
         tokenizer: Any = None,
+        advantage: Optional[str] = None,
     ) -> None:
         if export not in ("per_call", "trajectory"):
             raise ValueError(f"tree_builder.export must be 'per_call' or 'trajectory', got {export!r}")
@@ -118,6 +121,7 @@ class ChatBuilder(TreeBuilder):
         self.tok = tokenizer
         self.export = export
         self.group_key = group_key
+        self.advantage = advantage
 
     # rendering -------------------------------------------------------------------------
     def _render(self, msgs: List[Dict[str, Any]], gen: bool = False) -> str:
@@ -161,7 +165,7 @@ class ChatBuilder(TreeBuilder):
 
     # building ----------------------------------------------------------------------------
     def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
-        groups: Dict[str, List[Tuple[List[int], List[int], str]]] = {}
+        groups: Dict[str, List[Tuple[List[int], List[int], str, Optional[float]]]] = {}
         sources: Dict[str, str] = {}
         order: List[str] = []
         for r in records:
@@ -170,9 +174,22 @@ class ChatBuilder(TreeBuilder):
             if gid not in groups:
                 groups[gid], sources[gid] = [], r.source
                 order.append(gid)
+            reward = r.data.get("reward")
+            if self.advantage is not None and (reward is None or not isinstance(reward, (int, float))):
+                raise DataError(f"{r.source}: field 'reward' must be a number (tree_builder.advantage={self.advantage})")
             for msgs in _conversations(r.data, r.source):
                 for ids, mask in self.branches_of(copy.deepcopy(msgs), r.source):
-                    groups[gid].append((ids, mask, r.id))
+                    groups[gid].append((ids, mask, r.id, reward))
+        adv: Dict[str, List[float]] = {}
+        if self.advantage is not None:
+            from treelit.rl.advantages import compute_advantages
+
+            flat = [(gid, it[3]) for gid in order for it in groups[gid]]
+            values = compute_advantages(self.advantage, [x[1] for x in flat], [x[0] for x in flat])
+            pos = 0
+            for gid in order:
+                adv[gid] = [float(v) for v in values[pos : pos + len(groups[gid])]]
+                pos += len(groups[gid])
         out = []
         for gid in order:
             items = groups[gid]
@@ -180,8 +197,10 @@ class ChatBuilder(TreeBuilder):
                 raise DataError(f"{sources[gid]}: record {gid!r} has no assistant message to train on")
             try:
                 tree = TokenTree.from_branches(
-                    [i[0] for i in items], [i[1] for i in items], branch_fields={"record": [i[2] for i in items]},
+                    [i[0] for i in items], [i[1] for i in items],
+                    branch_fields={"record": [i[2] for i in items], "reward": [i[3] for i in items]},
                     source=f"{sources[gid]}: ",
+                    advantages=adv.get(gid),
                 )
             except TreeInputError as exc:
                 raise DataError(str(exc)) from exc

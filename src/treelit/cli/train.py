@@ -88,6 +88,9 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         grad_clip=cfg.grad_clip,
         verify_every=cfg.verify_every,
         chunk_rows=cfg.chunk_rows,
+        ppo_epochs=cfg.ppo_epochs,
+        ppo_minibatches=cfg.ppo_minibatches,
+        old_logprobs=cfg.old_logprobs,
     )
     callbacks = _instantiate_all(cfg.get("callbacks"))
     loggers = _instantiate_all(cfg.get("logger"))

@@ -8,6 +8,7 @@ the task in reverse, an answer copies the head of a tool result), so the trainin
 loss visibly falls within a few hundred steps on CPU.
 
     python -m treelit.data.synthetic --out src/treelit/data/bundled/synthetic_agentic.jsonl.gz
+    python -m treelit.data.synthetic --kind rollouts --n 64 --seed 1 --out src/treelit/data/bundled/synthetic_rollouts.jsonl.gz
 """
 
 from __future__ import annotations
@@ -70,12 +71,44 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--kind", choices=["agentic", "rollouts"], default="agentic")
     args = p.parse_args(argv)
-    recs = synthetic_agentic_records(args.n, args.seed, args.vocab)
+    if args.kind == "agentic":
+        recs = synthetic_agentic_records(args.n, args.seed, args.vocab)
+    else:
+        recs = rollout_group_records(args.n, seed=args.seed, vocab=args.vocab)
     opener = gzip.open if args.out.endswith(".gz") else open
     with opener(args.out, "wt", encoding="utf-8") as f:
         for r in recs:
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+
+
+def rollout_group_records(n_prompts: int = 64, group: int = 8, seed: int = 1, vocab: int = 512) -> List[Dict]:
+    """Synthetic GRPO rollout groups with known rewards.
+
+    Each record is one prompt with ``group`` sampled completions (one branch each, trained
+    on the completion). A completion earns reward 1 when its first token is even, else 0:
+    a rule the policy can learn, so the probability of high-reward completions should rise
+    relative to low-reward ones under GRPO.
+    """
+    rng = np.random.default_rng(seed)
+    system = rng.integers(FIRST_TEXT, vocab, size=24).tolist()
+    recs = []
+    for i in range(n_prompts):
+        prompt = [IM_START, ROLE["system"]] + system + [IM_END, IM_START, ROLE["user"]]
+        prompt += rng.integers(FIRST_TEXT, vocab, size=8).tolist() + [IM_END, IM_START, ROLE["assistant"]]
+        branches = []
+        for _ in range(group):
+            comp = rng.integers(FIRST_TEXT, vocab, size=6).tolist() + [IM_END]
+            branches.append({
+                "input_ids": prompt + comp,
+                "loss_mask": [0] * len(prompt) + [1] * len(comp),
+                "reward": float(comp[0] % 2 == 0),
+                "group": f"prompt-{i}",
+            })
+        recs.append({"id": f"prompt-{i}", "branches": branches})
+    return recs
 
 
 if __name__ == "__main__":

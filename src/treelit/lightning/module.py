@@ -22,7 +22,7 @@ import torch
 
 from treelit.lightning.data import StepBatch
 from treelit.objectives.base import Objective
-from treelit.tree.batch import check_aggregation, global_normalizer
+from treelit.tree.batch import check_aggregation
 
 __all__ = ["TreeLitModule"]
 
@@ -47,6 +47,12 @@ class TreeLitModule(pl.LightningModule):
         grad_clip: max gradient norm (0 disables clipping; the norm is logged anyway).
         verify_every: every N steps compare tree and linear mode on one micro-batch (0: never).
         chunk_rows: rows per log-prob chunk.
+        ppo_epochs: optimizer passes over each step batch (a rollout batch).
+        ppo_minibatches: the step batch's micro-batches are split into this many mini-batches,
+            one optimizer update each (per PPO epoch).
+        old_logprobs: ``data`` (from the records; where missing, the current policy's) or
+            ``rollout`` (recomputed in tree mode without gradient before the first update of
+            each step batch, so later PPO epochs see true ratios).
     """
 
     def __init__(
@@ -61,6 +67,9 @@ class TreeLitModule(pl.LightningModule):
         grad_clip: float = 1.0,
         verify_every: int = 0,
         chunk_rows: Optional[int] = None,
+        ppo_epochs: int = 1,
+        ppo_minibatches: int = 1,
+        old_logprobs: str = "data",
     ) -> None:
         super().__init__()
         if mode not in ("tree", "linear"):
@@ -75,6 +84,13 @@ class TreeLitModule(pl.LightningModule):
         self.grad_clip = float(grad_clip)
         self.verify_every = int(verify_every)
         self.chunk_rows = chunk_rows
+        if ppo_epochs < 1 or ppo_minibatches < 1:
+            raise ValueError("ppo_epochs and ppo_minibatches must be >= 1")
+        if old_logprobs not in ("data", "rollout"):
+            raise ValueError(f"old_logprobs must be 'data' or 'rollout', got {old_logprobs!r}")
+        self.ppo_epochs = int(ppo_epochs)
+        self.ppo_minibatches = int(ppo_minibatches)
+        self.old_logprobs = old_logprobs
         self.automatic_optimization = False
 
     def configure_optimizers(self):
@@ -84,8 +100,10 @@ class TreeLitModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(opt), "interval": "step"}}
 
     # one optimizer step ---------------------------------------------------------------------
-    def step_normalizer(self, batch: StepBatch) -> float:
-        Z = global_normalizer(batch.micro_batches, self.aggregation)
+    def step_normalizer(self, micro_batches) -> float:
+        if self.aggregation == "sum":
+            return 1.0
+        Z = float(sum(self.objective.norm_contribution(b, self.aggregation) for b in micro_batches))
         if self.aggregation != "sum" and self.trainer is not None and self.trainer.world_size > 1:
             z = torch.tensor(Z, dtype=torch.float64, device=self.device)
             Z = float(self.trainer.strategy.reduce(z, reduce_op="sum"))
@@ -97,18 +115,30 @@ class TreeLitModule(pl.LightningModule):
             return self.objective.tree_loss(self.model, mb, attention=self.attention, **kw)
         return self.objective.linear_loss(self.model, mb, **kw)
 
-    def training_step(self, batch: StepBatch, batch_idx: int):
-        t0 = time.perf_counter()
+    @torch.no_grad()
+    def record_rollout_logprobs(self, micro_batches) -> None:
+        """Set each micro-batch's old log-probs to the current policy's (tree mode, no grad)."""
+        from treelit.loss.tree import tree_token_logprobs
+
+        for mb in micro_batches:
+            sel, logp, _ = tree_token_logprobs(self.model, mb, self.attention, chunk_rows=self.chunk_rows)
+            old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64, device=mb.device)
+            old[sel] = logp.double()
+            mb.token_old_logp = old
+            mb.branch_old_logp = old[mb.branch_tokens]
+
+    def _update(self, micro_batches) -> Dict[str, float]:
+        """Forward and backward every micro-batch with the shared normaliser, then one step."""
         opt = self.optimizers()
-        Z = self.step_normalizer(batch)
+        Z = self.step_normalizer(micro_batches)
         total = 0.0
         metrics: Dict[str, float] = {}
-        for mb in batch.micro_batches:
+        for mb in micro_batches:
             loss, m = self.micro_loss(mb, Z)
             self.manual_backward(loss)
             total += float(loss.detach())
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) / len(batch.micro_batches)
+                metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro_batches)
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
@@ -117,27 +147,39 @@ class TreeLitModule(pl.LightningModule):
         sch = self.lr_schedulers()
         if sch is not None:
             sch.step()
+        return {"loss": total, "grad_norm": grad_norm, **metrics}
+
+    def training_step(self, batch: StepBatch, batch_idx: int):
+        t0 = time.perf_counter()
+        micro = batch.micro_batches
+        if self.old_logprobs == "rollout":
+            self.record_rollout_logprobs(micro)
+        k = min(self.ppo_minibatches, len(micro))
+        bounds = [round(i * len(micro) / k) for i in range(k + 1)]
+        groups = [micro[bounds[i] : bounds[i + 1]] for i in range(k)]
+        updates = [self._update(g) for _ in range(self.ppo_epochs) for g in groups]
         if self.trainer is not None and getattr(self.trainer, "datamodule", None) is not None:
             self.trainer.datamodule.consumed_steps = batch.index + 1
         dt = max(time.perf_counter() - t0, 1e-9)
+        last = updates[-1]
         tree_tok, flat_tok = batch.tree_tokens, batch.flat_tokens
-        self.log("loss", total, prog_bar=True)
+        loss = sum(u["loss"] for u in updates[: len(groups)])  # the step's loss before any update
+        self.log("loss", loss, prog_bar=True)
         self.log_dict(
             {
-                "lr": opt.param_groups[0]["lr"],
-                "grad_norm": grad_norm,
+                "lr": self.optimizers().param_groups[0]["lr"],
                 "tree_tokens": float(tree_tok),
                 "flat_tokens": float(flat_tok),
                 "por": 1.0 - tree_tok / max(flat_tok, 1),
-                "micro_batches": float(len(batch.micro_batches)),
+                "micro_batches": float(len(micro)),
                 "peak_mem_bytes": float(_peak_memory_bytes(self.device)),
-                **metrics,
+                **{k: v for k, v in last.items() if k != "loss"},
             }
         )
         self.log_dict({"tree_tok/s": tree_tok / dt, "flat_tok/s": flat_tok / dt}, prog_bar=True)
         if self.verify_every and (self.global_step % self.verify_every == 0):
-            self.log_dict(self.verify(batch.micro_batches[0], Z))
-        return torch.tensor(total)
+            self.log_dict(self.verify(micro[0], self.step_normalizer(micro)))
+        return torch.tensor(loss)
 
     # self-verification ------------------------------------------------------------------------
     def verify(self, mb, Z: float) -> Dict[str, float]:

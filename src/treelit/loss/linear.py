@@ -182,3 +182,27 @@ def branches_from_batch(batch):
     branches = [toks[ptr[b] : ptr[b + 1]] for b in range(len(ptr) - 1)]
     masks = [mask[ptr[b] : ptr[b + 1]] for b in range(len(ptr) - 1)]
     return branches, masks, batch.branch_weight.cpu().numpy()
+
+
+def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_tokens: int = 8192, chunk_rows=None):
+    """Per branch (run as its own causal sequence), the log-prob of each token from position 1
+    on, and optionally the entropy of each predicting distribution: lists of ``[L_b - 1]``."""
+    from treelit.loss.logprobs import token_logprobs
+
+    toks = [np.asarray(b, dtype=np.int64) for b in branches]
+    device = next(model.parameters()).device
+    logps: List[torch.Tensor] = [None] * len(toks)  # type: ignore[list-item]
+    ents: List[Optional[torch.Tensor]] = [None] * len(toks)
+    for idx in linear_micro_batches([len(t) for t in toks], max_tokens):
+        L = max(len(toks[i]) for i in idx)
+        ids = torch.zeros(len(idx), L, dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, : len(toks[i])] = torch.from_numpy(toks[i])
+        ids = ids.to(device)
+        pos = torch.arange(L, device=device).expand(len(idx), L)
+        h = decoder_hidden(model, ids, pos, CausalContext())
+        for r, i in enumerate(idx):
+            n = len(toks[i])
+            lp, en = token_logprobs(h[r, : n - 1], output_weight(model), ids[r, 1:n], chunk_rows=chunk_rows, with_entropy=with_entropy)
+            logps[i], ents[i] = lp, en
+    return logps, ents

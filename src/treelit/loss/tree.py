@@ -80,3 +80,29 @@ def tree_loss(
     return weighted_nll(
         h[batch.parent[sel]], output_weight(model), batch.input_ids[sel], coef.to(h.dtype), chunk_rows=chunk_rows
     )
+
+
+def tree_token_logprobs(
+    model,
+    batch: TreeBatch,
+    attention: Union[str, AttentionBackend, None] = "auto",
+    *,
+    select: Optional[torch.Tensor] = None,
+    with_entropy: bool = False,
+    chunk_rows: Optional[int] = None,
+):
+    """Log-probs (and entropies) of tree tokens ``select`` (default: every token that is a
+    target in some branch), each read from its parent's hidden state.
+
+    Returns ``(select [M], logp [M], entropy [M] or None)``.
+    """
+    from treelit.loss.logprobs import token_logprobs
+
+    batch = prepare_batch(model, batch)
+    if select is None:
+        select = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
+    h, _ = tree_hidden(model, batch, attention)
+    logp, ent = token_logprobs(
+        h[batch.parent[select]], output_weight(model), batch.input_ids[select], chunk_rows=chunk_rows, with_entropy=with_entropy
+    )
+    return select, logp, ent

@@ -16,13 +16,17 @@ from treelit.registry import get_registry
 
 __all__ = ["OBJECTIVES", "Objective", "make_objective"]
 
-OBJECTIVES = get_registry("objective", ["treelit.objectives.sft"])
+OBJECTIVES = get_registry("objective", ["treelit.objectives.sft", "treelit.objectives.rl"])
 
 Metrics = Dict[str, float]
 
 
 class Objective:
     name = "?"
+
+    def norm_contribution(self, batch, aggregation: str) -> float:
+        """This micro-batch's share of the step normaliser (summed over micro-batches and ranks)."""
+        return batch.norm_contribution(aggregation)
 
     def tree_loss(
         self,

@@ -87,6 +87,16 @@ class TreeBatch:
     num_targets: int
     num_sequences: int
     branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
+    # RL (optional): per-token rollout/reference log-probs (NaN: unknown), folded advantages
+    token_old_logp: Optional[torch.Tensor] = None  # [N] float64
+    token_ref_logp: Optional[torch.Tensor] = None  # [N] float64
+    adv_pos_sum: Optional[torch.Tensor] = None  # [N] sum_b w_b m_{b,i} max(A_b, 0)
+    adv_neg_sum: Optional[torch.Tensor] = None  # [N] sum_b w_b m_{b,i} min(A_b, 0)
+    adv_pos_mean: Optional[torch.Tensor] = None  # [N] the same with 1/n_b (seq-mean-token-mean)
+    adv_neg_mean: Optional[torch.Tensor] = None  # [N]
+    branch_adv: Optional[torch.Tensor] = None  # [B] float64
+    branch_old_logp: Optional[torch.Tensor] = None  # [F] float64
+    branch_ref_logp: Optional[torch.Tensor] = None  # [F] float64
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -124,6 +134,7 @@ class TreeBatch:
             num_targets=int(n_b.sum()),
             num_sequences=int((n_b > 0).sum()),
             branch_fields={k: list(v) for k, v in tree.branch_fields.items()},
+            **_rl_fields(tree, idx, target, w_flat, scale[branch_of], branch_of, N),
         )
 
     @classmethod
@@ -165,6 +176,7 @@ class TreeBatch:
             num_targets=sum(b.num_targets for b in batches),
             num_sequences=sum(b.num_sequences for b in batches),
             branch_fields={k: [v for b in batches for v in b.branch_fields[k]] for k in sorted(keys)},
+            **{name: _cat_optional(batches, name) for name in _RL_FIELDS},
         )
 
     def token_slice(self, start: int, end: int) -> "TreeBatch":
@@ -207,6 +219,10 @@ class TreeBatch:
             branch_tree=empty_l,
             num_targets=0,
             num_sequences=0,
+            **{
+                name: (getattr(self, name)[start:end] if getattr(self, name) is not None else None)
+                for name in _RL_TOKEN_FIELDS
+            },
         )
 
     # sizes -----------------------------------------------------------------------------
@@ -278,6 +294,15 @@ class TreeBatch:
         }
         return replace(self, **kw)
 
+    def advantage_weights(self, aggregation: str):
+        """Folded ``(sum_b c_b max(A_b,0), sum_b c_b min(A_b,0))`` per token for ``aggregation``."""
+        check_aggregation(aggregation)
+        if self.adv_pos_sum is None:
+            raise ValueError("this batch has no advantages (give advantages, rewards or an advantage estimator)")
+        if aggregation == "seq-mean-token-mean":
+            return self.adv_pos_mean, self.adv_neg_mean
+        return self.adv_pos_sum, self.adv_neg_sum
+
     def validate_for_model(self, vocab_size: int, max_seq_len: Optional[int]) -> None:
         """Raise a clear error if a token id is outside the vocabulary or a branch is too long."""
         from treelit.tree.token_tree import TreeInputError
@@ -307,6 +332,39 @@ class TreeBatch:
         if not hits.numel():
             return -1
         return int(torch.searchsorted(self.branch_ptr, hits[0], right=True)[0]) - 1
+
+
+_RL_TOKEN_FIELDS = ("token_old_logp", "token_ref_logp", "adv_pos_sum", "adv_neg_sum", "adv_pos_mean", "adv_neg_mean")
+_RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp")
+
+
+def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Optional[torch.Tensor]]:
+    out: Dict[str, Optional[torch.Tensor]] = {name: None for name in _RL_FIELDS}
+    f64 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))  # noqa: E731
+    if tree.branch_adv is not None:
+        a = tree.branch_adv[branch_of]
+        pos, neg = w_flat * np.maximum(a, 0.0), w_flat * np.minimum(a, 0.0)
+        out.update(
+            adv_pos_sum=f64(np.bincount(idx, weights=pos, minlength=N)),
+            adv_neg_sum=f64(np.bincount(idx, weights=neg, minlength=N)),
+            adv_pos_mean=f64(np.bincount(idx, weights=pos * inv_n, minlength=N)),
+            adv_neg_mean=f64(np.bincount(idx, weights=neg * inv_n, minlength=N)),
+            branch_adv=f64(tree.branch_adv),
+        )
+    for name, short in (("old", "old"), ("ref", "ref")):
+        if getattr(tree, f"branch_{short}") is not None:
+            out[f"token_{name}_logp"] = f64(getattr(tree, f"token_{short}"))
+            out[f"branch_{name}_logp"] = f64(getattr(tree, f"branch_{short}"))
+    return out
+
+
+def _cat_optional(batches: Sequence["TreeBatch"], name: str) -> Optional[torch.Tensor]:
+    vals = [getattr(b, name) for b in batches]
+    if all(v is None for v in vals):
+        return None
+    if any(v is None for v in vals):
+        raise ValueError(f"cannot pack batches: {name} is present in some of them only")
+    return torch.cat(vals)
 
 
 def pack_trees(items: Iterable[Any], max_tokens: int) -> List[TreeBatch]:

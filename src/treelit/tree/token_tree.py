@@ -37,28 +37,35 @@ class TreeInputError(ValueError):
 
 
 class _Seg:
-    """A segment while the trie is being built."""
+    """A segment while the trie is being built. ``aux`` (optional, ``[len, K]`` float) holds
+    per-token values that must agree for tokens to merge (e.g. rollout log-probs)."""
 
-    __slots__ = ("tokens", "parent", "children", "ends")
+    __slots__ = ("tokens", "aux", "parent", "children", "ends")
 
-    def __init__(self, tokens: np.ndarray, parent: Optional["_Seg"]) -> None:
+    def __init__(self, tokens: np.ndarray, parent: Optional["_Seg"], aux: Optional[np.ndarray] = None) -> None:
         self.tokens = tokens
+        self.aux = aux
         self.parent = parent
-        self.children: Dict[int, _Seg] = {}
+        self.children: Dict[int, List[_Seg]] = {}  # first token -> segments (several only with aux)
         self.ends: List[tuple] = []  # (branch index, number of this segment's tokens on it)
+
+    def child_list(self) -> List["_Seg"]:
+        return [c for cs in self.children.values() for c in cs]
 
     def split(self, at: int) -> None:
         """Keep ``tokens[:at]`` here and move the rest (with the children) to a new child."""
-        tail = _Seg(self.tokens[at:], self)
+        tail = _Seg(self.tokens[at:], self, None if self.aux is None else self.aux[at:])
         tail.children = self.children
-        for ch in tail.children.values():
+        for ch in tail.child_list():
             ch.parent = tail
         keep = []
         for b, n in self.ends:
             (tail.ends.append((b, n - at)) if n > at else keep.append((b, n)))
         self.ends = keep
         self.tokens = self.tokens[:at]
-        self.children = {int(tail.tokens[0]): tail}
+        if self.aux is not None:
+            self.aux = self.aux[:at]
+        self.children = {int(tail.tokens[0]): [tail]}
 
 
 def _as_token_array(branch: Any, b: int, source: str) -> np.ndarray:
@@ -80,6 +87,23 @@ def _as_token_array(branch: Any, b: int, source: str) -> np.ndarray:
         pos = int(np.argmin(arr))
         raise TreeInputError(f"{source}branch {b}: negative token id {int(arr[pos])} at position {pos}")
     return arr
+
+
+def _logprob_column(lp, arrays, name: str, source: str) -> List[np.ndarray]:
+    if len(lp) != len(arrays):
+        raise TreeInputError(f"{source}got {len(lp)} {name} for {len(arrays)} branches")
+    out = []
+    for b, (vals, arr) in enumerate(zip(lp, arrays)):
+        if vals is None:
+            out.append(np.full(len(arr), np.nan))
+            continue
+        col = np.array([np.nan if v is None else v for v in vals], dtype=np.float64)
+        if col.shape != (len(arr),):
+            raise TreeInputError(f"{source}branch {b}: {name} has {col.shape[0]} values for {len(arr)} tokens")
+        if np.any(col[~np.isnan(col)] > 0) or np.any(np.isinf(col)):
+            raise TreeInputError(f"{source}branch {b}: {name} must be finite log-probs (<= 0)")
+        out.append(col)
+    return out
 
 
 def _as_mask_array(mask: Any, length: int, b: int, source: str) -> np.ndarray:
@@ -128,6 +152,11 @@ class TokenTree:
     branch_mask: np.ndarray
     branch_weight: np.ndarray
     branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
+    branch_adv: Optional[np.ndarray] = None  # [B] advantages (RL)
+    branch_old: Optional[np.ndarray] = None  # [F] rollout log-probs per branch token (NaN: unknown)
+    branch_ref: Optional[np.ndarray] = None  # [F] reference log-probs per branch token
+    token_old: Optional[np.ndarray] = None  # [N] the (agreed) rollout log-prob of each tree token
+    token_ref: Optional[np.ndarray] = None  # [N]
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -139,6 +168,11 @@ class TokenTree:
         *,
         branch_fields: Optional[Mapping[str, Sequence[Any]]] = None,
         source: str = "",
+        advantages: Optional[Sequence[float]] = None,
+        old_logprobs: Optional[Sequence[Optional[Sequence[Optional[float]]]]] = None,
+        ref_logprobs: Optional[Sequence[Optional[Sequence[Optional[float]]]]] = None,
+        logprob_conflict: str = "raise",
+        logprob_tol: float = 1e-4,
     ) -> "TokenTree":
         """Build the prefix tree of ``branches``.
 
@@ -150,6 +184,13 @@ class TokenTree:
             weights: optional B non-negative finite branch weights (default 1).
             branch_fields: optional extra per-branch values carried along (length B each).
             source: prefix for error messages (e.g. ``"data.jsonl:12: "``).
+            advantages: optional B per-branch advantages (RL objectives).
+            old_logprobs, ref_logprobs: optional per-branch, per-token log-probs of each token
+                under the rollout (old) and the reference policy (``None`` entries: unknown).
+            logprob_conflict: what to do when branches sharing a token disagree on its old or
+                reference log-prob by more than ``logprob_tol``: ``raise`` (an error naming the
+                branches and the position) or ``split`` (the branches stop sharing the tree at
+                that token, so each keeps its own value). Values are never averaged.
         """
         if isinstance(branches, (str, bytes)) or not hasattr(branches, "__len__"):
             raise TreeInputError(f"{source}branches must be a list of token lists")
@@ -186,10 +227,58 @@ class TokenTree:
                 raise TreeInputError(f"{source}field {key!r} has {len(vals)} values for {B} branches")
             fields[key] = vals
 
-        roots: Dict[int, _Seg] = {}
+        if logprob_conflict not in ("raise", "split"):
+            raise ValueError(f"logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
+        adv = None
+        if advantages is not None:
+            adv = np.asarray(advantages, dtype=np.float64).reshape(-1)
+            if adv.shape[0] != B or not np.all(np.isfinite(adv)):
+                raise TreeInputError(f"{source}need {B} finite advantages, got {advantages!r}")
+        aux_cols = [
+            _logprob_column(lp, arrays, name, source)
+            for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs))
+            if lp is not None
+        ]
+        aux = [np.stack(cols, axis=1) for cols in zip(*aux_cols)] if aux_cols else None
+        roots: Dict[int, List[_Seg]] = {}
         for b, arr in enumerate(arrays):
-            _insert(roots, arr, b)
-        return cls._flatten(roots, arrays, masks, w, fields)
+            if aux is not None and logprob_conflict == "split":
+                _insert(roots, arr, b, aux[b], logprob_tol)
+            else:
+                _insert(roots, arr, b)
+        tree = cls._flatten(roots, arrays, masks, w, fields)
+        tree.branch_adv = adv
+        if aux is not None:
+            names = [n for n, lp in (("old", old_logprobs), ("ref", ref_logprobs)) if lp is not None]
+            flat = np.concatenate(aux)
+            for j, name in enumerate(names):
+                setattr(tree, f"branch_{name}", flat[:, j].copy())
+            tree._check_logprobs(names, logprob_tol, source)
+        return tree
+
+    def _check_logprobs(self, names, tol: float, source: str) -> None:
+        """Every tree token gets one old/ref value; branches sharing it must agree within tol."""
+        N = self.num_tokens
+        for name in names:
+            flat = getattr(self, f"branch_{name}")
+            tok = np.full(N, np.nan)
+            known = ~np.isnan(flat)
+            # first known value per token (branches in order)
+            idx = self.branch_tokens[known][::-1]
+            tok[idx] = flat[known][::-1]
+            bad = known & (np.abs(flat - tok[self.branch_tokens]) > tol)
+            if bad.any():
+                f = int(np.flatnonzero(bad)[0])
+                b = int(np.searchsorted(self.branch_ptr, f, side="right") - 1)
+                t = int(self.branch_tokens[f])
+                first = int(np.flatnonzero(known & (self.branch_tokens == t))[0])
+                b0 = int(np.searchsorted(self.branch_ptr, first, side="right") - 1)
+                raise TreeInputError(
+                    f"{source}branches {b0} and {b} share the token at position {f - self.branch_ptr[b]} but disagree "
+                    f"on its {name} log-prob ({flat[first]:.6g} vs {flat[f]:.6g}, tolerance {tol:g}); "
+                    "use logprob_conflict='split' to give them separate copies"
+                )
+            setattr(self, f"token_{name}", tok)
 
     @classmethod
     def _flatten(cls, roots, arrays, masks, weights, fields) -> "TokenTree":
@@ -197,21 +286,22 @@ class TokenTree:
         # every heavy path is one contiguous run of the row (see treelit.attention.segment).
         weight: Dict[int, int] = {}
         post: List[_Seg] = []
-        stack = [(s, False) for s in reversed(list(roots.values()))]
+        root_list = [r for rs in roots.values() for r in rs]
+        stack = [(s, False) for s in reversed(root_list)]
         while stack:
             s, done = stack.pop()
             if done:
-                weight[id(s)] = len(s.tokens) + sum(weight[id(c)] for c in s.children.values())
+                weight[id(s)] = len(s.tokens) + sum(weight[id(c)] for c in s.child_list())
                 post.append(s)
                 continue
             stack.append((s, True))
-            stack.extend((c, False) for c in s.children.values())
+            stack.extend((c, False) for c in s.child_list())
         order: List[_Seg] = []
-        stack = list(reversed(list(roots.values())))
+        stack = list(reversed(root_list))
         while stack:
             s = stack.pop()
             order.append(s)
-            kids = sorted(s.children.values(), key=lambda c: -weight[id(c)])  # stable sort
+            kids = sorted(s.child_list(), key=lambda c: -weight[id(c)])  # stable sort
             stack.extend(reversed(kids))
         S = len(order)
         index = {id(s): i for i, s in enumerate(order)}
@@ -343,19 +433,39 @@ class TokenTree:
         )
 
 
-def _insert(roots: Dict[int, _Seg], arr: np.ndarray, b: int) -> None:
+def _compatible(a: Optional[np.ndarray], b: Optional[np.ndarray], tol: float) -> np.ndarray:
+    """Per row: do the aux values agree (within ``tol``; NaN agrees with anything)?"""
+    if a is None or b is None:
+        n = len(a) if a is not None else (len(b) if b is not None else 0)
+        return np.ones(n, dtype=bool)
+    ok = np.isnan(a) | np.isnan(b) | (np.abs(a - b) <= tol)
+    return ok.all(axis=1)
+
+
+def _insert(roots: Dict[int, List[_Seg]], arr: np.ndarray, b: int, aux: Optional[np.ndarray] = None, tol: float = 0.0) -> None:
     container, parent, pos, L = roots, None, 0, int(arr.shape[0])
     while True:
-        seg = container.get(int(arr[pos]))
+        t = int(arr[pos])
+        seg = None
+        for cand in container.get(t, ()):
+            if aux is None or _compatible(cand.aux[:1], aux[pos : pos + 1], tol)[0]:
+                seg = cand
+                break
         if seg is None:
-            seg = _Seg(arr[pos:], parent)
-            container[int(arr[pos])] = seg
+            seg = _Seg(arr[pos:], parent, None if aux is None else aux[pos:].copy())
+            container.setdefault(t, []).append(seg)
             seg.ends.append((b, L - pos))
             return
         n = int(seg.tokens.shape[0])
         m = min(n, L - pos)
-        neq = np.flatnonzero(seg.tokens[:m] != arr[pos : pos + m])
+        same = seg.tokens[:m] == arr[pos : pos + m]
+        if aux is not None:
+            same &= _compatible(seg.aux[:m], aux[pos : pos + m], tol)
+        neq = np.flatnonzero(~same)
         c = int(neq[0]) if neq.size else m
+        if aux is not None and c > 0:  # fill values the tree did not know yet (first value wins)
+            known = seg.aux[:c]
+            np.copyto(known, aux[pos : pos + c], where=np.isnan(known))
         if c == L - pos:  # the branch ends inside (or at the end of) this segment
             seg.ends.append((b, c))
             return
@@ -363,6 +473,8 @@ def _insert(roots: Dict[int, _Seg], arr: np.ndarray, b: int) -> None:
             seg.split(c)
         elif not seg.children:  # runs past a leaf segment: extend it (segments stay maximal)
             seg.tokens = np.concatenate([seg.tokens, arr[pos + n :]])
+            if aux is not None:
+                seg.aux = np.concatenate([seg.aux, aux[pos + n :]])
             seg.ends.append((b, L - pos))
             return
         pos += c

@@ -1,0 +1,82 @@
+"""Per-branch sums of per-token values, computed on the tree.
+
+Sequence-level objectives need, per branch b, ``S_b = sum_t m_{b,t} x_t`` over the
+branch's target tokens (its sequence log-prob, its log-ratio sum). Along a
+root-to-leaf path, prefix sums ``P[i] = x[i] + P[parent[i]]`` give any run of
+consecutive path tokens as a difference ``P[v] - P[parent(u)]``, so each branch's sum
+is a handful of differences: one per maximal run of targets on its path (usually one:
+its response). Cost O(tree tokens + runs) on the device, differentiable; the run
+decomposition is host bookkeeping, computed once per batch.
+
+``P`` is built segment by segment: a cumulative sum inside each segment plus the
+prefix of its parent segment's last token, one vectorised pass per segment depth.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["path_prefix_sums", "branch_target_sums", "branch_runs"]
+
+
+def _segment_levels(batch):
+    cached = getattr(batch, "_seg_levels", None)
+    if cached is not None:
+        return cached
+    parent = batch.seg_parent.cpu().numpy()
+    depth = np.zeros(len(parent), dtype=np.int64)
+    for s in range(len(parent)):  # parents precede children
+        if parent[s] >= 0:
+            depth[s] = depth[parent[s]] + 1
+    levels = [np.flatnonzero(depth == d) for d in range(int(depth.max()) + 1 if len(depth) else 0)]
+    batch._seg_levels = levels
+    return levels
+
+
+def path_prefix_sums(batch, x: torch.Tensor) -> torch.Tensor:
+    """``P[i] = sum of x over the ancestors-or-self of token i`` (``x [N]``)."""
+    cs = torch.cumsum(x, 0)
+    start, length = batch.seg_start, batch.seg_len
+    before = torch.where(start > 0, cs[(start - 1).clamp(min=0)], torch.zeros_like(cs[:1]).expand(start.shape[0]))
+    seg_of = torch.repeat_interleave(torch.arange(len(start), device=x.device), length)
+    local = cs - before[seg_of]  # sum from the segment start
+    seg_end_local = local[start + length - 1]
+    offset = torch.zeros(len(start), dtype=x.dtype, device=x.device)
+    parent = batch.seg_parent
+    for level in _segment_levels(batch)[1:]:
+        lv = torch.from_numpy(level).to(x.device)
+        p = parent[lv]
+        offset = offset.index_put((lv,), offset[p] + seg_end_local[p])
+    return local + offset[seg_of]
+
+
+def branch_runs(batch) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of target tokens on each branch path: ``(branch, first token, last token)``."""
+    cached = getattr(batch, "_branch_runs", None)
+    if cached is not None:
+        return cached
+    ptr = batch.branch_ptr.cpu().numpy()
+    toks = batch.branch_tokens.cpu().numpy()
+    mask = batch.branch_mask.cpu().numpy().copy()
+    mask[ptr[:-1]] = False  # a branch's first token is never a target
+    branch_of = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+    prev = np.concatenate([[False], mask[:-1]]) & (np.concatenate([[-1], branch_of[:-1]]) == branch_of)
+    nxt = np.concatenate([mask[1:], [False]]) & (np.concatenate([branch_of[1:], [-1]]) == branch_of)
+    starts = np.flatnonzero(mask & ~prev)
+    ends = np.flatnonzero(mask & ~nxt)
+    runs = (branch_of[starts], toks[starts], toks[ends])
+    batch._branch_runs = runs
+    return runs
+
+
+def branch_target_sums(batch, x: torch.Tensor) -> torch.Tensor:
+    """``S_b = sum over branch b's target tokens of x`` for every branch (``[B]``)."""
+    P = path_prefix_sums(batch, x)
+    b, first, last = (torch.from_numpy(a).to(x.device) for a in branch_runs(batch))
+    par = batch.parent[first]
+    before = torch.where(par >= 0, P[par.clamp(min=0)], torch.zeros_like(P[first]))
+    out = torch.zeros(batch.num_branches, dtype=x.dtype, device=x.device)
+    return out.index_add(0, b, P[last] - before)

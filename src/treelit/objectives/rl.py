@@ -1,0 +1,398 @@
+"""Policy-gradient and preference objectives on trees, exact per branch.
+
+**Token-level clipped surrogate (``ppo``, ``grpo``).** Per branch b and target token t,
+with ratio ``r_t = exp(logp_t - old_t)`` and advantage ``A_b``, PPO maximises
+``min(r_t A_b, clip(r_t) A_b)``; clip-higher uses ``clip(r) = clamp(r, 1 - eps_low,
+1 + eps_high)``; dual clip bounds the term below by ``c A_b`` for ``A_b < 0``. The ratio
+of a token is the same in every branch through it, so the sum over branches folds by
+the sign of the advantage:
+
+    sum_b c_{b,t} J_{b,t} = P_t min(r_t, clip(r_t)) + N_t g(r_t),
+    P_t = sum_{A_b > 0} c_{b,t} A_b,  N_t = sum_{A_b < 0} c_{b,t} A_b,
+    g(r) = max(r, clip(r))   (dual clip: min(max(r, clip(r)), c))
+
+with ``c_{b,t}`` the branch's loss coefficient (weight x mask x aggregation scale).
+``grpo`` is the same objective, fed group-relative advantages.
+
+**Sequence-level objectives (``gspo``, ``dpo``)** use per-branch sums over the
+branch's target tokens, computed on the tree as path-prefix differences
+(:mod:`treelit.objectives.paths`). GSPO's ratio is ``s_b = exp(mean_t (logp_t -
+old_t))`` and its per-branch term ``min(s_b A_b, clip(s_b) A_b)`` counts once per
+target token of the branch under the token aggregations (so ``seq-mean-token-mean``
+gives GSPO's sequence mean). DPO pairs branches through their ``pair`` and
+``chosen`` fields and averages over pairs.
+
+**KL and entropy.** ``kl_coef`` adds ``kl_coef * sum_t c_t k(logp_t, ref_t)`` with the
+k1/k2/k3 estimators; ``entropy_coef`` subtracts ``entropy_coef * sum_t c_t H_t``.
+
+Old log-probs come from the data (``old_logprobs`` per branch) or, where missing,
+equal the current policy's (detached): one on-policy step. Reference log-probs come
+from the data or, with ``reference=initial``, from a frozen copy of the initial model.
+
+Every objective has ``tree_loss`` (the fold) and ``linear_loss`` (the plain
+per-branch formula); tests compare both with references written from the papers.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from treelit.loss.linear import branches_from_batch, linear_branch_logprobs
+from treelit.loss.tree import prepare_batch, tree_token_logprobs
+from treelit.objectives.base import OBJECTIVES, Objective
+from treelit.objectives.paths import branch_target_sums
+from treelit.tree.batch import check_aggregation
+
+__all__ = ["PPO", "GRPO", "GSPO", "DPO", "kl_estimate"]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1, k2, k3)."""
+    d = ref - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kind!r}")
+
+
+def _branch_scale(n: np.ndarray, aggregation: str) -> np.ndarray:
+    return np.divide(1.0, n, out=np.zeros_like(n), where=n > 0) if aggregation == "seq-mean-token-mean" else np.ones_like(n)
+
+
+class _PolicyObjective(Objective):
+    """Shared plumbing: log-probs in both forms, old/reference log-probs, KL and entropy."""
+
+    def __init__(self, kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0, reference: str = "data"):
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"objective.kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+        if reference not in ("data", "initial"):
+            raise ValueError(f"objective.reference must be 'data' or 'initial', got {reference!r}")
+        self.kl_coef = float(kl_coef)
+        self.kl_estimator = kl_estimator
+        self.entropy_coef = float(entropy_coef)
+        self.reference = reference
+        self._ref_model = None
+
+    # reference policy ----------------------------------------------------------------------
+    def _reference_model(self, model):
+        if self._ref_model is None:
+            self._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        return self._ref_model
+
+    def _tree_ref(self, model, batch, sel, attention):
+        if self.reference == "initial":
+            with torch.no_grad():
+                _, ref, _ = tree_token_logprobs(self._reference_model(model), batch, attention, select=sel)
+            return ref.to(torch.float64)
+        if batch.token_ref_logp is None or torch.isnan(batch.token_ref_logp[sel]).any():
+            raise ValueError("kl_coef > 0 needs ref_logprobs for every target token in the data, or objective.reference=initial")
+        return batch.token_ref_logp[sel]
+
+    def _linear_ref(self, model, batch, branches, b, lp):
+        if self.reference == "initial":
+            if not hasattr(self, "_lin_ref_cache") or self._lin_ref_cache[0] is not batch:
+                with torch.no_grad():
+                    refs, _ = linear_branch_logprobs(self._reference_model(model), branches)
+                self._lin_ref_cache = (batch, refs)
+            return self._lin_ref_cache[1][b].to(torch.float64)
+        ptr = batch.branch_ptr
+        if batch.branch_ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs in the data, or objective.reference=initial")
+        return batch.branch_ref_logp[int(ptr[b]) + 1 : int(ptr[b + 1])]
+
+    # shared pieces ------------------------------------------------------------------------
+    def norm_contribution(self, batch, aggregation: str) -> float:
+        return batch.norm_contribution(aggregation)
+
+    def _Z(self, batch, aggregation, normalizer) -> float:
+        if normalizer is not None:
+            return float(normalizer)
+        return 1.0 if aggregation == "sum" else self.norm_contribution(batch, aggregation)
+
+    @staticmethod
+    def _old_or_current(old: Optional[torch.Tensor], logp: torch.Tensor) -> torch.Tensor:
+        cur = logp.detach().to(torch.float64)
+        if old is None:
+            return cur
+        return torch.where(torch.isnan(old), cur, old)
+
+    def _regularisers(self, logp, ent, W, ref) -> Tuple[torch.Tensor, Dict[str, float]]:
+        total = logp.new_zeros(())
+        metrics: Dict[str, float] = {}
+        Wsum = float(W.sum()) if W.numel() else 0.0
+        if self.kl_coef:
+            kl = kl_estimate(logp, ref.to(logp.dtype), self.kl_estimator)
+            total = total + self.kl_coef * (W.to(logp.dtype) * kl).sum()
+            metrics["kl_ref"] = float((W * kl.detach().double()).sum()) / max(Wsum, 1e-30)
+        if self.entropy_coef:
+            total = total - self.entropy_coef * (W.to(logp.dtype) * ent).sum()
+        if ent is not None:
+            metrics["entropy"] = float((W * ent.detach().double()).sum()) / max(Wsum, 1e-30)
+        return total, metrics
+
+    def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
+        check_aggregation(aggregation)
+        batch = prepare_batch(model, batch)
+        Z = self._Z(batch, aggregation, normalizer)
+        sel = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
+        need_ent = bool(self.entropy_coef)
+        _, logp, ent = tree_token_logprobs(model, batch, attention, select=sel, with_entropy=need_ent, chunk_rows=chunk_rows)
+        old = self._old_or_current(None if batch.token_old_logp is None else batch.token_old_logp[sel], logp)
+        W = batch.token_weights(aggregation)[sel]
+        main, metrics = self._tree_term(batch, sel, logp, old, aggregation)
+        ref = self._tree_ref(model, batch, sel, attention) if self.kl_coef else None
+        reg, m2 = self._regularisers(logp, ent, W, ref)
+        total = main + reg
+        return (total / Z if Z > 0 else total * 0.0), {**metrics, **m2}
+
+    def linear_loss(self, model, batch, *, aggregation, normalizer, chunk_rows=None):
+        check_aggregation(aggregation)
+        Z = self._Z(batch, aggregation, normalizer)
+        branches, masks, weights = branches_from_batch(batch)
+        logps, ents = linear_branch_logprobs(model, branches, with_entropy=bool(self.entropy_coef), chunk_rows=chunk_rows)
+        n = np.array([m[1:].sum() for m in masks], dtype=np.float64)
+        coef = weights * _branch_scale(n, aggregation)
+        ptr = batch.branch_ptr
+        total = logps[0].new_zeros(())
+        for b, lp in enumerate(logps):
+            m = torch.from_numpy(masks[b][1:].astype(np.float64)).to(lp.device)
+            if not m.any():
+                continue
+            old = None if batch.branch_old_logp is None else batch.branch_old_logp[int(ptr[b]) + 1 : int(ptr[b + 1])]
+            old = self._old_or_current(old, lp)
+            c = (coef[b] * m).to(lp.dtype)
+            total = total + self._branch_term(b, lp, old, c, batch, n[b], aggregation)
+            if self.kl_coef:
+                ref = self._linear_ref(model, batch, branches, b, lp)
+                total = total + self.kl_coef * (c * kl_estimate(lp, ref.to(lp.dtype), self.kl_estimator)).sum()
+            if self.entropy_coef:
+                total = total - self.entropy_coef * (c * ents[b]).sum()
+        return (total / Z if Z > 0 else total * 0.0), {}
+
+    # per objective ----------------------------------------------------------------------------
+    def _tree_term(self, batch, sel, logp, old, aggregation):
+        raise NotImplementedError
+
+    def _branch_term(self, b, lp, old, c, batch, n_b, aggregation):
+        raise NotImplementedError
+
+
+@OBJECTIVES.register("ppo")
+class PPO(_PolicyObjective):
+    """Token-level clipped surrogate. Args: ``clip_low``/``clip_high`` (clip-higher when they
+    differ), ``dual_clip`` (a constant > 1, or None), plus KL/entropy options."""
+
+    name = "ppo"
+
+    def __init__(self, clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None, **kw):
+        super().__init__(**kw)
+        self.clip_low = float(clip_low)
+        self.clip_high = float(clip_low if clip_high is None else clip_high)
+        if dual_clip is not None and dual_clip <= 1.0:
+            raise ValueError(f"objective.dual_clip must be > 1, got {dual_clip}")
+        self.dual_clip = None if dual_clip is None else float(dual_clip)
+
+    def _clip(self, r):
+        return r.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+
+    def _tree_term(self, batch, sel, logp, old, aggregation):
+        P, Nn = (x[sel].to(logp.dtype) for x in batch.advantage_weights(aggregation))
+        r = torch.exp(logp - old.to(logp.dtype))
+        rc = self._clip(r)
+        g_neg = torch.maximum(r, rc)
+        if self.dual_clip is not None:
+            g_neg = torch.clamp(g_neg, max=self.dual_clip)
+        term = -(P * torch.minimum(r, rc) + Nn * g_neg).sum()
+        W = batch.token_weights(aggregation)[sel]
+        clipped = ((r.detach() < 1 - self.clip_low) | (r.detach() > 1 + self.clip_high)).double()
+        Wsum = max(float(W.sum()), 1e-30)
+        adv = batch.branch_adv
+        metrics = {
+            "clip_frac": float((W * clipped).sum()) / Wsum,
+            "approx_kl": float((W * kl_estimate(logp.detach().double(), old.double(), "k3")).sum()) / Wsum,
+            "adv_mean": float(adv.mean()),
+            "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
+            "adv_min": float(adv.min()),
+            "adv_max": float(adv.max()),
+        }
+        return term, metrics
+
+    def _branch_term(self, b, lp, old, c, batch, n_b, aggregation):
+        A = float(batch.branch_adv[b])
+        r = torch.exp(lp - old.to(lp.dtype))
+        J = torch.minimum(r * A, self._clip(r) * A)
+        if self.dual_clip is not None and A < 0:
+            J = torch.maximum(J, torch.full_like(J, self.dual_clip * A))
+        return -(c * J).sum()
+
+
+@OBJECTIVES.register("grpo")
+class GRPO(PPO):
+    """PPO's clipped surrogate with group-relative advantages (set by the data's advantage
+    estimator, ``grpo`` by default); defaults to clip-higher (0.2 / 0.28)."""
+
+    name = "grpo"
+
+    def __init__(self, clip_low: float = 0.2, clip_high: Optional[float] = 0.28, **kw):
+        super().__init__(clip_low=clip_low, clip_high=clip_high, **kw)
+
+
+@OBJECTIVES.register("gspo")
+class GSPO(_PolicyObjective):
+    """Sequence-level ratio ``exp(mean of the branch's token log-ratios)``, clipped."""
+
+    name = "gspo"
+
+    def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4, **kw):
+        super().__init__(**kw)
+        self.clip_low, self.clip_high = float(clip_low), float(clip_high)
+
+    def _seq_term(self, s, A):
+        return torch.minimum(s * A, s.clamp(1 - self.clip_low, 1 + self.clip_high) * A)
+
+    def _tree_term(self, batch, sel, logp, old, aggregation):
+        d = torch.zeros(batch.num_tokens, dtype=logp.dtype, device=logp.device)
+        d = d.index_put((sel,), logp - old.to(logp.dtype))
+        S = branch_target_sums(batch, d)
+        n = _targets_per_branch(batch)
+        k = batch.branch_weight.numpy() * (n * _branch_scale(n, aggregation))
+        keep = torch.from_numpy(np.flatnonzero(n > 0)).to(logp.device)
+        s = torch.exp(S[keep] / torch.from_numpy(n).to(S)[keep])
+        A = batch.branch_adv[keep].to(S.dtype)
+        J = self._seq_term(s, A)
+        term = -(torch.from_numpy(k).to(S)[keep] * J).sum()
+        return term, {"seq_ratio_mean": float(s.detach().mean()) if keep.numel() else 1.0}
+
+    def _branch_term(self, b, lp, old, c, batch, n_b, aggregation):
+        mask = _branch_mask(batch, b).to(lp.device)
+        s = torch.exp(((lp - old.to(lp.dtype)) * mask).sum() / n_b)
+        A = torch.tensor(float(batch.branch_adv[b]), dtype=lp.dtype)
+        return -(c.sum()) * self._seq_term(s, A)
+
+
+@OBJECTIVES.register("dpo")
+class DPO(_PolicyObjective):
+    """Direct preference optimisation over (chosen, rejected) branch pairs.
+
+    Branches carry ``pair`` (a pair id) and ``chosen`` (true/false); each pair has one of
+    each. Sequence log-probs sum the branch's target tokens. ``loss``: ``sigmoid`` or
+    ``ipo``. The step normaliser is the number of pairs (``sum``: 1); a pair's weight is
+    its chosen branch's weight.
+    """
+
+    name = "dpo"
+
+    def __init__(self, beta: float = 0.1, loss: str = "sigmoid", reference: str = "data", **kw):
+        if loss not in ("sigmoid", "ipo"):
+            raise ValueError(f"objective.loss must be 'sigmoid' or 'ipo', got {loss!r}")
+        super().__init__(reference=reference, **kw)
+        self.beta = float(beta)
+        self.loss = loss
+
+    def norm_contribution(self, batch, aggregation: str) -> float:
+        return 0.0 if aggregation == "sum" else float(len(_pairs(batch)))
+
+    def _pair_loss(self, h):
+        if self.loss == "sigmoid":
+            return -F.logsigmoid(self.beta * h)
+        return (h - 1.0 / (2.0 * self.beta)) ** 2
+
+    def _ref_seq(self, model, batch, attention, linear: bool):
+        if self.reference == "initial":
+            ref_model = self._reference_model(model)
+            with torch.no_grad():
+                if linear:
+                    branches, masks, _ = branches_from_batch(batch)
+                    lps, _ = linear_branch_logprobs(ref_model, branches)
+                    return torch.stack([(lp.double() * torch.from_numpy(m[1:].astype(np.float64))).sum() for lp, m in zip(lps, masks)])
+                sel, lp, _ = tree_token_logprobs(ref_model, batch, attention)
+                x = torch.zeros(batch.num_tokens, dtype=torch.float64).index_put((sel,), lp.double())
+                return branch_target_sums(batch, x)
+        if batch.branch_ref_logp is None:
+            raise ValueError("dpo needs ref_logprobs in the data, or objective.reference=initial")
+        return _branch_sums_host(batch, batch.branch_ref_logp)
+
+    def _loss_from_seq(self, pi, ref, batch, Z):
+        total = pi.new_zeros(())
+        for c, r in _pairs(batch):
+            h = (pi[c] - ref[c].to(pi.dtype)) - (pi[r] - ref[r].to(pi.dtype))
+            total = total + float(batch.branch_weight[c]) * self._pair_loss(h)
+        return total / Z if Z > 0 else total * 0.0
+
+    def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
+        check_aggregation(aggregation)
+        batch = prepare_batch(model, batch)
+        sel, logp, _ = tree_token_logprobs(model, batch, attention, chunk_rows=chunk_rows)
+        x = torch.zeros(batch.num_tokens, dtype=logp.dtype, device=logp.device).index_put((sel,), logp)
+        pi = branch_target_sums(batch, x)
+        ref = self._ref_seq(model, batch, attention, linear=False)
+        return self._loss_from_seq(pi, ref, batch, self._Z(batch, aggregation, normalizer)), {}
+
+    def linear_loss(self, model, batch, *, aggregation, normalizer, chunk_rows=None):
+        check_aggregation(aggregation)
+        branches, masks, _ = branches_from_batch(batch)
+        lps, _ = linear_branch_logprobs(model, branches, chunk_rows=chunk_rows)
+        pi = torch.stack([(lp * torch.from_numpy(m[1:].astype(np.float64)).to(lp)).sum() for lp, m in zip(lps, masks)])
+        ref = self._ref_seq(model, batch, "auto", linear=True)
+        return self._loss_from_seq(pi, ref, batch, self._Z(batch, aggregation, normalizer)), {}
+
+
+# helpers -------------------------------------------------------------------------------------
+
+
+def _targets_per_branch(batch) -> np.ndarray:
+    ptr = batch.branch_ptr.numpy()
+    mask = batch.branch_mask.numpy().copy()
+    mask[ptr[:-1]] = False
+    return np.add.reduceat(mask.astype(np.float64), ptr[:-1]) if len(mask) else np.zeros(0)
+
+
+def _branch_mask(batch, b: int) -> torch.Tensor:
+    ptr = batch.branch_ptr
+    return batch.branch_mask[int(ptr[b]) + 1 : int(ptr[b + 1])].to(torch.float64)
+
+
+def _branch_sums_host(batch, flat: torch.Tensor) -> torch.Tensor:
+    """Per-branch sums over target positions of a flat [F] per-branch-token array."""
+    ptr = batch.branch_ptr.numpy()
+    mask = batch.branch_mask.numpy().copy()
+    mask[ptr[:-1]] = False
+    vals = np.where(mask, np.nan_to_num(flat.numpy()), 0.0)
+    if np.isnan(flat.numpy()[mask]).any():
+        raise ValueError("reference log-probs are missing for some target tokens")
+    return torch.from_numpy(np.add.reduceat(vals, ptr[:-1]))
+
+
+def _pairs(batch) -> List[Tuple[int, int]]:
+    cached = getattr(batch, "_dpo_pairs", None)
+    if cached is not None:
+        return cached
+    pair = batch.branch_fields.get("pair")
+    chosen = batch.branch_fields.get("chosen")
+    if pair is None or chosen is None:
+        raise ValueError("dpo needs branch fields 'pair' and 'chosen' (one chosen and one rejected branch per pair)")
+    by_pair: Dict[object, List[int]] = {}
+    for b, (p, c) in enumerate(zip(pair, chosen)):
+        if p is None:
+            continue
+        by_pair.setdefault((int(batch.branch_tree[b]), p), []).append(b)
+    out = []
+    for key, members in by_pair.items():
+        flags = [bool(chosen[b]) for b in members]
+        if len(members) != 2 or sorted(flags) != [False, True]:
+            raise ValueError(f"dpo pair {key[1]!r} must have exactly one chosen and one rejected branch, got {len(members)}")
+        c = members[flags.index(True)]
+        r = members[flags.index(False)]
+        out.append((c, r))
+    batch._dpo_pairs = out
+    return out
