@@ -307,3 +307,19 @@ def test_clip_metrics_and_bad_options():
     _, m = make_objective("ppo").tree_loss(model, tree.to_batch(), aggregation="token-mean", normalizer=None)
     assert m["clip_frac"] == pytest.approx(1.0) and m["approx_kl"] > 0
     assert math.isclose(m["adv_mean"], 0.0, abs_tol=1e-12)
+
+
+def test_library_api_tree_and_linear_loss_with_objective():
+    model = cached_model("qwen2_tiny", torch.float64)
+    br = [[1, 2, 3, 4], [1, 2, 5, 6, 7]]
+    masks = [[0, 0, 1, 1], [0, 0, 1, 1, 1]]
+    adv = [1.5, -0.5]
+    old = [[None, -1.0, -2.0, -2.2], [None, -1.0, -1.5, -3.0, -0.7]]
+    tree = treelit.TokenTree.from_branches(br, masks, advantages=adv, old_logprobs=old)
+    assert_equivalent(
+        model,
+        lambda: treelit.tree_loss(model, tree.to_batch(), objective="grpo", clip_high=0.3),
+        lambda: treelit.linear_loss(model, br, masks, objective="grpo", clip_high=0.3, advantages=adv, old_logprobs=old),
+        torch.float64,
+        "api",
+    )

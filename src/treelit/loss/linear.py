@@ -140,8 +140,27 @@ def linear_loss(
     normalizer: Optional[float] = None,
     max_tokens: int = 8192,
     chunk_rows: Optional[int] = None,
+    objective: str = "sft",
+    advantages=None,
+    old_logprobs=None,
+    ref_logprobs=None,
+    branch_fields=None,
+    **objective_options,
 ) -> torch.Tensor:
-    """Per-branch (linearized) loss; differentiable. ``normalizer`` overrides Z (global over a step)."""
+    """Per-branch (linearized) loss; differentiable. ``normalizer`` overrides Z (global over a step).
+
+    ``objective`` (with its options) selects an RL objective; the per-branch RL inputs are
+    ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``branch_fields`` (``pair``/``chosen``
+    for DPO), as for :meth:`TokenTree.from_branches`.
+    """
+    if objective != "sft" or objective_options:
+        from treelit.objectives import make_objective
+        from treelit.tree.token_tree import TokenTree
+
+        tree = TokenTree.from_branches(branches, loss_masks, weights, advantages=advantages, old_logprobs=old_logprobs,
+                                       ref_logprobs=ref_logprobs, branch_fields=branch_fields)
+        obj = make_objective(objective, **objective_options)
+        return obj.linear_loss(model, tree.to_batch(), aggregation=aggregation, normalizer=normalizer, chunk_rows=chunk_rows)[0]
     lb, coef = _prepare(model, branches, loss_masks, weights, aggregation, normalizer)
     device = next(model.parameters()).device
     total = None

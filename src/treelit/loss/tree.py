@@ -59,6 +59,8 @@ def tree_loss(
     *,
     normalizer: Optional[float] = None,
     chunk_rows: Optional[int] = None,
+    objective: str = "sft",
+    **objective_options,
 ) -> torch.Tensor:
     """Exactly the per-branch training loss, computed on the tree.
 
@@ -70,7 +72,15 @@ def tree_loss(
         normalizer: the step-global normaliser Z (see :func:`treelit.global_normalizer`); by
             default this row's own.
         chunk_rows: rows per log-prob chunk (bounds the logits memory).
+        objective: ``sft`` (default) or any registered objective (``ppo``, ``grpo``, ``gspo``,
+            ``dpo``, ...) with its options as keyword arguments.
     """
+    if objective != "sft" or objective_options:
+        from treelit.objectives import make_objective
+
+        obj = make_objective(objective, **objective_options)
+        return obj.tree_loss(model, batch if isinstance(batch, TreeBatch) else batch.to_batch(),
+                             aggregation=aggregation, normalizer=normalizer, attention=attention, chunk_rows=chunk_rows)[0]
     batch = prepare_batch(model, batch)
     W = batch.token_weights(aggregation)
     Z = global_normalizer([batch], aggregation) if normalizer is None else float(normalizer)
