@@ -180,47 +180,57 @@ class TreeBatch:
         )
 
     def token_slice(self, start: int, end: int) -> "TreeBatch":
-        """The tokens ``[start, end)`` as a row of their own (a partition of the tree).
-
-        ``start`` must begin a segment and the range must be closed under descendants of the
-        tokens it keeps (e.g. a whole subtree, or a subtree with some child subtrees cut off
-        and dropped by the caller). Parents outside the range become ``-1``; positions stay
-        the tokens' depths in the full tree. Branch tables are dropped (a partition's loss
-        uses the folded token weights and the full tree's normaliser).
-        """
-        n = end - start
+        """The tokens ``[start, end)`` as a row of their own (see :meth:`subset`)."""
         if not (0 <= start < end <= self.num_tokens):
             raise ValueError(f"bad token range [{start}, {end}) for a row of {self.num_tokens} tokens")
-        seg_sel = (self.seg_start >= start) & (self.seg_start < end)
-        seg_ids = torch.nonzero(seg_sel).squeeze(1)
-        if seg_ids.numel() == 0 or int(self.seg_start[seg_ids[0]]) != start:
-            raise ValueError(f"token {start} does not begin a segment")
-        seg_map = torch.full((self.num_segments,), -1, dtype=torch.long, device=self.device)
-        seg_map[seg_ids] = torch.arange(seg_ids.numel(), device=self.device)
-        sp = self.seg_parent[seg_ids]
-        parent = self.parent[start:end] - start
-        empty_l = torch.zeros(0, dtype=torch.long, device=self.device)
+        return self.subset(torch.arange(start, end, device=self.device))
+
+    def subset(self, tokens: torch.Tensor) -> "TreeBatch":
+        """The given tokens (sorted indices) as a row of their own: a partition of the tree.
+
+        The kept set must be closed under removal of whole subtrees: a token whose parent is
+        dropped starts a new root of the row, and every kept token's subtree consists of kept
+        tokens plus whole dropped subtrees. Positions stay the tokens' depths in the full
+        tree; parents outside become ``-1``; segment tables are rebuilt. Branch tables are
+        dropped (a partition's loss uses the folded token weights and the full tree's
+        normaliser).
+        """
+        dev = self.device
+        tokens = tokens.to(dev)
+        n = int(tokens.shape[0])
+        if n == 0:
+            raise ValueError("a subset needs at least one token")
+        kept = torch.zeros(self.num_tokens + 1, dtype=torch.long, device=dev)
+        kept[tokens] = 1
+        before = torch.cumsum(kept, 0) - kept  # kept tokens before each index
+        old_parent = self.parent[tokens]
+        parent_kept = (old_parent >= 0) & (kept[old_parent.clamp(min=0)] > 0)
+        parent = torch.where(parent_kept, before[old_parent.clamp(min=0)], torch.full_like(old_parent, -1))
+        subtree_end = before[self.subtree_end[tokens]]
+        seg_start, seg_len, seg_parent = segments_from_parents(parent.cpu().numpy())
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        empty_l = torch.zeros(0, dtype=torch.long, device=dev)
         return TreeBatch(
-            input_ids=self.input_ids[start:end],
-            position_ids=self.position_ids[start:end],
-            parent=torch.where(parent >= 0, parent, torch.full_like(parent, -1)),
-            subtree_end=(self.subtree_end[start:end] - start).clamp(max=n),
-            target_weight_sum=self.target_weight_sum[start:end],
-            target_weight_mean=self.target_weight_mean[start:end],
-            target_count=self.target_count[start:end],
-            seg_start=self.seg_start[seg_ids] - start,
-            seg_len=torch.minimum(self.seg_len[seg_ids], end - self.seg_start[seg_ids]),
-            seg_parent=torch.where(sp >= 0, seg_map[sp.clamp(min=0)], sp),
-            tree_ptr=torch.tensor([0, n], dtype=torch.long, device=self.device),
-            branch_ptr=torch.zeros(1, dtype=torch.long, device=self.device),
+            input_ids=self.input_ids[tokens],
+            position_ids=self.position_ids[tokens],
+            parent=parent,
+            subtree_end=subtree_end,
+            target_weight_sum=self.target_weight_sum[tokens],
+            target_weight_mean=self.target_weight_mean[tokens],
+            target_count=self.target_count[tokens],
+            seg_start=t(seg_start),
+            seg_len=t(seg_len),
+            seg_parent=t(seg_parent),
+            tree_ptr=torch.tensor([0, n], dtype=torch.long, device=dev),
+            branch_ptr=torch.zeros(1, dtype=torch.long, device=dev),
             branch_tokens=empty_l,
-            branch_mask=torch.zeros(0, dtype=torch.bool, device=self.device),
-            branch_weight=torch.zeros(0, dtype=torch.float64, device=self.device),
+            branch_mask=torch.zeros(0, dtype=torch.bool, device=dev),
+            branch_weight=torch.zeros(0, dtype=torch.float64, device=dev),
             branch_tree=empty_l,
             num_targets=0,
             num_sequences=0,
             **{
-                name: (getattr(self, name)[start:end] if getattr(self, name) is not None else None)
+                name: (getattr(self, name)[tokens] if getattr(self, name) is not None else None)
                 for name in _RL_TOKEN_FIELDS
             },
         )
@@ -332,6 +342,23 @@ class TreeBatch:
         if not hits.numel():
             return -1
         return int(torch.searchsorted(self.branch_ptr, hits[0], right=True)[0]) - 1
+
+
+def segments_from_parents(parent: np.ndarray):
+    """Segment tables ``(seg_start, seg_len, seg_parent)`` of a DFS-ordered row given its
+    parent array: a token continues its predecessor's segment iff its parent is the
+    predecessor and the predecessor has exactly one child."""
+    N = len(parent)
+    idx = np.arange(N)
+    children = np.bincount(parent[parent >= 0], minlength=N)
+    cont = np.zeros(N, dtype=bool)
+    cont[1:] = (parent[1:] == idx[:-1]) & (children[:-1] == 1)
+    seg_start = np.flatnonzero(~cont)
+    seg_len = np.diff(np.append(seg_start, N))
+    seg_of = np.cumsum(~cont) - 1
+    p = parent[seg_start]
+    seg_parent = np.where(p >= 0, seg_of[np.maximum(p, 0)], -1)
+    return seg_start.astype(np.int64), seg_len.astype(np.int64), seg_parent.astype(np.int64)
 
 
 _RL_TOKEN_FIELDS = ("token_old_logp", "token_ref_logp", "adv_pos_sum", "adv_neg_sum", "adv_pos_mean", "adv_neg_mean")

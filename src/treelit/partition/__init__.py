@@ -1,0 +1,11 @@
+"""Partition strategies (registry kind ``partition``): trees larger than memory."""
+
+from treelit.partition.backward import PartitionStats, tree_backward
+from treelit.partition.plan import BudgetError, PartitionPlan, plan_partitions
+from treelit.registry import get_registry
+
+PARTITIONS = get_registry("partition", ["treelit.partition"])
+PARTITIONS.register("none", "none")
+PARTITIONS.register("redundancy_free", "redundancy_free")
+
+__all__ = ["PARTITIONS", "BudgetError", "PartitionPlan", "PartitionStats", "plan_partitions", "tree_backward"]
