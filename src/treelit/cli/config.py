@@ -60,9 +60,12 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")
     part = cfg.get("partition") or {}
     if part.get("name", "none") != "none":
-        from treelit.registry import get_registry
+        from treelit.partition import PARTITIONS
 
-        get_registry("partition").get(part["name"])  # unknown names list the known ones
+        PARTITIONS.get(part["name"])  # unknown names list the known ones
+        obj = (cfg.get("objective") or {}).get("name")
+        if obj != "sft":
+            raise ConfigError(f"partition={part['name']} runs objective=sft only (got objective={obj}); use partition=none")
     ckpt = (cfg.get("model") or {}).get("hf_checkpoint")
     if ckpt and not os.path.isdir(str(ckpt)):
         raise ConfigError(f"model.hf_checkpoint: directory {str(ckpt)!r} does not exist")

@@ -91,6 +91,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         ppo_epochs=cfg.ppo_epochs,
         ppo_minibatches=cfg.ppo_minibatches,
         old_logprobs=cfg.old_logprobs,
+        partition=cfg.partition.name,
+        budget_tokens=cfg.partition.get("budget_tokens"),
     )
     callbacks = _instantiate_all(cfg.get("callbacks"))
     loggers = _instantiate_all(cfg.get("logger"))

@@ -53,6 +53,11 @@ class TreeLitModule(pl.LightningModule):
         old_logprobs: ``data`` (from the records; where missing, the current policy's) or
             ``rollout`` (recomputed in tree mode without gradient before the first update of
             each step batch, so later PPO epochs see true ratios).
+        partition: ``none`` or ``redundancy_free`` (trees cut into partitions whose chains fit
+            ``budget_tokens``; the :class:`~treelit.lightning.planner.MemoryPlanner` callback
+            sets the budget from free memory before each step).
+        max_oom_retries: on an out-of-memory error the step is retried with a smaller budget
+            (the planner shrinks it) this many times.
     """
 
     def __init__(
@@ -70,6 +75,9 @@ class TreeLitModule(pl.LightningModule):
         ppo_epochs: int = 1,
         ppo_minibatches: int = 1,
         old_logprobs: str = "data",
+        partition: str = "none",
+        budget_tokens: Optional[int] = None,
+        max_oom_retries: int = 3,
     ) -> None:
         super().__init__()
         if mode not in ("tree", "linear"):
@@ -91,6 +99,16 @@ class TreeLitModule(pl.LightningModule):
         self.ppo_epochs = int(ppo_epochs)
         self.ppo_minibatches = int(ppo_minibatches)
         self.old_logprobs = old_logprobs
+        if partition not in ("none", "redundancy_free"):
+            raise ValueError(f"partition must be 'none' or 'redundancy_free', got {partition!r}")
+        if partition != "none" and objective.name != "sft":
+            raise ValueError(
+                f"partition={partition} runs the sft objective only (objective={objective.name}); use partition=none"
+            )
+        self.partition = partition
+        self.budget_tokens = budget_tokens
+        self.max_oom_retries = int(max_oom_retries)
+        self.last_partition_stats = None
         self.automatic_optimization = False
 
     def configure_optimizers(self):
@@ -127,18 +145,77 @@ class TreeLitModule(pl.LightningModule):
             mb.token_old_logp = old
             mb.branch_old_logp = old[mb.branch_tokens]
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self._distributed():
+            loss.backward()  # gradients are summed across ranks once per update (sync_gradients)
+        else:
+            self.manual_backward(loss)
+
+    def _distributed(self) -> bool:
+        return self.trainer is not None and self.trainer.world_size > 1
+
+    def sync_gradients(self) -> None:
+        """Sum gradients over ranks, once per update. The loss is already divided by the
+        step-global normaliser, so the sum is exactly the single-process gradient. Every
+        rank issues the same collectives whatever its number of partitions or passes."""
+        if not self._distributed():
+            return
+        import torch.distributed as dist
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[off : off + n].view_as(p))
+            off += n
+
     def _update(self, micro_batches) -> Dict[str, float]:
-        """Forward and backward every micro-batch with the shared normaliser, then one step."""
+        """Forward and backward every micro-batch with the shared normaliser, then one step.
+        On an out-of-memory error the gradients are cleared and the update is retried with a
+        smaller partition budget: the result is that of an undisturbed update."""
+        from treelit.lightning.planner import MemoryPlanner
+
+        planner = next((c for c in (self.trainer.callbacks if self.trainer else []) if isinstance(c, MemoryPlanner)), None)
+        for attempt in range(self.max_oom_retries + 1):
+            try:
+                return self._update_once(micro_batches)
+            except torch.OutOfMemoryError:
+                self.optimizers().zero_grad(set_to_none=True)
+                if attempt == self.max_oom_retries or planner is None:
+                    raise
+                self.budget_tokens = planner.shrink(self, micro_batches)
+                log.warning("out of memory: retrying the update with a budget of %s tokens", self.budget_tokens)
+        raise AssertionError("unreachable")
+
+    def _update_once(self, micro_batches) -> Dict[str, float]:
+        from treelit.partition import PartitionStats, tree_backward
+
         opt = self.optimizers()
         Z = self.step_normalizer(micro_batches)
         total = 0.0
         metrics: Dict[str, float] = {}
+        stats = PartitionStats()
         for mb in micro_batches:
+            if self.partition != "none" and self.mode == "tree":
+                total += tree_backward(
+                    self.model, mb, self.aggregation, self.partition, self.budget_tokens, normalizer=Z,
+                    attention=self.attention, chunk_rows=self.chunk_rows, stats=stats,
+                )
+                continue
             loss, m = self.micro_loss(mb, Z)
-            self.manual_backward(loss)
+            self._backward(loss)
             total += float(loss.detach())
+            stats.partitions += 1
+            stats.token_forwards += mb.num_tokens
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro_batches)
+        self.last_partition_stats = stats
+        self.sync_gradients()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
@@ -147,7 +224,10 @@ class TreeLitModule(pl.LightningModule):
         sch = self.lr_schedulers()
         if sch is not None:
             sch.step()
-        return {"loss": total, "grad_norm": grad_norm, **metrics}
+        extra = {"partitions": float(stats.partitions), "token_forwards": float(stats.token_forwards)}
+        if self.budget_tokens is not None:
+            extra["budget_tokens"] = float(self.budget_tokens)
+        return {"loss": total, "grad_norm": grad_norm, **extra, **metrics}
 
     def training_step(self, batch: StepBatch, batch_idx: int):
         t0 = time.perf_counter()

@@ -1,0 +1,65 @@
+"""The memory planner: budgets under a simulated memory limit, and out-of-memory retries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import treelit
+from app_helpers import SMALL
+from treelit.cli.config import compose
+from treelit.cli.train import run
+
+
+@pytest.fixture
+def wide_trees(tmp_path):
+    path = tmp_path / "wide.jsonl"
+    prefix = list(range(1, 41))
+    with path.open("w") as f:
+        for t in range(4):
+            branches = [{"input_ids": prefix + [(7 * b + t) % 400 + 50] * 30} for b in range(12)]
+            f.write(json.dumps({"id": f"t{t}", "branches": branches}) + "\n")
+    return path
+
+
+def planner_run(tmp_path, data, name, *extra):
+    cfg = compose([f"output_dir={tmp_path / name}", *SMALL, "callbacks=planner", "callbacks.progress=null",
+                   "callbacks.checkpoint=null", "partition=redundancy_free", "data=jsonl", f"data.train_path={data}",
+                   "data.shuffle=false", "trainer.max_steps=3", "optimizer=sgd", "optimizer.lr=0.1", *extra])
+    return run(cfg), tmp_path / name
+
+
+def test_budgets_keep_peak_memory_below_the_limit(tmp_path, wide_trees):
+    limit = 4 * 2**20
+    summary, _ = planner_run(tmp_path, wide_trees, "limit", f"callbacks.memory_planner.memory_limit_bytes={limit}",
+                             "callbacks.memory_planner.initial_bytes_per_token=20000")
+    m = summary["metrics"]
+    assert m["planner/peak_bytes"] < limit
+    assert m["budget_tokens"] < 400 and m["partitions"] > 1  # a 400-token tree does not fit in one pass
+    assert m["token_forwards"] == m["tree_tokens"]
+
+
+def test_out_of_memory_retries_with_a_smaller_budget_and_same_result(tmp_path, wide_trees, monkeypatch):
+    from treelit.partition import backward as pb
+
+    real = pb._run_plan
+    calls = {"oom": 0}
+
+    def flaky(model, batch, plan, *a, **k):
+        if plan.budget > 150 and calls["oom"] < 2:  # "too big for the device"
+            calls["oom"] += 1
+            raise torch.OutOfMemoryError("simulated")
+        return real(model, batch, plan, *a, **k)
+
+    limit = 64 * 2**20
+    common = [f"callbacks.memory_planner.memory_limit_bytes={limit}", "callbacks.memory_planner.initial_bytes_per_token=150000"]
+    _, out_ref = planner_run(tmp_path, wide_trees, "ref", "partition.budget_tokens=100", "callbacks.memory_planner=null")
+    monkeypatch.setattr(pb, "_run_plan", flaky)
+    summary, out = planner_run(tmp_path, wide_trees, "oom", *common)
+    assert calls["oom"] == 2
+    a = treelit.load_hf_checkpoint(out / "hf_checkpoint").state_dict()
+    b = treelit.load_hf_checkpoint(out_ref / "hf_checkpoint").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
