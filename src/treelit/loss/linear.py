@@ -219,7 +219,8 @@ def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_t
             ids[r, : len(toks[i])] = torch.from_numpy(toks[i])
         ids = ids.to(device)
         pos = torch.arange(L, device=device).expand(len(idx), L)
-        h = decoder_hidden(model, ids, pos, CausalContext())
+        lengths = torch.tensor([len(toks[i]) for i in idx], device=device)
+        h = decoder_hidden(model, ids, pos, CausalContext(lengths))
         for r, i in enumerate(idx):
             n = len(toks[i])
             lp, en = token_logprobs(h[r, : n - 1], output_weight(model), ids[r, 1:n], chunk_rows=chunk_rows, with_entropy=with_entropy)

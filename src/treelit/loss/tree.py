@@ -43,10 +43,15 @@ def tree_hidden(
     *,
     external: Optional[ExternalKV] = None,
     capture_kv: bool = False,
+    capture_tokens=None,
 ):
-    """Final hidden states ``[N, D]`` of the row and the :class:`TreeContext` used."""
+    """Final hidden states ``[N, D]`` of the row and the :class:`TreeContext` used.
+
+    ``capture_kv`` keeps each attention layer's K/V, ``capture_tokens`` (row indices) makes
+    recurrent layers return their state and convolution context right after those tokens
+    (in ``ctx.captured`` / ``ctx.recurrent_out``)."""
     backend = resolve_backend(attention, batch.device, batch)
-    ctx = TreeContext(batch, backend, external=external, capture_kv=capture_kv)
+    ctx = TreeContext(batch, backend, external=external, capture_kv=capture_kv, capture_tokens=capture_tokens)
     h = decoder_hidden(model, batch.input_ids[None], batch.position_ids[None], ctx)[0]
     return h, ctx
 

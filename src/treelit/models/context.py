@@ -33,6 +33,20 @@ class CausalContext:
 
     def __init__(self, lengths: Optional[torch.Tensor] = None) -> None:
         self.lengths = lengths  # [B] real lengths (for recurrent layers); None = no padding
+        self._layouts: Dict[tuple, Any] = {}
+
+    captures_recurrent = False
+
+    def recurrent_layout(self, K: int, B: int, L: int, device=None):
+        key = (K, B, L)
+        if key not in self._layouts:
+            from treelit.ssm.layout import causal_layout
+
+            self._layouts[key] = causal_layout(B, L, self.lengths, K, device)
+        return self._layouts[key]
+
+    def recurrent_external(self, layer: int):
+        return None
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -94,8 +108,17 @@ class TreeContext:
 
     kind = "tree"
 
-    def __init__(self, batch: TreeBatch, backend, external: Optional[ExternalKV] = None, capture_kv: bool = False):
+    def __init__(
+        self,
+        batch: TreeBatch,
+        backend,
+        external: Optional[ExternalKV] = None,
+        capture_kv: bool = False,
+        capture_tokens: Optional[Any] = None,
+    ):
         self.batch = batch
+        self.capture_tokens = capture_tokens  # tokens whose recurrent state/conv context to return
+        self._layouts: Dict[int, Any] = {}
         self.backend = backend
         self.external = external
         self.capture_kv = capture_kv
@@ -110,6 +133,25 @@ class TreeContext:
         else:
             kv_lo, kv_hi, E = idx, batch.subtree_end, 0
         self.layout = TreeLayout(batch=batch, kv_lo=kv_lo, kv_hi=kv_hi, num_external=E)
+
+    # recurrent layers ----------------------------------------------------------------------
+    @property
+    def captures_recurrent(self) -> bool:
+        return self.capture_tokens is not None
+
+    def recurrent_layout(self, K: int, B: int = 1, L: int = 0, device=None):
+        if K not in self._layouts:
+            from treelit.ssm.layout import tree_layout
+
+            ext = self.external is not None and bool(self.external.state)
+            self._layouts[K] = tree_layout(self.batch, K, external=ext, capture=self.capture_tokens)
+        return self._layouts[K]
+
+    def recurrent_external(self, layer: int):
+        return None if self.external is None else self.external.state.get(layer)
+
+    def record_recurrent(self, layer: int, values: Dict[str, Any]) -> None:
+        self.recurrent_out[layer] = values
 
     @property
     def plan(self):

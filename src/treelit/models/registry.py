@@ -37,6 +37,16 @@ _preset("qwen2_tiny", family="qwen2", vocab_size=512, rope_base=1000000.0, norm_
 _preset("qwen2_5_tiny", family="qwen2", vocab_size=512, rope_base=1000000.0, norm_eps=1e-6,
         tie_word_embeddings=True, **_TINY)
 _preset("mistral_tiny", family="mistral", vocab_size=512, rope_base=1000000.0, **_TINY)
+# Recurrent and hybrid models (Gated DeltaNet / Mamba2 layers, fla parameter layout).
+_GDN = {"head_dim": 8, "num_heads": 2, "num_v_heads": 4, "expand_v": 2.0, "conv_size": 4}
+_M2 = {"head_dim": 16, "state_size": 8, "n_groups": 2, "expand": 2, "conv_kernel": 4, "mlp": False}
+_preset("gdn_tiny", family="qwen2", vocab_size=512, qkv_bias=False, layer_types=["gdn"] * 2,
+        recurrent={"gdn": _GDN}, **_TINY)
+_preset("mamba2_tiny", family="qwen2", vocab_size=512, qkv_bias=False, layer_types=["mamba2"] * 2,
+        recurrent={"mamba2": _M2}, **_TINY)
+_preset("hybrid_tiny", family="qwen2", vocab_size=512, qkv_bias=False, rope_base=10000.0,
+        layer_types=["gdn", "attention", "mamba2", "gdn"], recurrent={"gdn": _GDN, "mamba2": {**_M2, "mlp": True}},
+        **{**_TINY, "num_layers": 4})
 # Real architectures (random init unless loaded from a checkpoint).
 _preset("llama3_2_1b", family="llama", vocab_size=128256, num_layers=16, num_heads=32, num_kv_heads=8,
         embed_dim=2048, intermediate_dim=8192, max_seq_len=131072, rope_base=500000.0, tie_word_embeddings=True,

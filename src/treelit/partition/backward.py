@@ -110,6 +110,8 @@ def _run_plan(model, batch: TreeBatch, plan: PartitionPlan, aggregation, Z, atte
     W = batch.token_weights(aggregation)
     W_out = output_weight(model)
     kv_leaves: Dict[int, Dict[int, tuple]] = {}  # partition -> layer -> (k leaf, v leaf)
+    state_leaves: Dict[int, Dict[int, Dict[str, torch.Tensor]]] = {}  # partition -> layer -> name -> [n, ...]
+    boundary_slot: Dict[int, int] = {}  # child partition -> its parent token's row in the parent's captures
     chain: List[_Live] = []
     total = 0.0
     stats.max_chain_tokens = max(stats.max_chain_tokens, plan.max_chain_tokens)
@@ -125,6 +127,7 @@ def _run_plan(model, batch: TreeBatch, plan: PartitionPlan, aggregation, Z, atte
                 grads.append(leaf.grad)
         torch.autograd.backward(tensors, grads)
         kv_leaves.pop(live.index, None)
+        state_leaves.pop(live.index, None)
 
     for p in parts:
         while chain and chain[-1].index != p.parent:
@@ -146,17 +149,28 @@ def _run_plan(model, batch: TreeBatch, plan: PartitionPlan, aggregation, Z, atte
                     ks.setdefault(layer, []).append(kl.index_select(2, idx))
                     vs.setdefault(layer, []).append(vl.index_select(2, idx))
             E = len(anc)
+            slot = boundary_slot[p.index]
+            states = {
+                layer: {name: t[slot] for name, t in named.items()}
+                for layer, named in state_leaves.get(p.parent, {}).items()
+            }
             external = ExternalKV(
                 {layer: torch.cat(x, 2) for layer, x in ks.items()},
                 {layer: torch.cat(x, 2) for layer, x in vs.items()},
                 torch.zeros(E, dtype=torch.long, device=batch.device),
                 torch.full((E,), p.size, dtype=torch.long, device=batch.device),
+                state=states,
             )
         tokens = torch.from_numpy(p.tokens).to(batch.device)
         sub = batch.subset(tokens)
-        h, ctx = tree_hidden(model, sub, attention, external=external, capture_kv=True)
         # targets: own tokens with a parent inside, plus the roots of child partitions
         child_roots = [roots_of[c.index] for c in parts if c.parent == p.index]
+        boundary = np.unique(local[parent[child_roots]]) if child_roots else np.zeros(0, dtype=np.int64)
+        for c in parts:
+            if c.parent == p.index:
+                boundary_slot[c.index] = int(np.searchsorted(boundary, local[parent[roots_of[c.index]]]))
+        h, ctx = tree_hidden(model, sub, attention, external=external, capture_kv=True,
+                             capture_tokens=boundary if len(boundary) else None)
         own = torch.nonzero(sub.parent >= 0).squeeze(1)
         tgt_tok = torch.cat([tokens[own], torch.tensor(child_roots, dtype=torch.long, device=batch.device)])
         rows = torch.cat([sub.parent[own], torch.from_numpy(local[parent[child_roots]]).to(batch.device)]) if child_roots else sub.parent[own]
@@ -172,6 +186,15 @@ def _run_plan(model, batch: TreeBatch, plan: PartitionPlan, aggregation, Z, atte
             produced += [k, v]
             leaves += [kl, vl]
         kv_leaves[p.index] = layer_leaves
+        named_leaves: Dict[int, Dict[str, torch.Tensor]] = {}
+        for layer, named in ctx.recurrent_out.items():
+            named_leaves[layer] = {}
+            for name, t in named.items():
+                leaf = t.detach().requires_grad_()
+                named_leaves[layer][name] = leaf
+                produced.append(t)
+                leaves.append(leaf)
+        state_leaves[p.index] = named_leaves
         chain.append(_Live(p.index, loss, produced, leaves))
         total += float(loss.detach())
         stats.partitions += 1

@@ -1,0 +1,33 @@
+"""Tree-exact recurrent layers (Gated DeltaNet, Mamba2) and their backends (registry kind ``ssm``).
+
+Backends: ``torch`` (pure PyTorch, any device, exact; the reference) and ``fla``
+(flash-linear-attention's Triton kernels, CUDA only, one varlen call per segment
+depth level with per-segment initial states).
+"""
+
+from treelit.registry import get_registry
+
+SSM_BACKENDS = get_registry("ssm", ["treelit.ssm"])
+SSM_BACKENDS.register("torch", "torch")
+SSM_BACKENDS.register("fla", "fla")
+
+
+def set_ssm_backend(model, name: str = "torch"):
+    """Route every recurrent layer of ``model`` through backend ``name``; returns the model."""
+    import torch
+
+    SSM_BACKENDS.get(name)
+    if name == "fla":
+        if not torch.cuda.is_available():
+            raise ValueError("ssm=fla needs CUDA (fla's Triton kernels); use ssm=torch on this machine")
+        try:
+            import fla  # noqa: F401
+        except ImportError as exc:
+            raise ValueError("ssm=fla needs flash-linear-attention: pip install 'treelit[cuda]'") from exc
+    for mod in model.modules():
+        if hasattr(mod, "backend") and hasattr(mod, "reset_tree_parameters"):
+            mod.backend = name
+    return model
+
+
+__all__ = ["SSM_BACKENDS", "set_ssm_backend"]
