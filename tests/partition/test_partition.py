@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treelit
-from helpers import FAMILIES, assert_equivalent, cached_model
+from helpers import FAMILIES, RECURRENT, assert_equivalent, cached_model
 from strategies import forests
 from treelit.partition import BudgetError, PartitionStats, plan_partitions, tree_backward
 
@@ -37,7 +37,7 @@ def chains_ok(plan, batch):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=forests(max_branches=7, max_len=12), extra=st.integers(0, 40),
-       family=st.sampled_from(FAMILIES), aggregation=st.sampled_from(treelit.AGGREGATIONS),
+       family=st.sampled_from(FAMILIES + RECURRENT), aggregation=st.sampled_from(treelit.AGGREGATIONS),
        dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_partitioned_equals_unpartitioned(data, extra, family, aggregation, dtype):
     branches, masks, weights = data
@@ -80,3 +80,26 @@ def test_budget_below_the_longest_branch_is_refused():
     batch = treelit.TokenTree.from_branches([[1] * 10, [1, 2, 3]]).to_batch()
     with pytest.raises(BudgetError, match="longest branch has 10 tokens; use a budget of at least 10"):
         plan_partitions(batch, 9)
+
+
+@pytest.mark.parametrize("name", ["gdn_tiny", "mamba2_tiny", "hybrid_tiny", "qwen2_tiny"])
+def test_every_split_budget_reproduces_the_unsplit_step(name):
+    """Budgets from the longest branch up to the whole tree: each cuts the tree at different
+    segments, and the boundary states/contexts fed to the children reproduce the unsplit
+    loss and gradients."""
+    model = cached_model(name, torch.float64)
+    branches = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8], [1, 2, 9], [1, 2, 3, 4, 10, 1, 2], [1, 3], [4, 5, 6]]
+    batch = treelit.TokenTree.from_branches(branches).to_batch()
+    longest = max(map(len, branches))
+    seen = set()
+    for budget in range(longest, batch.num_tokens + 1):
+        stats = PartitionStats()
+
+        def partitioned():
+            v = tree_backward(model, batch, budget_tokens=budget, stats=stats)
+            return torch.tensor(v, dtype=torch.float64) + 0.0 * sum(p.sum() for p in model.parameters())
+
+        assert_equivalent(model, partitioned, lambda: treelit.tree_loss(model, batch), torch.float64, f"budget {budget}")
+        assert stats.token_forwards == batch.num_tokens
+        seen.add(stats.partitions)
+    assert len(seen) >= 3, seen  # the budgets really produced different cuts

@@ -89,7 +89,7 @@ def _rope_settings(cfg: Dict[str, Any]):
 def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None) -> DecoderConfig:
     """Translate a Hugging Face ``config.json`` dict into a :class:`DecoderConfig`."""
     mt = cfg.get("model_type")
-    if mt in ("gated_deltanet", "mamba2") or "treelit" in cfg:
+    if mt in ("gated_deltanet", "mamba2"):
         from treelit.models.hf_recurrent import config_from_hf_recurrent
 
         return config_from_hf_recurrent(cfg, max_seq_len)
