@@ -7,7 +7,9 @@ On a CUDA machine this:
    (random trees, GQA, with and without external ancestor keys), float32 and bfloat16;
 2. compares a tiny model's tree-mode loss and every parameter gradient with ``flex``
    against the per-branch (linearized) baseline;
-3. times one attention layer forward+backward per backend on 8k/16k/32k-token trees.
+3. times one attention layer forward+backward per backend on 8k/16k/32k-token trees;
+4. compares the fla-kernel recurrent backend with the exact torch backend for Gated
+   DeltaNet, Mamba2 and a hybrid model (loss, every gradient) and times both.
 
 Exits with status 1 if any comparison fails; prints a table and writes JSON.
 """
@@ -73,6 +75,36 @@ def time_backend(name, layout, reps=3):
     return (time.perf_counter() - t0) / reps
 
 
+def check_ssm(results) -> bool:
+    from treelit.ssm import set_ssm_backend
+
+    ok = True
+    results["ssm"] = []
+    c = make_case("tool_fanout", scale=0.25, vocab=512)
+    tree = treelit.TokenTree.from_branches(c.branches, c.masks)
+    for name in ("gdn_tiny", "mamba2_tiny", "hybrid_tiny"):
+        torch.manual_seed(0)
+        model = treelit.build_model(name, max_seq_len=8192).cuda()
+        out = {}
+        for backend in ("torch", "fla"):
+            set_ssm_backend(model, backend)
+            model.zero_grad()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = treelit.tree_loss(model, tree)
+            loss.backward()
+            torch.cuda.synchronize()
+            out[backend] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, time.perf_counter() - t0)
+        worst = max(((out["fla"][1][n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in out["torch"][1].items())
+        rel = abs(out["fla"][0] - out["torch"][0]) / abs(out["torch"][0])
+        passed = rel < 1e-4 and worst < 1e-3
+        ok &= passed
+        row = dict(model=name, loss_rel_diff=rel, max_rel_grad_diff=worst, time_torch_s=out["torch"][2], time_fla_s=out["fla"][2], passed=passed)
+        results["ssm"].append(row)
+        print("ssm", row)
+    return ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
@@ -125,6 +157,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         results["timings"].append(row)
         print("timing", row)
+    ok &= check_ssm(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -46,6 +46,8 @@ def validate_config(cfg: DictConfig) -> None:
             "attention=flex needs a CUDA device (FlexAttention has no backward on CPU); "
             "use attention=auto, attention=segment or attention=sdpa_dense"
         )
+    if (cfg.get("ssm") or {}).get("name") == "fla" and not torch.cuda.is_available():
+        raise ConfigError("ssm=fla needs a CUDA device (fla's Triton kernels); use ssm=torch")
     if cfg.get("mode") not in ("tree", "linear"):
         raise ConfigError(f"mode must be 'tree' or 'linear', got {cfg.get('mode')!r}")
     from treelit.tree.batch import AGGREGATIONS

@@ -71,6 +71,9 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     model = build(cfg.model)
+    from treelit.ssm import set_ssm_backend
+
+    set_ssm_backend(model, cfg.ssm.name)
     builder = build(cfg.tree_builder)
     datamodule = build(cfg.data, tree_builder=builder)
     datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
