@@ -52,24 +52,45 @@ def max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
 
 
+HYBRID_SUITE = ["hybrid/grpo_group", "hybrid/multi_turn", "hybrid/wide_fanout"]
 REAL_CASES = {"tau_bench": "real tau-bench airline trajectories, task 0 (4 trials, first 6 calls each), Qwen BPE"}
 
 
+def hybrid_model(args) -> treelit.TreeDecoder:
+    """Gated DeltaNet, attention, Mamba2 and Gated DeltaNet layers (Qwen3-Next-like mix)."""
+    torch.manual_seed(0)
+    return treelit.build_model(
+        "hybrid_tiny", vocab_size=args.vocab, embed_dim=args.dim, num_heads=args.heads, num_kv_heads=args.kv_heads,
+        intermediate_dim=3 * args.dim, max_seq_len=32768,
+        recurrent={"gdn": {"head_dim": 16, "num_heads": 2, "num_v_heads": 4, "expand_v": 1.0},
+                   "mamba2": {"head_dim": 16, "state_size": 16, "n_groups": 1, "expand": 2, "mlp": True}},
+    )
+
+
+HYBRID_SCALE = 0.25  # the recurrent layers' exact torch scan steps token by token: smaller trees
+
+
 def load_case(name: str, args):
-    """A synthetic agentic case, or a real-data one (``tau_bench``: natural per-call masks,
-    a model with the Qwen vocabulary)."""
+    """A synthetic agentic case; ``hybrid/<case>`` on the hybrid model (at a quarter of the size);
+    or the real-data ``tau_bench`` case (natural per-call masks, a model with the Qwen vocabulary).
+    Returns ``(case, model key)``."""
     if name == "tau_bench":
         from real_data import QWEN_VOCAB, tau_bench_case
 
-        return tau_bench_case(0, max_calls=max(2, round(6 * args.scale))), QWEN_VOCAB
-    return make_case(name, seed=args.seed, vocab=args.vocab, scale=args.scale, mask_mode=args.mask), None
+        return tau_bench_case(0, max_calls=max(2, round(6 * args.scale))), ("attention", QWEN_VOCAB)
+    if name.startswith("hybrid/"):
+        case = make_case(name.split("/", 1)[1], seed=args.seed, vocab=args.vocab, scale=args.scale * HYBRID_SCALE,
+                         mask_mode=args.mask)
+        case.name = name
+        return case, ("hybrid", args.vocab)
+    return make_case(name, seed=args.seed, vocab=args.vocab, scale=args.scale, mask_mode=args.mask), ("attention", args.vocab)
 
 
 def run_case(name: str, models: Dict, args) -> Dict:
-    case, vocab = load_case(name, args)
-    if vocab not in models:
-        models[vocab] = bench_model(args, vocab)
-    model = models[vocab]
+    case, key = load_case(name, args)
+    if key not in models:
+        models[key] = hybrid_model(args) if key[0] == "hybrid" else bench_model(args, key[1])
+    model = models[key]
     t0 = time.perf_counter()
     tree = treelit.TokenTree.from_branches(case.branches, case.masks)
     batch = tree.to_batch()
@@ -150,7 +171,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results here")
     p.add_argument("--quick", action="store_true", help="small trees (scale 0.25), one repetition")
-    p.add_argument("--cases", default=",".join(SUITE + ["tau_bench"]), help="comma-separated case names")
+    p.add_argument("--cases", default=",".join(SUITE + HYBRID_SUITE + ["tau_bench"]), help="comma-separated case names")
     p.add_argument("--scale", type=float, default=None, help="size multiplier for the cases (default 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (default 3; quick: 1)")
     p.add_argument("--mask", choices=["all", "assistant"], default="all", help="loss mask of each branch")
@@ -174,7 +195,7 @@ def main(argv=None) -> int:
     args.reps = args.reps if args.reps is not None else (1 if args.quick else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
-    models = {None: bench_model(args)}
+    models: Dict = {}
     env = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

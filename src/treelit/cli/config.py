@@ -60,6 +60,11 @@ def validate_config(cfg: DictConfig) -> None:
     accel = tr.get("accelerator")
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")
+    strategy = (tr.get("strategy") or {})
+    target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy)
+    if "ModelParallelStrategy" in target and (cfg.get("partition") or {}).get("name", "none") != "none":
+        raise ConfigError("partition=redundancy_free cannot run under FSDP2 (trainer strategy ModelParallelStrategy): "
+                          "its partition passes differ between ranks; use trainer=ddp or partition=none")
     part = cfg.get("partition") or {}
     if part.get("name", "none") != "none":
         from treelit.partition import PARTITIONS

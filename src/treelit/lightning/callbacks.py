@@ -38,11 +38,12 @@ class HFExport(pl.Callback):
         self.saved: Optional[Path] = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from treelit.models.hf import full_state_dict, save_hf_checkpoint
+
+        sd = full_state_dict(pl_module.model)  # a collective under FSDP2: every rank gathers
         if not trainer.is_global_zero:
             return
-        from treelit.models.hf import save_hf_checkpoint
-
-        self.saved = save_hf_checkpoint(pl_module.model, self.dirpath)
+        self.saved = save_hf_checkpoint(pl_module.model, self.dirpath, state_dict=sd)
         log.info("wrote Hugging Face checkpoint to %s", self.saved)
         if self.log_to_mlflow:
             for lg in trainer.loggers:

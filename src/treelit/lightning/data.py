@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepBatch:
-    """The micro-batches of one optimizer step."""
+    """The micro-batches of one optimizer step (this rank's share of it)."""
 
     micro_batches: List[TreeBatch]
     index: int  # global step index in the data stream
+    load_imbalance: float = 1.0  # max over ranks of the assigned cost / mean (1 = balanced)
 
     @property
     def tree_tokens(self) -> int:
@@ -48,17 +49,50 @@ class StepBatch:
         return sum(b.flat_tokens for b in self.micro_batches)
 
 
-def _pack(batches: List[TreeBatch], budget: int) -> List[TreeBatch]:
-    rows, cur, size = [], [], 0
-    for b in batches:
-        if cur and size + b.num_tokens > budget:
-            rows.append(TreeBatch.pack(cur))
+def _pack_indices(order: List[int], sizes: List[int], budget: int) -> List[List[int]]:
+    """Greedy in-order packing of trees into rows of at most ``budget`` tokens (a larger tree
+    gets a row of its own)."""
+    rows: List[List[int]] = []
+    cur: List[int] = []
+    size = 0
+    for t in order:
+        if cur and size + sizes[t] > budget:
+            rows.append(cur)
             cur, size = [], 0
-        cur.append(b)
-        size += b.num_tokens
+        cur.append(int(t))
+        size += sizes[t]
     if cur:
-        rows.append(TreeBatch.pack(cur))
+        rows.append(cur)
     return rows
+
+
+def _tree_cost(batch: TreeBatch, attention_cost: float) -> float:
+    """Tree tokens plus weighted attention work (sum over segments of length x path)."""
+    start, length, parent = batch.seg_start.numpy(), batch.seg_len.numpy(), batch.seg_parent.numpy()
+    path = np.zeros(len(start))
+    for s in range(len(start)):
+        if parent[s] >= 0:
+            path[s] = path[parent[s]] + length[parent[s]]
+    pairs = float((length * path + length * (length + 1) / 2).sum())
+    return batch.num_tokens + attention_cost * pairs
+
+
+def _assign(trees: List[int], cost: np.ndarray, world: int) -> List[List[int]]:
+    """Largest-cost-first onto the least loaded rank (deterministic; ties by rank)."""
+    shares: List[List[int]] = [[] for _ in range(world)]
+    load = [0.0] * world
+    for t in sorted(trees, key=lambda t: (-cost[t], t)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shares[r].append(t)
+        load[r] += cost[t]
+    return [sorted(s, key=trees.index) for s in shares]
+
+
+def _empty_batch() -> TreeBatch:
+    """A two-token row with no targets: a pass that contributes nothing but its collectives."""
+    from treelit.tree.token_tree import TokenTree
+
+    return TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]]).to_batch()
 
 
 class _StepStream(IterableDataset):
@@ -82,6 +116,14 @@ class TreeDataModule(pl.LightningDataModule):
         seed: shuffling seed.
         on_error: ``raise`` or ``skip`` for malformed records (skips are counted and logged).
         max_trees: use only the first trees (smoke tests).
+        attention_cost: weight of attention work (query x key pairs, the sum over segments of
+            length x path) against tree tokens in the cost that assigns trees to ranks.
+
+    With several processes, every rank computes the same global step (the trees a single
+    process would train on in that step), assigns its trees to ranks by cost (largest first,
+    to the least loaded rank) so that ranks finish together, packs its own share, and pads
+    it with empty micro-batches to the largest share's count, so every rank runs the same
+    number of passes and collectives.
     """
 
     def __init__(
@@ -94,6 +136,7 @@ class TreeDataModule(pl.LightningDataModule):
         seed: int = 0,
         on_error: str = "raise",
         max_trees: Optional[int] = None,
+        attention_cost: float = 1.0 / 1024,
     ) -> None:
         super().__init__()
         if not train_path:
@@ -111,12 +154,17 @@ class TreeDataModule(pl.LightningDataModule):
         self.read_stats = ReadStats()
         self.trees: List[BuiltTree] = []
         self._batches: List[TreeBatch] = []
-        self._epoch_cache: Dict[int, List[List[TreeBatch]]] = {}
+        self._epoch_cache: Dict[int, List[List[List[int]]]] = {}
         self._epoch_len: Dict[int, int] = {}
         self.consumed_steps = 0
+        self.attention_cost = float(attention_cost)
+        self.rank, self.world = 0, 1
 
     # building ----------------------------------------------------------------------------
     def setup(self, stage: Optional[str] = None) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            self.rank, self.world = int(trainer.global_rank), int(trainer.world_size)
         if self.trees:
             return
         validate = getattr(self.builder, "validate", None)
@@ -128,6 +176,7 @@ class TreeDataModule(pl.LightningDataModule):
             raise DataError(f"{self.train_path}: no trees to train on ({self.read_stats.skipped} records skipped)")
         self.trees = trees
         self._batches = [t.tree.to_batch() for t in trees]
+        self._cost = np.array([_tree_cost(b, self.attention_cost) for b in self._batches])
         if self.read_stats.skipped:
             log.warning("%s: skipped %d malformed records (data.on_error=skip)", self.train_path, self.read_stats.skipped)
 
@@ -155,13 +204,14 @@ class TreeDataModule(pl.LightningDataModule):
         }
 
     # the step stream -----------------------------------------------------------------------
-    def epoch_steps(self, epoch: int) -> List[List[TreeBatch]]:
-        """The steps of data epoch ``epoch`` (the latest epoch is cached)."""
+    def epoch_steps(self, epoch: int) -> List[List[List[int]]]:
+        """The steps of data epoch ``epoch``: per step, its packed rows as lists of tree indices
+        (the global plan, the same on every rank; the latest epoch is cached)."""
         if epoch not in self._epoch_cache:
             order = np.arange(len(self._batches))
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(len(order))
-            rows = _pack([self._batches[i] for i in order], self.micro_batch_tokens)
+            rows = _pack_indices(list(order), [b.num_tokens for b in self._batches], self.micro_batch_tokens)
             k = self.micro_batches_per_step
             self._epoch_cache = {epoch: [rows[i : i + k] for i in range(0, len(rows), k)]}
             self._epoch_len[epoch] = len(self._epoch_cache[epoch])
@@ -179,14 +229,26 @@ class TreeDataModule(pl.LightningDataModule):
         while i >= self._epoch_length(epoch):
             i -= self._epoch_length(epoch)
             epoch += 1
-        return StepBatch(self.epoch_steps(epoch)[i], index)
+        rows = self.epoch_steps(epoch)[i]
+        if self.world == 1:
+            return StepBatch([TreeBatch.pack([self._batches[t] for t in row]) for row in rows], index)
+        trees = [t for row in rows for t in row]
+        shares = _assign(trees, self._cost, self.world)
+        loads = [sum(self._cost[t] for t in share) for share in shares]
+        sizes = [self._batches[t].num_tokens for t in range(len(self._batches))]
+        packed = [_pack_indices(share, sizes, self.micro_batch_tokens) for share in shares]
+        n_passes = max(1, max(len(p) for p in packed))
+        mine = [TreeBatch.pack([self._batches[t] for t in row]) for row in packed[self.rank]]
+        mine += [_empty_batch() for _ in range(n_passes - len(mine))]
+        mean = sum(loads) / len(loads)
+        return StepBatch(mine, index, max(loads) / mean if mean > 0 else 1.0)
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
         return DataLoader(_StepStream(self), batch_size=None, num_workers=0, collate_fn=lambda x: x)
 
     def transfer_batch_to_device(self, batch: StepBatch, device: torch.device, dataloader_idx: int) -> StepBatch:
-        return StepBatch([b.to(device) for b in batch.micro_batches], batch.index)
+        return StepBatch([b.to(device) for b in batch.micro_batches], batch.index, batch.load_imbalance)
 
     # checkpointed state -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -111,6 +111,37 @@ class TreeLitModule(pl.LightningModule):
         self.last_partition_stats = None
         self.automatic_optimization = False
 
+    # multi-process -----------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """FSDP2 (``ModelParallelStrategy``): shard the decoder over the data-parallel mesh. The
+        whole decoder is one FSDP unit because treelit's passes run inside its forward
+        (:func:`~treelit.models.decoder.in_forward`). FSDP2 averages gradients over ranks while
+        the loss is already divided by the step-global normaliser, so each backward is scaled
+        by the number of ranks: the reduced gradient is the sum, i.e. the single-process one."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None or getattr(self.model, "_treelit_sharded", False):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        dp = mesh["data_parallel"]
+        fully_shard(self.model, mesh=dp)
+        self.model._treelit_sharded = True
+        self._grad_scale = float(dp.size())  # FSDP2 averages over ranks; treelit needs the sum
+
+    def _fsdp(self) -> bool:
+        return bool(getattr(self.model, "_treelit_sharded", False))
+
+    def on_train_start(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = getattr(self.trainer.strategy, "model", None)
+        if isinstance(wrapped, DistributedDataParallel):
+            # Several forward/backward passes per update (micro-batches, partitions): DDP's own
+            # per-backward reduction would run too early and too often. treelit sums the
+            # gradients itself once per update (sync_gradients), the same number of times on
+            # every rank whatever its number of passes.
+            wrapped.require_backward_grad_sync = False
+
     def configure_optimizers(self):
         opt = self.optimizer_factory(self.model.parameters())
         if self.scheduler_factory is None:
@@ -146,7 +177,9 @@ class TreeLitModule(pl.LightningModule):
             mb.branch_old_logp = old[mb.branch_tokens]
 
     def _backward(self, loss: torch.Tensor) -> None:
-        if self._distributed():
+        if self._fsdp():
+            (loss * getattr(self, "_grad_scale", 1.0)).backward()
+        elif self._distributed():
             loss.backward()  # gradients are summed across ranks once per update (sync_gradients)
         else:
             self.manual_backward(loss)
@@ -158,7 +191,7 @@ class TreeLitModule(pl.LightningModule):
         """Sum gradients over ranks, once per update. The loss is already divided by the
         step-global normaliser, so the sum is exactly the single-process gradient. Every
         rank issues the same collectives whatever its number of partitions or passes."""
-        if not self._distributed():
+        if not self._distributed() or self._fsdp():
             return
         import torch.distributed as dist
 
@@ -218,7 +251,8 @@ class TreeLitModule(pl.LightningModule):
         self.sync_gradients()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sch = self.lr_schedulers()
@@ -252,6 +286,7 @@ class TreeLitModule(pl.LightningModule):
                 "flat_tokens": float(flat_tok),
                 "por": 1.0 - tree_tok / max(flat_tok, 1),
                 "micro_batches": float(len(micro)),
+                "load_imbalance": float(batch.load_imbalance),
                 "peak_mem_bytes": float(_peak_memory_bytes(self.device)),
                 **{k: v for k, v in last.items() if k != "loss"},
             }

@@ -17,7 +17,7 @@ import torch
 
 from treelit.loss.logprobs import weighted_nll
 from treelit.models.context import CausalContext
-from treelit.models.decoder import decoder_hidden, output_weight
+from treelit.models.decoder import decoder_hidden, in_forward, output_weight
 from treelit.tree.batch import check_aggregation
 from treelit.tree.token_tree import TreeInputError, _as_mask_array, _as_token_array
 
@@ -114,11 +114,13 @@ def _group_loss(model, lb: LinearBranches, idx: List[int], coef: np.ndarray, chu
     ids, tmask, c = ids.to(device), tmask.to(device), c.to(device)
     pos = torch.arange(L, device=device).expand(len(idx), L)
     lengths = torch.tensor([len(lb.tokens[i]) for i in idx], device=device)
-    h = decoder_hidden(model, ids, pos, CausalContext(lengths))
-    rows, cols = torch.nonzero(tmask, as_tuple=True)
-    return weighted_nll(
-        h[rows, cols - 1], output_weight(model), ids[rows, cols], c[rows, cols].to(h.dtype), chunk_rows=chunk_rows
-    )
+
+    def run(m):
+        h = decoder_hidden(m, ids, pos, CausalContext(lengths))
+        rows, cols = torch.nonzero(tmask, as_tuple=True)
+        return weighted_nll(h[rows, cols - 1], output_weight(m), ids[rows, cols], c[rows, cols].to(h.dtype), chunk_rows=chunk_rows)
+
+    return in_forward(model, run)
 
 
 def _prepare(model, branches, loss_masks, weights, aggregation, normalizer):
@@ -220,9 +222,15 @@ def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_t
         ids = ids.to(device)
         pos = torch.arange(L, device=device).expand(len(idx), L)
         lengths = torch.tensor([len(toks[i]) for i in idx], device=device)
-        h = decoder_hidden(model, ids, pos, CausalContext(lengths))
-        for r, i in enumerate(idx):
-            n = len(toks[i])
-            lp, en = token_logprobs(h[r, : n - 1], output_weight(model), ids[r, 1:n], chunk_rows=chunk_rows, with_entropy=with_entropy)
+
+        def run(m):
+            h = decoder_hidden(m, ids, pos, CausalContext(lengths))
+            return [
+                token_logprobs(h[r, : len(toks[i]) - 1], output_weight(m), ids[r, 1 : len(toks[i])],
+                               chunk_rows=chunk_rows, with_entropy=with_entropy)
+                for r, i in enumerate(idx)
+            ]
+
+        for (lp, en), i in zip(in_forward(model, run), idx):
             logps[i], ents[i] = lp, en
     return logps, ents

@@ -14,7 +14,7 @@ import torch
 from treelit.attention.base import AttentionBackend, resolve_backend
 from treelit.loss.logprobs import weighted_nll
 from treelit.models.context import ExternalKV, TreeContext
-from treelit.models.decoder import decoder_hidden, output_weight
+from treelit.models.decoder import decoder_hidden, in_forward, output_weight
 from treelit.tree.batch import TreeBatch, global_normalizer
 from treelit.tree.token_tree import TokenTree
 
@@ -89,12 +89,14 @@ def tree_loss(
     batch = prepare_batch(model, batch)
     W = batch.token_weights(aggregation)
     Z = global_normalizer([batch], aggregation) if normalizer is None else float(normalizer)
-    h, _ = tree_hidden(model, batch, attention)
-    sel = torch.nonzero((W != 0) & (batch.parent >= 0)).squeeze(1)
-    coef = W[sel] / Z if Z > 0 else torch.zeros_like(W[sel])
-    return weighted_nll(
-        h[batch.parent[sel]], output_weight(model), batch.input_ids[sel], coef.to(h.dtype), chunk_rows=chunk_rows
-    )
+
+    def run(m):
+        h, _ = tree_hidden(m, batch, attention)
+        sel = torch.nonzero((W != 0) & (batch.parent >= 0)).squeeze(1)
+        coef = W[sel] / Z if Z > 0 else torch.zeros_like(W[sel])
+        return weighted_nll(h[batch.parent[sel]], output_weight(m), batch.input_ids[sel], coef.to(h.dtype), chunk_rows=chunk_rows)
+
+    return in_forward(model, run)
 
 
 def tree_token_logprobs(
@@ -116,8 +118,12 @@ def tree_token_logprobs(
     batch = prepare_batch(model, batch)
     if select is None:
         select = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
-    h, _ = tree_hidden(model, batch, attention)
-    logp, ent = token_logprobs(
-        h[batch.parent[select]], output_weight(model), batch.input_ids[select], chunk_rows=chunk_rows, with_entropy=with_entropy
-    )
+
+    def run(m):
+        h, _ = tree_hidden(m, batch, attention)
+        return token_logprobs(
+            h[batch.parent[select]], output_weight(m), batch.input_ids[select], chunk_rows=chunk_rows, with_entropy=with_entropy
+        )
+
+    logp, ent = in_forward(model, run)
     return select, logp, ent

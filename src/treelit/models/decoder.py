@@ -39,7 +39,7 @@ from torchtune.modules import (
 
 from treelit.models.config import DecoderConfig
 
-__all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "output_weight", "rope_style_of"]
+__all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "in_forward", "output_weight", "rope_style_of"]
 
 
 class TreeDecoder(TransformerDecoder):
@@ -88,6 +88,21 @@ class TreeDecoder(TransformerDecoder):
     @property
     def vocab_size(self) -> int:
         return self.tok_embeddings.num_embeddings
+
+    def forward(self, tokens=None, *, treelit_fn=None, **kwargs):
+        """torchtune's forward, or - with ``treelit_fn`` - ``treelit_fn(self)`` run *inside* this
+        module's forward. treelit's tree and per-branch passes go through here so that wrappers
+        hooked on the forward (FSDP2's unshard/reshard and gradient reduction) see them."""
+        if treelit_fn is not None:
+            return treelit_fn(self)
+        return super().forward(tokens, **kwargs)
+
+
+def in_forward(model, fn):
+    """Run ``fn(model)`` inside ``model``'s forward when it supports that (see TreeDecoder.forward)."""
+    if isinstance(model, TreeDecoder) or hasattr(getattr(model, "module", None), "config"):
+        return model(treelit_fn=fn)
+    return fn(model)
 
 
 def build_decoder(config: Optional[DecoderConfig] = None, **overrides) -> TreeDecoder:

@@ -264,15 +264,33 @@ def load_hf_checkpoint(
     return model.to(device)
 
 
-def save_hf_checkpoint(model: TreeDecoder, path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write ``model`` as a Hugging Face checkpoint directory loadable by ``transformers``."""
+def full_state_dict(model) -> Dict[str, torch.Tensor]:
+    """The model's state dict on CPU with sharded (DTensor) entries gathered. Under FSDP2 every
+    rank must call this (the gather is a collective)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        out[k] = v.detach().cpu().clone()
+    return out
+
+
+def save_hf_checkpoint(
+    model: TreeDecoder,
+    path: Union[str, os.PathLike],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    state_dict: Optional[Dict[str, torch.Tensor]] = None,
+) -> Path:
+    """Write ``model`` as a Hugging Face checkpoint directory loadable by ``transformers``
+    (``state_dict``: an already gathered one, see :func:`full_state_dict`)."""
     from safetensors.torch import save_file
 
     if not hasattr(model, "config"):
         raise TypeError("save_hf_checkpoint needs a treelit TreeDecoder (it carries the model config)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    sd = state_dict if state_dict is not None else full_state_dict(model)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     out_dtype = next(iter(sd.values())).dtype

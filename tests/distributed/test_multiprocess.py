@@ -1,0 +1,78 @@
+"""Two CPU processes (gloo): DDP and FSDP2 updates equal single-process training on the same
+global batch, with several backward passes per update (micro-batches, partitions) and ranks
+that run different numbers of partitions - guarded by timeouts against hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import treelit
+
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mp")
+    prefix = list(range(1, 30))
+    with (d / "trees.jsonl").open("w") as f:
+        for t in range(6):  # trees of very different sizes: ranks get different shares
+            branches = [{"input_ids": prefix[: 10 + 3 * t] + [(7 * b + t) % 300 + 50] * (10 + 5 * b)} for b in range(3 + t)]
+            f.write(json.dumps({"id": f"t{t}", "branches": branches}) + "\n")
+    return d
+
+
+COMMON = [
+    "data=jsonl", "data.shuffle=false", "data.micro_batch_tokens=200", "data.micro_batches_per_step=4",
+    "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_steps=2", "logger=none", "callbacks.checkpoint=null",
+    "callbacks.progress=null", "trainer.enable_progress_bar=false", "model.config.num_layers=2",
+    "model.config.embed_dim=32", "model.config.intermediate_dim=64",
+]
+
+
+def train(data: Path, name: str, *extra) -> Path:
+    out = data / name
+    exe = Path(sys.executable).with_name("treelit-train")
+    r = subprocess.run([str(exe), *COMMON, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}", *extra],
+                       capture_output=True, text=True, timeout=TIMEOUT, cwd=data, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def weights(out: Path):
+    return treelit.load_hf_checkpoint(out / "hf_checkpoint").state_dict()
+
+
+@pytest.fixture(scope="module")
+def single(data):
+    return weights(train(data, "single"))
+
+
+@pytest.mark.parametrize("trainer", ["ddp_cpu", "fsdp2_cpu"])
+def test_two_processes_equal_one(data, single, trainer):
+    got = weights(train(data, trainer, f"trainer={trainer}"))
+    for k in single:
+        torch.testing.assert_close(got[k], single[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_ddp_with_partitions_differing_between_ranks(data, single):
+    """A 90-token budget cuts the larger trees into several partitions and leaves the small
+    ones whole, so the two ranks run different numbers of backward passes."""
+    got = weights(train(data, "ddp_part", "trainer=ddp_cpu", "partition=redundancy_free", "partition.budget_tokens=90"))
+    for k in single:
+        torch.testing.assert_close(got[k], single[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_fsdp2_refuses_partitioning(data):
+    from treelit.cli.config import ConfigError, compose, validate_config
+
+    cfg = compose(["trainer=fsdp2_cpu", "partition=redundancy_free"])
+    with pytest.raises(ConfigError, match="cannot run under FSDP2"):
+        validate_config(cfg)
