@@ -126,14 +126,19 @@ class _FusedWeightedNLL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, coef, chunk_rows: int):
+    def forward(ctx, hidden, weight, targets, coef, chunk_rows: int, accumulator=None):
         cd = _cdt(hidden)
         W = weight.to(cd)
         Wt = W.t()
         M = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty(hidden.shape, dtype=cd, device=hidden.device) if need_h else None
-        grad_w = torch.zeros_like(W) if need_w else None
+        direct = accumulator is not None
+        ctx.direct = direct
+        if direct:
+            grad_w = accumulator if accumulator.dtype == cd else torch.zeros_like(W)
+        else:
+            grad_w = torch.zeros_like(W) if need_w else None
         total = torch.zeros((), dtype=cd, device=hidden.device)
         coef = coef.to(cd)
         # One logits buffer for all chunks, updated in place: repeated large allocations
@@ -157,10 +162,12 @@ class _FusedWeightedNLL(torch.autograd.Function):
                 z.scatter_add_(1, t, -c[:, None])  # d/dlogits of c * -log p
                 if need_h:
                     torch.mm(z, W, out=grad_h[s:e])
-                if need_w:
+                if need_w or direct:
                     grad_w.addmm_(z.t(), h)
+        if direct and grad_w is not accumulator:
+            accumulator.add_(grad_w.to(accumulator.dtype))
         ctx.save_for_backward(
-            grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None
+            grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if (need_w and not direct) else None
         )
         return total
 
@@ -170,6 +177,7 @@ class _FusedWeightedNLL(torch.autograd.Function):
         return (
             None if grad_h is None else grad_h * g.to(grad_h.dtype),
             None if grad_w is None else grad_w * g.to(grad_w.dtype),
+            None,
             None,
             None,
             None,
@@ -183,11 +191,16 @@ def weighted_nll(
     coef: torch.Tensor,
     *,
     chunk_rows: Optional[int] = None,
+    weight_grad_accumulator: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``sum_r coef[r] * -log softmax(hidden[r] @ weight^T)[targets[r]]`` (fused, chunked).
 
     The SFT loss head: gradients are formed chunk by chunk in the forward pass, so memory
     stays at one ``chunk_rows x V`` block and the backward pass is a scaling.
+
+    ``weight_grad_accumulator`` (``[V, D]``): add the weight's gradient into this buffer during
+    the forward pass instead of keeping a copy until backward - only valid when the loss is
+    backwarded with gradient 1 (partitioned training uses one buffer for all its passes).
     """
     if hidden.dim() != 2 or targets.shape != coef.shape or hidden.shape[0] != targets.shape[0]:
         raise ValueError(
@@ -197,4 +210,4 @@ def weighted_nll(
     if hidden.shape[0] == 0:
         return 0.0 * hidden.sum() + 0.0 * weight.sum()
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
-    return _FusedWeightedNLL.apply(hidden, weight, targets, coef, rows)
+    return _FusedWeightedNLL.apply(hidden, weight, targets, coef, rows, weight_grad_accumulator)

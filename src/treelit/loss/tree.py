@@ -44,6 +44,7 @@ def tree_hidden(
     external: Optional[ExternalKV] = None,
     capture_kv: bool = False,
     capture_tokens=None,
+    embedding_grad_accumulator=None,
 ):
     """Final hidden states ``[N, D]`` of the row and the :class:`TreeContext` used.
 
@@ -52,6 +53,7 @@ def tree_hidden(
     (in ``ctx.captured`` / ``ctx.recurrent_out``)."""
     backend = resolve_backend(attention, batch.device, batch)
     ctx = TreeContext(batch, backend, external=external, capture_kv=capture_kv, capture_tokens=capture_tokens)
+    ctx.embedding_grad_accumulator = embedding_grad_accumulator
     h = decoder_hidden(model, batch.input_ids[None], batch.position_ids[None], ctx)[0]
     return h, ctx
 

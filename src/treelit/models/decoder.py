@@ -235,6 +235,30 @@ def _attention_block(layer: TransformerSelfAttentionLayer, idx: int, x: torch.Te
     return attn.output_proj(o)
 
 
+class _EmbedIntoBuffer(torch.autograd.Function):
+    """Embedding lookup whose weight gradient is added into a shared buffer (no dense
+    ``[V, D]`` gradient per pass; see ``ctx.embedding_grad_accumulator``)."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, buffer):
+        ctx.save_for_backward(ids)
+        ctx.buffer = buffer
+        return weight[ids]
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        ctx.buffer.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]).to(ctx.buffer.dtype))
+        return None, None, None
+
+
+def _embed(model, input_ids, ctx):
+    buf = getattr(ctx, "embedding_grad_accumulator", None)
+    if buf is not None and model.tok_embeddings.weight.requires_grad:
+        return _EmbedIntoBuffer.apply(model.tok_embeddings.weight, input_ids, buf)
+    return model.tok_embeddings(input_ids)
+
+
 def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
     """Final-norm hidden states ``[B, L, D]`` of ``model`` over ``input_ids [B, L]``.
 
@@ -242,7 +266,7 @@ def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_
     Layers that are not torchtune self-attention layers must provide
     ``tree_forward(x, layer_index, ctx)`` (treelit's recurrent layers do).
     """
-    h = model.tok_embeddings(input_ids)
+    h = _embed(model, input_ids, ctx)
     for i, layer in enumerate(model.layers):
         if hasattr(layer, "tree_forward"):
             h = layer.tree_forward(h, i, ctx)

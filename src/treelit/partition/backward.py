@@ -109,6 +109,11 @@ def _run_plan(model, batch: TreeBatch, plan: PartitionPlan, aggregation, Z, atte
     parent = batch.parent.cpu().numpy()
     W = batch.token_weights(aggregation)
     W_out = output_weight(model)
+    # One gradient buffer per vocabulary-sized weight for all passes, instead of a [V, D]
+    # gradient per pass kept alive along the chain (vocab x hidden dominates small trees).
+    emb = model.tok_embeddings.weight
+    emb_buf = torch.zeros_like(emb) if emb.requires_grad else None
+    out_buf = emb_buf if W_out is emb else (torch.zeros_like(W_out) if W_out.requires_grad else None)
     kv_leaves: Dict[int, Dict[int, tuple]] = {}  # partition -> layer -> (k leaf, v leaf)
     state_leaves: Dict[int, Dict[int, Dict[str, torch.Tensor]]] = {}  # partition -> layer -> name -> [n, ...]
     boundary_slot: Dict[int, int] = {}  # child partition -> its parent token's row in the parent's captures
@@ -170,14 +175,15 @@ def _run_plan(model, batch: TreeBatch, plan: PartitionPlan, aggregation, Z, atte
             if c.parent == p.index:
                 boundary_slot[c.index] = int(np.searchsorted(boundary, local[parent[roots_of[c.index]]]))
         h, ctx = tree_hidden(model, sub, attention, external=external, capture_kv=True,
-                             capture_tokens=boundary if len(boundary) else None)
+                             capture_tokens=boundary if len(boundary) else None, embedding_grad_accumulator=emb_buf)
         own = torch.nonzero(sub.parent >= 0).squeeze(1)
         tgt_tok = torch.cat([tokens[own], torch.tensor(child_roots, dtype=torch.long, device=batch.device)])
         rows = torch.cat([sub.parent[own], torch.from_numpy(local[parent[child_roots]]).to(batch.device)]) if child_roots else sub.parent[own]
         w = W[tgt_tok]
         keep = w != 0
         coef = (w[keep] / Z if Z > 0 else torch.zeros_like(w[keep])).to(h.dtype)
-        loss = weighted_nll(h[rows[keep]], W_out, batch.input_ids[tgt_tok[keep]], coef, chunk_rows=chunk_rows)
+        loss = weighted_nll(h[rows[keep]], W_out, batch.input_ids[tgt_tok[keep]], coef, chunk_rows=chunk_rows,
+                            weight_grad_accumulator=out_buf)
         produced, leaves = [], []
         layer_leaves = {}
         for layer, (k, v) in ctx.captured.items():
@@ -202,4 +208,7 @@ def _run_plan(model, batch: TreeBatch, plan: PartitionPlan, aggregation, Z, atte
         stats.per_partition.append(p.size)
     while chain:
         finish(chain.pop())
+    for param, buf in ((emb, emb_buf), (W_out, out_buf if out_buf is not emb_buf else None)):
+        if buf is not None:
+            param.grad = buf if param.grad is None else param.grad.add_(buf)
     return total
