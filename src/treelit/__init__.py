@@ -7,6 +7,7 @@ the loss and every gradient equal those of training each branch on its own.
 from treelit.loss import linear_backward, linear_loss, token_logprobs, tree_loss
 from treelit.models import DecoderConfig, TreeDecoder, build_decoder, build_model, load_hf_checkpoint, save_hf_checkpoint
 from treelit.objectives import make_objective
+from treelit.partition import tree_backward
 from treelit.tree import AGGREGATIONS, TokenTree, TreeBatch, TreeInputError, global_normalizer, pack_trees
 
 __version__ = "0.1.0"
@@ -28,5 +29,6 @@ __all__ = [
     "pack_trees",
     "save_hf_checkpoint",
     "token_logprobs",
+    "tree_backward",
     "tree_loss",
 ]

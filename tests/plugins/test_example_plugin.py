@@ -48,7 +48,7 @@ def test_training_with_the_plugin_builder_objective_and_config(installed, tmp_pa
     out = tmp_path / "run"
     r = _cli(
         "treelit-train", "objective=scaled_sft", "objective.scale=0.5", "data=jsonl", f"data.train_path={data}",
-        "tree_builder.name=prompt_completions", "trainer.max_steps=2", f"output_dir={out}", *SMALL, cwd=tmp_path,
+        "tree_builder=prompt_completions", "trainer.max_steps=2", f"output_dir={out}", *SMALL, cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
