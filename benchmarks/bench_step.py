@@ -8,6 +8,7 @@ are noise.
 
     python benchmarks/bench_step.py --json results.json          # full suite (~8k tree tokens per case)
     python benchmarks/bench_step.py --quick --json quick.json    # small trees, a minute or two
+    python benchmarks/bench_step.py --cases tau_bench --json tau.json   # real tau-bench trajectories
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def hybrid_model(args) -> treelit.TreeDecoder:
     )
 
 
-HYBRID_SCALE = 0.25  # the recurrent layers' exact torch scan steps token by token: smaller trees
+HYBRID_SCALE = 0.2  # the recurrent layers' exact torch scan steps token by token: smaller trees
 
 
 def load_case(name: str, args):
@@ -171,7 +172,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results here")
     p.add_argument("--quick", action="store_true", help="small trees (scale 0.25), one repetition")
-    p.add_argument("--cases", default=",".join(SUITE + HYBRID_SUITE + ["tau_bench"]), help="comma-separated case names")
+    p.add_argument(
+        "--cases", default=",".join(SUITE + HYBRID_SUITE),
+        help="comma-separated case names (also: tau_bench, the real-data case; agent_group)",
+    )
     p.add_argument("--scale", type=float, default=None, help="size multiplier for the cases (default 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (default 3; quick: 1)")
     p.add_argument("--mask", choices=["all", "assistant"], default="all", help="loss mask of each branch")

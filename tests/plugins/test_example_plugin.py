@@ -22,7 +22,7 @@ def _pip(*args):
 
 @pytest.fixture(scope="module")
 def installed():
-    r = _pip("install", "-q", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN))
+    r = _pip("install", "-q", "--no-deps", "-e", str(PLUGIN))
     assert r.returncode == 0, r.stderr
     yield
     _pip("uninstall", "-y", "-q", "treelit-example-plugin")
