@@ -6,7 +6,6 @@ import os
 import sys
 from typing import Callable, Dict
 
-import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))

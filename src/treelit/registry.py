@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 __all__ = ["Registry", "RegistryError", "get_registry", "all_registries"]
 
@@ -153,7 +153,3 @@ def all_registries() -> Dict[str, Registry]:
     importlib.import_module("treelit.components")
     return dict(sorted(_REGISTRIES.items()))
 
-
-def registered(kind: str) -> Callable[[str], Callable[[Any], Any]]:
-    """Decorator factory: ``@registered("objective")("ppo")``."""
-    return get_registry(kind).register

@@ -84,7 +84,6 @@ def test_mamba2_recurrence_agrees_with_a_plain_scan():
             for head in range(H):
                 grp = head // (H // G)  # the kernels' grouping
                 Bt = Bm[t].view(G, N)[grp]
-                Ct = Cm[t].view(G, N)[grp]
                 xt = xs[t].view(H, P)[head]
                 h[head] = torch.exp(dt[t, head] * A[head]) * h[head] + dt[t, head] * torch.outer(xt, Bt)
             y = torch.stack([h[hd] @ Cm[t].view(G, N)[hd // (H // G)] for hd in range(H)])

@@ -83,6 +83,29 @@ def build_tree_from_branches(
     return BuiltTree(tree_id, tree, source)
 
 
+class TokenBuilder(TreeBuilder):
+    """Shared options of the token-level builders (``sequences``, ``groups``).
+
+    Args:
+        advantage: estimator turning branch ``reward`` s into advantages (``grpo``, ``rloo``,
+            ``reinforce_pp``, ``raw``; groups as the builder defines them).
+        logprob_conflict: ``raise`` or ``split`` when branches disagree on a shared token's
+            old/reference log-prob by more than ``logprob_tol``.
+        advantage_options: extra keyword arguments of the estimator.
+    """
+
+    def __init__(self, advantage: Optional[str] = None, logprob_conflict: str = "raise", logprob_tol: float = 1e-4,
+                 **advantage_options: Any) -> None:
+        self.advantage = advantage
+        self.advantage_options = advantage_options
+        self.logprob_conflict = logprob_conflict
+        self.logprob_tol = logprob_tol
+
+    def tree(self, branches, tree_id: str, source: str) -> BuiltTree:
+        return build_tree_from_branches(branches, tree_id, source, logprob_conflict=self.logprob_conflict,
+                                        logprob_tol=self.logprob_tol)
+
+
 def fill_advantages(items: List[tuple], estimator: Optional[str], **options: Any) -> None:
     """Set ``advantage`` on branch dicts that have a ``reward`` but no advantage.
 

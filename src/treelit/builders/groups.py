@@ -8,33 +8,28 @@ stay trees of their own.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List
 
-from treelit.builders.base import TREE_BUILDERS, BuiltTree, TreeBuilder, build_tree_from_branches, fill_advantages
+from treelit.builders.base import TREE_BUILDERS, BuiltTree, TokenBuilder, fill_advantages
 from treelit.data.records import Record
 
 
 @TREE_BUILDERS.register("groups")
-class GroupsBuilder(TreeBuilder):
+class GroupsBuilder(TokenBuilder):
     """Args:
-        key: the group field name (default ``group``).
-        advantage, logprob_conflict, logprob_tol: as for ``sequences`` (advantages are
-            computed within each group).
+        key: the group field name (default ``group``); other options as for
+            :class:`~treelit.builders.base.TokenBuilder` (advantages are computed within groups).
     """
 
-    def __init__(self, key: str = "group", advantage: Optional[str] = None, logprob_conflict: str = "raise",
-                 logprob_tol: float = 1e-4, **advantage_options: Any) -> None:
+    def __init__(self, key: str = "group", **options: Any) -> None:
+        super().__init__(**options)
         self.key = key
-        self.advantage = advantage
-        self.advantage_options = advantage_options
-        self.logprob_conflict = logprob_conflict
-        self.logprob_tol = logprob_tol
 
     def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
         records = list(records)
         items = [(b, b.get(self.key, r.data.get(self.key, r.id))) for r in records for b in r.data["branches"]]
         fill_advantages(items, self.advantage, **self.advantage_options)
-        kw = dict(logprob_conflict=self.logprob_conflict, logprob_tol=self.logprob_tol)
+
         groups: Dict[str, List[dict]] = {}
         sources: Dict[str, str] = {}
         out: List[BuiltTree] = []
@@ -48,7 +43,7 @@ class GroupsBuilder(TreeBuilder):
                 groups.setdefault(gid, []).append({**br, self.key: k, "_record": r.id})
                 sources.setdefault(gid, r.source)
             if all(br.get(self.key, rkey) is None for br in r.data["branches"]):
-                out.append(build_tree_from_branches(r.data["branches"], r.id, r.source, **kw))
+                out.append(self.tree(r.data["branches"], r.id, r.source))
         for gid, branches in groups.items():
-            out.append(build_tree_from_branches(branches, gid, sources[gid], **kw))
+            out.append(self.tree(branches, gid, sources[gid]))
         return out

@@ -169,9 +169,3 @@ class TreeContext:
             v = torch.cat([self.external.v[layer], v], dim=2)
         return self.backend(q, k, v, self.plan)
 
-
-def gqa_expand(k: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``[B, Hkv, L, D] -> [B, Hq, L, D]`` (query head h reads kv head h // (Hq/Hkv))."""
-    rep = num_heads // k.shape[1]
-    return k if rep == 1 else k.repeat_interleave(rep, dim=1)
-

@@ -21,7 +21,7 @@ unpartitioned loss and gradients (tested in float64 to 1e-9).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import numpy as np
 import torch

@@ -73,23 +73,6 @@ def _ancestor_table(parent: np.ndarray, root_external: np.ndarray, K: int) -> np
     return src
 
 
-def _segments_with_breaks(parent: np.ndarray, breaks: np.ndarray):
-    N = len(parent)
-    idx = np.arange(N)
-    children = np.bincount(parent[parent >= 0], minlength=N)
-    cont = np.zeros(N, dtype=bool)
-    cont[1:] = (parent[1:] == idx[:-1]) & (children[:-1] == 1)
-    cut = np.zeros(N, dtype=bool)
-    cut[breaks[breaks + 1 < N] + 1] = True
-    cont &= ~cut
-    seg_start = np.flatnonzero(~cont)
-    seg_len = np.diff(np.append(seg_start, N))
-    seg_of = np.cumsum(~cont) - 1
-    p = parent[seg_start]
-    seg_parent = np.where(p >= 0, seg_of[np.maximum(p, 0)], -1)
-    return seg_start.astype(np.int64), seg_len.astype(np.int64), seg_parent.astype(np.int64)
-
-
 def _levels(seg_parent: np.ndarray) -> List[np.ndarray]:
     depth = np.zeros(len(seg_parent), dtype=np.int64)
     for s in range(len(seg_parent)):  # parents come first
@@ -103,7 +86,9 @@ def tree_layout(batch, K: int, external: bool = False, capture: Optional[np.ndar
     Segments are cut after every ``capture`` token so that its state is a segment's final one."""
     parent = batch.parent.cpu().numpy()
     if capture is not None and len(capture):
-        seg_start, seg_len, seg_parent = _segments_with_breaks(parent, np.asarray(capture, dtype=np.int64))
+        from treelit.tree.batch import segments_from_parents
+
+        seg_start, seg_len, seg_parent = segments_from_parents(parent, np.asarray(capture, dtype=np.int64))
     else:
         seg_start = batch.seg_start.cpu().numpy()
         seg_len = batch.seg_len.cpu().numpy()

@@ -344,15 +344,19 @@ class TreeBatch:
         return int(torch.searchsorted(self.branch_ptr, hits[0], right=True)[0]) - 1
 
 
-def segments_from_parents(parent: np.ndarray):
+def segments_from_parents(parent: np.ndarray, breaks: Optional[np.ndarray] = None):
     """Segment tables ``(seg_start, seg_len, seg_parent)`` of a DFS-ordered row given its
     parent array: a token continues its predecessor's segment iff its parent is the
-    predecessor and the predecessor has exactly one child."""
+    predecessor and the predecessor has exactly one child. ``breaks``: tokens after which a
+    segment must end anyway."""
     N = len(parent)
     idx = np.arange(N)
     children = np.bincount(parent[parent >= 0], minlength=N)
     cont = np.zeros(N, dtype=bool)
     cont[1:] = (parent[1:] == idx[:-1]) & (children[:-1] == 1)
+    if breaks is not None and len(breaks):
+        b = np.asarray(breaks, dtype=np.int64)
+        cont[b[b + 1 < N] + 1] = False
     seg_start = np.flatnonzero(~cont)
     seg_len = np.diff(np.append(seg_start, N))
     seg_of = np.cumsum(~cont) - 1
