@@ -18,6 +18,7 @@ CPU_BACKENDS = {
     "segment": lambda: SegmentAttention(),  # short chains batched with padding
     "segment_unbatched": lambda: SegmentAttention(batch_below=0),  # every chain on its own
     "segment_batch3": lambda: SegmentAttention(batch_below=3),  # mixed
+    "segment_noshare": lambda: SegmentAttention(share_prefixes=False),  # siblings not merged
 }
 
 
@@ -83,6 +84,24 @@ def test_segment_cost_follows_segments_not_rows():
     causal_branches = sum(len(b) * (len(b) + 1) // 2 for b in branches)
     assert plan.exact_cost <= causal_branches
     assert plan.cost < 0.5 * N * N
+
+
+def test_siblings_share_one_prefix_call():
+    """A fan-out plans its sibling chains as shared-prefix groups (one prefix call), split
+    where lengths differ a lot; outputs and gradients still match the dense reference."""
+    prefix = list(range(40))
+    branches = [prefix + [100 + b] + [300 + b] * 20 for b in range(4)]
+    branches += [prefix + [200 + b] + [400 + b] * 2 for b in range(4)]  # much shorter siblings
+    branches.append(prefix + [99] + [500] * 120)  # one long sibling
+    batch = treelit.TokenTree.from_branches(branches).to_batch()
+    layout = TreeLayout(batch, torch.arange(batch.num_tokens), batch.subtree_end, 0)
+    backend = SegmentAttention()
+    plan = backend.plan(layout)
+    shared = sorted((g.n, g.lq) for g in plan.groups if g.shared)
+    assert shared == [(2, 3), (6, 21)]  # padding within 1.5x; the long one alone
+    assert not any(g.shared for g in SegmentAttention(share_prefixes=False).plan(layout).groups)
+    compare(backend, layout, torch.float64)
+    compare(backend, layout, torch.float32)
 
 
 def test_bad_option():

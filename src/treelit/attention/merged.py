@@ -114,3 +114,45 @@ class PrefixCausalAttention(torch.autograd.Function):
 
 def prefix_causal_attention(q, k_pre, v_pre, bias_pre, k_own, v_own) -> torch.Tensor:
     return PrefixCausalAttention.apply(q, k_pre, v_pre, bias_pre, k_own, v_own)
+
+
+class SharedPrefixAttention(torch.autograd.Function):
+    """Sibling chains that share one prefix: their queries, concatenated, attend to the prefix
+    keys in *one* call (no per-chain copies of the prefix K/V), and each chain attends to
+    itself causally in a padded batch; the two parts merge through their log-sum-exps.
+
+    ``q_cat [1, H, M, D]``: the chains' queries, concatenated; ``k_pre, v_pre [1, Hkv, P, D]``;
+    ``q_pad [n, H, L, D]`` / ``k_own, v_own [n, Hkv, L, D]``: the same chains padded to L
+    (padding after each chain's tokens, so causality hides it from real queries);
+    ``pad_index [M]``: the row of each concatenated query in the flattened ``n * L`` layout.
+    """
+
+    @staticmethod
+    def forward(ctx, q_cat, k_pre, v_pre, q_pad, k_own, v_own, pad_index):
+        o_a, l_a = _fwd(q_cat, k_pre, v_pre, False, None)
+        o_b_pad, l_b_pad = _fwd(q_pad, k_own, v_own, True, None)
+        n, H, L, D = o_b_pad.shape
+        o_b = o_b_pad.transpose(0, 1).reshape(H, n * L, D)[:, pad_index][None]
+        l_b = l_b_pad.transpose(0, 1).reshape(H, n * L)[:, pad_index][None]
+        lse = torch.logaddexp(l_a, l_b)
+        o = torch.exp(l_a - lse)[..., None] * o_a + torch.exp(l_b - lse)[..., None] * o_b
+        ctx.save_for_backward(q_cat, k_pre, v_pre, q_pad, k_own, v_own, pad_index, o, lse, o_b_pad, l_b_pad)
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        q_cat, k_pre, v_pre, q_pad, k_own, v_own, pad_index, o, lse, o_b_pad, l_b_pad = ctx.saved_tensors
+        g = g.contiguous()
+        dq_cat, dk_pre, dv_pre = _bwd(g, q_cat, k_pre, v_pre, o, lse, False, None)
+        n, H, L, D = o_b_pad.shape
+        # the own part's backward needs the merged output and lse on real rows; padded rows
+        # keep the own part's values and get no gradient
+        o_full = o_b_pad.transpose(0, 1).reshape(H, n * L, D).clone()
+        l_full = l_b_pad.transpose(0, 1).reshape(H, n * L).clone()
+        g_full = torch.zeros_like(o_full)
+        o_full[:, pad_index] = o[0].to(o_full.dtype)
+        l_full[:, pad_index] = lse[0].to(l_full.dtype)
+        g_full[:, pad_index] = g[0].to(g_full.dtype)
+        unpad = lambda t: t.reshape(H, n, L, *t.shape[2:]).transpose(0, 1).contiguous()  # noqa: E731
+        dq_pad, dk_own, dv_own = _bwd(unpad(g_full), q_pad, k_own, v_own, unpad(o_full), unpad(l_full), True, None)
+        return dq_cat, dk_pre, dv_pre, dq_pad, dk_own, dv_own, None

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from treelit.attention.base import ATTENTION, AttentionBackend
-from treelit.attention.merged import prefix_causal_attention
+from treelit.attention.merged import SharedPrefixAttention, prefix_causal_attention
 
 
 @dataclass
@@ -58,6 +58,9 @@ class _Group:
     pre_bias: Optional[torch.Tensor] = None  # [n, 1, 1, lp] bool: real prefix keys
     keep: Optional[torch.Tensor] = None  # real query slots
     mask: Optional[torch.Tensor] = None  # irregular groups: [n, 1, lq, lp] bool over pre_idx keys
+    shared: bool = False  # sibling chains sharing one prefix (q_idx: concatenated queries)
+    qpad_idx: Optional[torch.Tensor] = None  # shared groups: [n * lq] padded query slots
+    pad_index: Optional[torch.Tensor] = None  # shared groups: padded slot of each concatenated query
     _bias: Optional[Dict[torch.dtype, torch.Tensor]] = None
 
     def bias(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -95,17 +98,19 @@ class SegmentAttention(AttentionBackend):
     Args:
         batch_below: chains of at most this many tokens are batched with similar ones;
             longer chains run one by one on slices of the row.
+        share_prefixes: sibling chains with the same prefix attend to it in one call.
     """
 
     name = "segment"
 
-    def __init__(self, batch_below: int = 256) -> None:
+    def __init__(self, batch_below: int = 256, share_prefixes: bool = True) -> None:
         if batch_below < 0:
             raise ValueError(f"segment attention batch_below must be >= 0, got {batch_below}")
         self.batch_below = int(batch_below)
+        self.share_prefixes = bool(share_prefixes)
 
     def __repr__(self) -> str:
-        return f"SegmentAttention(batch_below={self.batch_below})"
+        return f"SegmentAttention(batch_below={self.batch_below}, share_prefixes={self.share_prefixes})"
 
     # planning ------------------------------------------------------------------------
     def plan(self, layout) -> SegmentPlan:
@@ -144,6 +149,8 @@ class SegmentAttention(AttentionBackend):
 
         single: List[_Group] = []
         small: Dict[Tuple[int, int, bool], List[Tuple[int, int, np.ndarray]]] = {}
+        by_prefix: Dict[bytes, List[Tuple[int, int, np.ndarray]]] = {}
+        loose: List[Tuple[int, int, np.ndarray]] = []
         irregular: List[Tuple[int, int, np.ndarray]] = []
         rows: List[np.ndarray] = []
         exact = cost = 0
@@ -157,16 +164,32 @@ class SegmentAttention(AttentionBackend):
                 if partial:
                     irregular.append((a, b, pre))
                     continue
+            exact += (b - a) * len(pre) + (b - a) * (b - a + 1) // 2
+            if len(pre) and self.share_prefixes:
+                by_prefix.setdefault(pre.tobytes(), []).append((a, b, pre))
+            else:
+                loose.append((a, b, pre))
+        shared: List[Tuple[_Group, np.ndarray]] = []
+        for siblings in by_prefix.values():
+            for members in _similar_lengths(siblings):
+                if len(members) >= 2:  # siblings: one prefix call for all their queries
+                    g, r = _shared_group(members, E, dev)
+                    shared.append((g, r))
+                    cost += sum((b - a) * len(pre) for a, b, pre in members) + g.n * g.lq * (g.lq + 1) // 2
+                else:
+                    loose.extend(members)
+        for a, b, pre in loose:
             lq, lp = b - a, len(pre)
-            exact += lq * lp + lq * (lq + 1) // 2
             if lq > self.batch_below:
                 single.append(_Group(1, lq, lp, q_slice=(a, b), pre_idx=torch.from_numpy(pre).to(dev) if lp else None))
                 rows.append(np.arange(a, b))
                 cost += lq * lp + lq * (lq + 1) // 2
             else:
                 small.setdefault((_round_up(lq), _round_up(lp) if lp else 0, lp > 0), []).append((a, b, pre))
-
         groups: List[_Group] = list(single)
+        for g, r in shared:
+            groups.append(g)
+            rows.append(r)
         for (lq, lp, _), members in sorted(small.items()):
             g, r = _padded_group(members, lq, lp, E, dev)
             groups.append(g)
@@ -193,6 +216,14 @@ class SegmentAttention(AttentionBackend):
         E = k.shape[2] - N
         outs = []
         for g in plan.groups:
+            if g.shared:
+                q_cat = q[0].index_select(1, g.q_idx)[None]
+                kp, vp = k.index_select(2, g.pre_idx), v.index_select(2, g.pre_idx)
+                q_pad = q[0].index_select(1, g.qpad_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
+                ko = k[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
+                vo = v[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
+                outs.append(SharedPrefixAttention.apply(q_cat, kp, vp, q_pad, ko, vo, g.pad_index)[0])
+                continue
             if g.mask is not None:  # irregular: explicit masks over gathered keys
                 qb = q[0].index_select(1, g.q_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
                 kb = k[0].index_select(1, g.pre_idx).view(Hkv, g.n, g.lp, D).transpose(0, 1)
@@ -251,6 +282,49 @@ def _padded_group(members, lq: int, lp: int, E: int, dev) -> Tuple[_Group, np.nd
         keep=None if q_valid.all() else t(keep),
     )
     return group, q_idx.reshape(-1)[keep]
+
+
+def _similar_lengths(members, waste: float = 1.5):
+    """Split siblings (longest first) into runs whose padded causal cost stays within
+    ``waste`` times their real causal cost, so one long sibling does not pad many short ones."""
+    members = sorted(members, key=lambda m: m[0] - m[1])
+    runs: List[list] = []
+    run: list = []
+    real = 0
+    for m in members:
+        lq = m[1] - m[0]
+        top = (run[0][1] - run[0][0]) if run else lq
+        if run and (len(run) + 1) * top * (top + 1) > waste * (real + lq * (lq + 1)):
+            runs.append(run)
+            run, real, top = [], 0, lq
+        run.append(m)
+        real += lq * (lq + 1)
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _shared_group(members, E: int, dev) -> Tuple[_Group, np.ndarray]:
+    """Chains sharing one prefix: concatenated queries for the prefix call, a padded batch
+    (padding after each chain) for their own causal parts."""
+    n = len(members)
+    lq = max(b - a for a, b, _ in members)
+    q_cat = np.concatenate([np.arange(a, b) for a, b, _ in members])
+    q_pad = np.zeros((n, lq), dtype=np.int64)
+    own = np.zeros((n, lq), dtype=np.int64)
+    pad_index = []
+    for r, (a, b, _) in enumerate(members):
+        q_pad[r, : b - a] = np.arange(a, b)
+        q_pad[r, b - a :] = a  # padded queries: any real row (their output is dropped)
+        own[r, : b - a] = np.arange(a, b) + E
+        own[r, b - a :] = b - 1 + E  # padded keys come after every real query: never seen
+        pad_index.append(r * lq + np.arange(b - a))
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    group = _Group(
+        n, lq, len(members[0][2]), q_idx=t(q_cat), own_idx=t(own.reshape(-1)), pre_idx=t(members[0][2]),
+        shared=True, qpad_idx=t(q_pad.reshape(-1)), pad_index=t(np.concatenate(pad_index)),
+    )
+    return group, q_cat
 
 
 def _irregular_group(chains, kv_lo, kv_hi, E: int, dev) -> Tuple[_Group, np.ndarray, int]:
