@@ -24,6 +24,13 @@ similar size and run as one batch per group and layer; padded prefix keys are hi
 by a ``[n, 1, 1, P]`` bias, padded own keys come after every real query and are
 never seen causally, padded queries are dropped.
 
+*Siblings.* Chains with the same prefix (the branches of a fan-out) are not given a
+copy of the prefix each: their queries, concatenated, attend to the prefix keys in
+one call, and each chain attends to itself in a padded causal batch; the two parts
+merge by log-sum-exp (:class:`~treelit.attention.merged.SharedPrefixAttention`).
+Siblings of very different lengths go to separate calls so that padding costs at
+most 1.5x their own causal work.
+
 *Irregular externals.* External keys visible to only part of a chain (not produced
 by treelit's partitioner) fall back to explicitly masked blocks.
 
