@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import treelit
@@ -147,6 +147,7 @@ PPO_CASES = [
 @pytest.mark.parametrize("case", range(len(PPO_CASES)))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=forests(max_branches=5, max_len=8), agg=st.sampled_from(treelit.AGGREGATIONS), seed=st.integers(0, 99))
+@example(data=([[1, 3]], [[False, True]], [0.5]), agg="token-mean", seed=41)  # q/k gradients exactly zero
 def test_ppo_family_matches_per_branch_formula(case, data, agg, seed):
     opts = dict(PPO_CASES[case])
     name = opts.pop("name")
