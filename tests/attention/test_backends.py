@@ -104,6 +104,33 @@ def test_siblings_share_one_prefix_call():
     compare(backend, layout, torch.float32)
 
 
+@pytest.mark.parametrize("name", sorted(CPU_BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keeps_dtype_and_matches_float32(name, dtype):
+    """bf16/fp16 inputs: outputs and gradients keep the dtype and agree with the float32
+    dense reference to the precision of the format."""
+    branches = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 8], [1, 2, 3, 9], [1, 2, 10, 11]]
+    batch = treelit.TokenTree.from_branches(branches).to_batch()
+    layout = random_layout(batch, 2, torch.Generator().manual_seed(1))
+    N, E = layout.num_queries, layout.num_external
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(1, h, n, 8, generator=g) for h, n in ((4, N), (2, E + N), (2, E + N))]
+    probe = torch.randn(1, 4, N, 8, generator=g)
+
+    def run(backend, dt):
+        q, k, v = (t.to(dt).requires_grad_() for t in base)
+        out = backend(q, k, v, backend.plan(layout))
+        (out.float() * probe).sum().backward()
+        return [out, q.grad, k.grad, v.grad]
+
+    got = run(CPU_BACKENDS[name](), dtype)
+    ref = run(get_backend("sdpa_dense"), torch.float32)
+    atol = 5e-2 if dtype == torch.bfloat16 else 5e-3
+    for what, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
+        assert a.dtype == dtype, what
+        torch.testing.assert_close(a.float(), b, rtol=0, atol=atol * b.abs().max().item(), msg=what)
+
+
 def test_bad_option():
     with pytest.raises(ValueError, match="batch_below must be >= 0"):
         SegmentAttention(batch_below=-1)

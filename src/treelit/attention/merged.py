@@ -80,6 +80,14 @@ def _bwd(g, q, k, v, o, lse, causal, bias):
     return _math_bwd(g, q, k, v, o, lse, causal, bias)
 
 
+def _merge(o_a, l_a, o_b, l_b, lse) -> torch.Tensor:
+    """Merge two partial attentions given the joint log-sum-exp. The log-sum-exps may be
+    float32 for half-precision inputs (the CPU kernels keep them so); the merged output
+    keeps the inputs' dtype, which the kernels' backward passes expect."""
+    o = torch.exp(l_a - lse)[..., None] * o_a + torch.exp(l_b - lse)[..., None] * o_b
+    return o.to(o_a.dtype)
+
+
 class PrefixCausalAttention(torch.autograd.Function):
     """``softmax`` attention of ``q [B, H, L, D]`` over ``[prefix keys | own keys]``.
 
@@ -96,7 +104,7 @@ class PrefixCausalAttention(torch.autograd.Function):
         else:
             o_a, l_a = _fwd(q, k_pre, v_pre, False, bias_pre)
             lse = torch.logaddexp(l_a, l_b)
-            o = torch.exp(l_a - lse)[..., None] * o_a + torch.exp(l_b - lse)[..., None] * o_b
+            o = _merge(o_a, l_a, o_b, l_b, lse)
         ctx.save_for_backward(q, k_pre, v_pre, bias_pre, k_own, v_own, o, lse)
         return o
 
@@ -135,7 +143,7 @@ class SharedPrefixAttention(torch.autograd.Function):
         o_b = o_b_pad.transpose(0, 1).reshape(H, n * L, D)[:, pad_index][None]
         l_b = l_b_pad.transpose(0, 1).reshape(H, n * L)[:, pad_index][None]
         lse = torch.logaddexp(l_a, l_b)
-        o = torch.exp(l_a - lse)[..., None] * o_a + torch.exp(l_b - lse)[..., None] * o_b
+        o = _merge(o_a, l_a, o_b, l_b, lse)
         ctx.save_for_backward(q_cat, k_pre, v_pre, q_pad, k_own, v_own, pad_index, o, lse, o_b_pad, l_b_pad)
         return o
 
