@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import sys
 from typing import Callable, Dict
@@ -107,3 +109,18 @@ def assert_equivalent(model, fn_tree, fn_ref, dtype, what: str = "", require_gra
     # The comparison must not be vacuous: some gradient is non-zero whenever the loss is.
     if require_grad and lb.item() != 0.0:
         assert any(g.abs().sum() > 0 for g in gb.values()), f"{what}: all reference gradients are zero"
+
+
+@contextlib.contextmanager
+def ssm_chunk_size(model: torch.nn.Module, chunk_size: int):
+    """Run the model's recurrent layers with the chunked scan at ``chunk_size`` tokens per
+    block (1: the token-by-token reference scan), restoring the previous setting after."""
+    layers = [m for m in model.modules() if hasattr(m, "chunk_size") and hasattr(m, "reset_tree_parameters")]
+    before = [m.chunk_size for m in layers]
+    for m in layers:
+        m.chunk_size = chunk_size
+    try:
+        yield
+    finally:
+        for m, c in zip(layers, before):
+            m.chunk_size = c

@@ -82,6 +82,22 @@ def test_resume_gives_the_uninterrupted_weights(tmp_path):
     assert any(not torch.equal(a[k], c[k]) for k in a), "3 more steps must change the weights"
 
 
+def test_hybrid_model_trains_with_chunked_and_step_scans_alike(tmp_path):
+    """model=hybrid_tiny through the app: ssm.chunk_size=1 (reference scan) and the default
+    chunked scan take the same steps."""
+    base = [o for o in SMALL if not o.startswith("model.")] + ["trainer.max_steps=2", "model=hybrid_tiny"]
+
+    def hybrid(name, *extra):
+        return run(compose([f"output_dir={tmp_path / name}", *base, *extra]))
+
+    a, b = hybrid("steps", "ssm.chunk_size=1"), hybrid("chunked")
+    assert b["global_step"] == 2
+    assert abs(a["metrics"]["loss"] - b["metrics"]["loss"]) <= 1e-4 * abs(a["metrics"]["loss"])
+    # no Hugging Face format mixes Mamba2 with other layers: the export falls back to treelit's
+    back = treelit.load_hf_checkpoint(tmp_path / "chunked" / "hf_checkpoint")
+    assert back.config.layer_types == ["gdn", "attention", "mamba2", "gdn"]
+
+
 def test_default_run_learns(tmp_path):
     summary, out = train(tmp_path, "trainer.max_steps=40", "optimizer.lr=0.01")
     assert summary["global_step"] == 40
@@ -137,6 +153,8 @@ def test_incompatible_and_unknown_options_fail_before_training(tmp_path, hf_dir)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="attention=flex needs a CUDA device.*attention=segment"):
             train(tmp_path, "attention=flex")
+    with pytest.raises(ConfigError, match="ssm.chunk_size must be a positive number of tokens.*got 0"):
+        train(tmp_path, "ssm.chunk_size=0")
     with pytest.raises(ConfigError, match="model.hf_checkpoint: directory '/nonexistent' does not exist"):
         train(tmp_path, "model.hf_checkpoint=/nonexistent")
     with pytest.raises(KeyError, match="unknown tree_builder 'nope'; known tree_builder names: chat"):

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treelit
-from helpers import FAMILIES, RECURRENT, assert_equivalent, cached_model
+from helpers import FAMILIES, RECURRENT, assert_equivalent, cached_model, ssm_chunk_size
 from strategies import forests
 from treelit.partition import BudgetError, PartitionStats, plan_partitions, tree_backward
 
@@ -82,8 +82,9 @@ def test_budget_below_the_longest_branch_is_refused():
         plan_partitions(batch, 9)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 64])
 @pytest.mark.parametrize("name", ["gdn_tiny", "mamba2_tiny", "hybrid_tiny", "qwen2_tiny"])
-def test_every_split_budget_reproduces_the_unsplit_step(name):
+def test_every_split_budget_reproduces_the_unsplit_step(name, chunk):
     """Budgets from the longest branch up to the whole tree: each cuts the tree at different
     segments, and the boundary states/contexts fed to the children reproduce the unsplit
     loss and gradients."""
@@ -99,7 +100,12 @@ def test_every_split_budget_reproduces_the_unsplit_step(name):
             v = tree_backward(model, batch, budget_tokens=budget, stats=stats)
             return torch.tensor(v, dtype=torch.float64) + 0.0 * sum(p.sum() for p in model.parameters())
 
-        assert_equivalent(model, partitioned, lambda: treelit.tree_loss(model, batch), torch.float64, f"budget {budget}")
+        def unsplit():
+            with ssm_chunk_size(model, 1):  # the reference scan
+                return treelit.tree_loss(model, batch)
+
+        with ssm_chunk_size(model, chunk):  # boundary states from / into blocks of `chunk` tokens
+            assert_equivalent(model, partitioned, unsplit, torch.float64, f"budget {budget}")
         assert stats.token_forwards == batch.num_tokens
         seen.add(stats.partitions)
     assert len(seen) >= 3, seen  # the budgets really produced different cuts

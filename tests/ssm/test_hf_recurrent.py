@@ -33,6 +33,23 @@ def test_round_trip(tmp_path, name):
     torch.testing.assert_close(treelit.tree_loss(back, tree), treelit.tree_loss(model, tree))
 
 
+def test_hybrid_with_mamba2_has_no_hf_format_and_round_trips_in_treelit_format(tmp_path):
+    from treelit.models.hf import CheckpointError
+
+    model = treelit.build_model("hybrid_tiny", vocab_size=32)
+    randomize_(model, seed=4, std=0.2)
+    with pytest.raises(CheckpointError, match="mixing Mamba2 with other layers"):
+        treelit.save_hf_checkpoint(model, tmp_path / "hf")
+    treelit.save_hf_checkpoint(model, tmp_path / "native", native_fallback=True)
+    assert json.loads((tmp_path / "native" / "config.json").read_text())["model_type"] == "treelit"
+    back = treelit.load_hf_checkpoint(tmp_path / "native", max_seq_len=128)
+    assert back.config.layer_types == model.config.layer_types and back.config.max_seq_len == 128
+    for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    tree = treelit.TokenTree.from_branches(BRANCHES)
+    torch.testing.assert_close(treelit.tree_loss(back, tree), treelit.tree_loss(model, tree))
+
+
 def test_fla_loads_our_gated_deltanet_checkpoint(tmp_path):
     fla_models = pytest.importorskip("fla.models")
     model = treelit.build_model("gdn_tiny", vocab_size=32)

@@ -48,6 +48,9 @@ def validate_config(cfg: DictConfig) -> None:
         )
     if (cfg.get("ssm") or {}).get("name") == "fla" and not torch.cuda.is_available():
         raise ConfigError("ssm=fla needs a CUDA device (fla's Triton kernels); use ssm=torch")
+    chunk = (cfg.get("ssm") or {}).get("chunk_size", 64)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ConfigError(f"ssm.chunk_size must be a positive number of tokens (1 = token by token), got {chunk!r}")
     if cfg.get("mode") not in ("tree", "linear"):
         raise ConfigError(f"mode must be 'tree' or 'linear', got {cfg.get('mode')!r}")
     from treelit.tree.batch import AGGREGATIONS

@@ -73,7 +73,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     model = build(cfg.model)
     from treelit.ssm import set_ssm_backend
 
-    set_ssm_backend(model, cfg.ssm.name)
+    set_ssm_backend(model, cfg.ssm.name, cfg.ssm.get("chunk_size", 64))
     builder = build(cfg.tree_builder)
     datamodule = build(cfg.data, tree_builder=builder)
     datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))

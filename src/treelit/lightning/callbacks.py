@@ -43,7 +43,7 @@ class HFExport(pl.Callback):
         sd = full_state_dict(pl_module.model)  # a collective under FSDP2: every rank gathers
         if not trainer.is_global_zero:
             return
-        self.saved = save_hf_checkpoint(pl_module.model, self.dirpath, state_dict=sd)
+        self.saved = save_hf_checkpoint(pl_module.model, self.dirpath, state_dict=sd, native_fallback=True)
         log.info("wrote Hugging Face checkpoint to %s", self.saved)
         if self.log_to_mlflow:
             for lg in trainer.loggers:

@@ -12,6 +12,7 @@ torchtune too, so nothing is permuted). RoPE settings are read from either
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -21,6 +22,10 @@ import torch
 
 from treelit.models.config import DecoderConfig
 from treelit.models.decoder import TreeDecoder
+
+log = logging.getLogger(__name__)
+
+NATIVE_MODEL_TYPE = "treelit"  # config.json of a model that has no Hugging Face format
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "config_from_hf", "config_to_hf", "CheckpointError"]
 
@@ -245,14 +250,17 @@ def load_hf_checkpoint(
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({exc})") from exc
-    config = config_from_hf(cfg, max_seq_len)
-    sd = _read_state_dict(path)
-    if config.layer_types is not None and any(t != "attention" for t in config.layer_types):
-        from treelit.models.hf_recurrent import hf_to_tune_recurrent
-
-        tune_sd = hf_to_tune_recurrent(sd, config, f"{path}: ")
+    if cfg.get("model_type") == NATIVE_MODEL_TYPE:
+        try:
+            config = DecoderConfig(**cfg["treelit_config"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{cfg_file}: invalid treelit_config ({exc})") from exc
+        if max_seq_len:
+            config.max_seq_len = int(max_seq_len)
+        tune_sd = _read_state_dict(path)
     else:
-        tune_sd = hf_to_tune_state_dict(sd, config, f"{path}: ")
+        config = config_from_hf(cfg, max_seq_len)
+        tune_sd = _hf_weights_to_tune(_read_state_dict(path), config, path)
     model = TreeDecoder(config)
     expected = set(model.state_dict().keys())
     missing = sorted(expected - set(tune_sd))
@@ -262,6 +270,14 @@ def load_hf_checkpoint(
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device)
+
+
+def _hf_weights_to_tune(sd, config: DecoderConfig, path: Path) -> Dict[str, torch.Tensor]:
+    if config.layer_types is not None and any(t != "attention" for t in config.layer_types):
+        from treelit.models.hf_recurrent import hf_to_tune_recurrent
+
+        return hf_to_tune_recurrent(sd, config, f"{path}: ")
+    return hf_to_tune_state_dict(sd, config, f"{path}: ")
 
 
 def full_state_dict(model) -> Dict[str, torch.Tensor]:
@@ -281,9 +297,18 @@ def save_hf_checkpoint(
     *,
     dtype: Optional[torch.dtype] = None,
     state_dict: Optional[Dict[str, torch.Tensor]] = None,
+    native_fallback: bool = False,
 ) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory loadable by ``transformers``
-    (``state_dict``: an already gathered one, see :func:`full_state_dict`)."""
+    (``state_dict``: an already gathered one, see :func:`full_state_dict`).
+
+    A model with no Hugging Face format (a hybrid mixing Mamba2 with other layers) raises
+    :class:`CheckpointError`, or with ``native_fallback=True`` is written in the same
+    layout (``config.json`` + ``model.safetensors``) with ``model_type: "treelit"``: the
+    treelit model config and treelit's own parameter names, which
+    :func:`load_hf_checkpoint` (and ``model.hf_checkpoint=DIR``) read back, but
+    ``transformers`` does not.
+    """
     from safetensors.torch import save_file
 
     if not hasattr(model, "config"):
@@ -295,12 +320,22 @@ def save_hf_checkpoint(
         sd = {k: v.to(dtype) for k, v in sd.items()}
     out_dtype = next(iter(sd.values())).dtype
     c = model.config
-    if c.layer_types is not None and any(t != "attention" for t in c.layer_types):
-        from treelit.models.hf_recurrent import tune_to_hf_recurrent
-
-        hf_sd = tune_to_hf_recurrent(sd, c)
+    try:
+        hf_config = config_to_hf(c, out_dtype)
+    except CheckpointError as exc:
+        if not native_fallback:
+            raise
+        log.warning("%s; writing %s in treelit's own checkpoint format instead", exc, path)
+        hf_config = {"model_type": NATIVE_MODEL_TYPE, "treelit_config": c.to_dict(),
+                     "torch_dtype": str(out_dtype).replace("torch.", "")}
+        hf_sd = sd
     else:
-        hf_sd = tune_to_hf_state_dict(sd, c)
+        if c.layer_types is not None and any(t != "attention" for t in c.layer_types):
+            from treelit.models.hf_recurrent import tune_to_hf_recurrent
+
+            hf_sd = tune_to_hf_recurrent(sd, c)
+        else:
+            hf_sd = tune_to_hf_state_dict(sd, c)
     save_file(hf_sd, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config_to_hf(c, out_dtype), indent=2, sort_keys=True) + "\n")
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     return path

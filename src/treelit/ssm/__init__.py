@@ -1,6 +1,7 @@
 """Tree-exact recurrent layers (Gated DeltaNet, Mamba2) and their backends (registry kind ``ssm``).
 
-Backends: ``torch`` (pure PyTorch, any device, exact; the reference) and ``fla``
+Backends: ``torch`` (pure PyTorch, any device, exact; the scan runs in blocks of
+``chunk_size`` tokens, 1 = token by token, the reference) and ``fla``
 (flash-linear-attention's Triton kernels, CUDA only, one varlen call per segment
 depth level with per-segment initial states).
 """
@@ -12,11 +13,17 @@ SSM_BACKENDS.register("torch", "torch")
 SSM_BACKENDS.register("fla", "fla")
 
 
-def set_ssm_backend(model, name: str = "torch"):
-    """Route every recurrent layer of ``model`` through backend ``name``; returns the model."""
+def set_ssm_backend(model, name: str = "torch", chunk_size: int = 64):
+    """Route every recurrent layer of ``model`` through backend ``name``; returns the model.
+
+    ``chunk_size`` (``torch`` backend): tokens per block of the chunked scan; 1 steps token
+    by token (the reference recurrence). Both are exact; blocks are much faster on CPU.
+    """
     import torch
 
     SSM_BACKENDS.get(name)
+    if int(chunk_size) < 1:
+        raise ValueError(f"ssm.chunk_size must be >= 1, got {chunk_size}")
     if name == "fla":
         if not torch.cuda.is_available():
             raise ValueError("ssm=fla needs CUDA (fla's Triton kernels); use ssm=torch on this machine")
@@ -27,6 +34,7 @@ def set_ssm_backend(model, name: str = "torch"):
     for mod in model.modules():
         if hasattr(mod, "backend") and hasattr(mod, "reset_tree_parameters"):
             mod.backend = name
+            mod.chunk_size = int(chunk_size)
     return model
 
 

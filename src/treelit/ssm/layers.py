@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treelit.ssm.scan import gdn_step, segment_scan, ssd_step
+from treelit.ssm.scan import chunked_scan, gdn_chunk, gdn_step, segment_scan, ssd_chunk, ssd_step
 
 __all__ = ["ShortConv", "GatedDeltaNet", "Mamba2", "RecurrentBlock", "build_recurrent_layer"]
 
@@ -114,6 +114,7 @@ class GatedDeltaNet(nn.Module):
         self.gate_act = output_gate_activation
         self.conv_size = conv_size if use_short_conv else 1
         self.backend = "torch"
+        self.chunk_size = 64  # torch backend: tokens per block of the chunked scan (1: step by step)
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
@@ -177,8 +178,11 @@ class GatedDeltaNet(nn.Module):
             from treelit.ssm.fla_backend import gdn_scan_fla
 
             return gdn_scan_fla(q, k, v, beta, g, layout, init, self.dk**-0.5)
-        step = gdn_step(q, k, v, beta, g, self.dk**-0.5)
-        return segment_scan(step, layout, (self.HV, self.dk, self.dv), (self.HV, self.dv), q, init)
+        shapes = (self.HV, self.dk, self.dv), (self.HV, self.dv)
+        if self.chunk_size > 1:
+            chunk = gdn_chunk(q, k, v, beta, g, self.dk**-0.5)
+            return chunked_scan(chunk, layout, *shapes, q, init, self.chunk_size)
+        return segment_scan(gdn_step(q, k, v, beta, g, self.dk**-0.5), layout, *shapes, q, init)
 
 
 class Mamba2(nn.Module):
@@ -218,6 +222,7 @@ class Mamba2(nn.Module):
         self.A_init_range = A_init_range
         self.conv_size = conv_kernel
         self.backend = "torch"
+        self.chunk_size = 64  # torch backend: tokens per block of the chunked scan (1: step by step)
         self.dt_bias = nn.Parameter(_inv_softplus_dt(self.H))
         self.A_log = nn.Parameter(torch.log(torch.empty(self.H).uniform_(*A_init_range)))
         self.D = nn.Parameter(torch.ones(I if D_has_hdim else self.H))
@@ -273,8 +278,10 @@ class Mamba2(nn.Module):
             from treelit.ssm.fla_backend import ssd_scan_fla
 
             return ssd_scan_fla(xs, dt, A, Bh, Ch, D, layout, init)
-        step = ssd_step(xs, dt, A, Bh, Ch, D)
-        return segment_scan(step, layout, (self.H, self.P, self.N), (self.H, self.P), xs, init)
+        shapes = (self.H, self.P, self.N), (self.H, self.P)
+        if self.chunk_size > 1:
+            return chunked_scan(ssd_chunk(xs, dt, A, Bh, Ch, D), layout, *shapes, xs, init, self.chunk_size)
+        return segment_scan(ssd_step(xs, dt, A, Bh, Ch, D), layout, *shapes, xs, init)
 
 
 class RecurrentBlock(nn.Module):

@@ -14,7 +14,25 @@ stays in the input precision, so float64 runs are exact to rounding.
 
       h = exp(dt_t A) h + (dt_t x_t) B_t^T;   y_t = h C_t + D x_t
 
-These are the references (``ssm=torch``); faster backends are tested against them.
+Two ways to run them, same results to rounding:
+
+* :func:`segment_scan` with a ``*_step`` function: one batched step per token offset,
+  the plain recurrence (the reference, ``chunk_size=1``);
+* :func:`chunked_scan` with a ``*_chunk`` function: one call per block of up to
+  ``chunk_size`` tokens of every active segment, the block's recurrence unrolled into
+  matrix products (the default). Within a block of a segment with cumulative log-decay
+  ``c_t`` (``g`` for Gated DeltaNet, ``dt A`` for Mamba2) and entry state ``S_0``:
+
+      Mamba2:  h_t = e^{c_t} h_0 + sum_{s<=t} e^{c_t - c_s} dt_s x_s B_s^T,
+               y_t = e^{c_t} h_0 C_t + sum_{s<=t} e^{c_t - c_s} (C_t . B_s) dt_s x_s + D x_t
+      GDN:     S_t = e^{c_t} S_0 + sum_{s<=t} e^{c_t - c_s} k_s u_s^T, where the u_t solve
+               u_t + beta_t sum_{s<t} e^{c_t - c_s} (k_t . k_s) u_s = beta_t (v_t - e^{c_t} S_0^T k_t)
+               (unit lower-triangular), and o_t = scale q_t^T S_t.
+
+  Blocks are padded at their end with tokens of zero decay and zero input (``dt = 0``,
+  ``beta = 0``), which leave the state unchanged.
+
+Faster backends are tested against these.
 """
 
 from __future__ import annotations
@@ -26,9 +44,10 @@ import torch
 
 from treelit.ssm.layout import RecurrentLayout
 
-__all__ = ["segment_scan", "gdn_step", "ssd_step"]
+__all__ = ["segment_scan", "chunked_scan", "gdn_step", "ssd_step", "gdn_chunk", "ssd_chunk"]
 
 Step = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+Chunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
 def gdn_step(q, k, v, beta, g, scale):
@@ -93,6 +112,106 @@ def segment_scan(
             out_idx.append(idx)
             out_val.append(o)
             for j in act[lens[act] == t + 1]:
+                final[int(segs[j])] = S[j]
+    idx = torch.cat(out_idx)
+    vals = torch.cat(out_val)
+    out = vals.new_zeros((layout.T, *out_shape)).index_put((idx,), vals)
+    cap = None
+    if len(layout.capture):
+        seg_of = np.searchsorted(seg_start, layout.capture, side="right") - 1
+        cap = torch.stack([final[int(s)] for s in seg_of])
+    return out, cap
+
+
+def _decay_matrix(c: torch.Tensor) -> torch.Tensor:
+    """``[..., L] -> [..., L, L]``: ``e^{c_t - c_s}`` for ``s <= t``, 0 above the diagonal."""
+    L = c.shape[-1]
+    lower = torch.ones(L, L, dtype=torch.bool, device=c.device).tril()
+    return torch.exp((c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")))
+
+
+def gdn_chunk(q, k, v, beta, g, scale):
+    """Returns ``chunk(state [n, HV, K, V], idx [n, L], valid [n, L]) -> (state, out [n, L, HV, V])``."""
+
+    def chunk(S: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor):
+        m = valid.to(g.dtype)[..., None]
+        gc = (g[idx] * m).transpose(1, 2).cumsum(-1)  # [n, HV, L]
+        b = (beta[idx] * m).transpose(1, 2)[..., None]  # [n, HV, L, 1]
+        kk, vv = k[idx].transpose(1, 2), v[idx].transpose(1, 2)  # [n, HV, L, K|V]
+        qq = q[idx].transpose(1, 2) * scale
+        L = idx.shape[1]
+        decay = _decay_matrix(gc)
+        entry = torch.exp(gc)[..., None]  # e^{c_t}
+        A = (b * decay * (kk @ kk.transpose(-1, -2))).tril(-1)
+        eye = torch.eye(L, dtype=A.dtype, device=A.device)
+        u = torch.linalg.solve_triangular(eye + A, b * (vv - entry * (kk @ S)), upper=False, unitriangular=True)
+        o = entry * (qq @ S) + (decay * (qq @ kk.transpose(-1, -2))) @ u
+        tail = torch.exp(gc[..., -1:] - gc)[..., None]  # e^{c_L - c_s}
+        S = torch.exp(gc[..., -1])[..., None, None] * S + (kk * tail).transpose(-1, -2) @ u
+        return S, o.transpose(1, 2)
+
+    return chunk
+
+
+def ssd_chunk(x, dt, A, Bh, Ch, D):
+    """Mamba2 blocks; arguments as :func:`ssd_step`."""
+    Dh = D[:, None] if D.dim() == 1 else D
+
+    def chunk(h: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor):
+        d = (dt[idx] * valid.to(dt.dtype)[..., None]).transpose(1, 2)  # [n, H, L]
+        c = (d * A[:, None]).cumsum(-1)
+        xt = x[idx]  # [n, L, H, P]
+        xs = xt.transpose(1, 2) * d[..., None]  # dt_s x_s, [n, H, L, P]
+        Bs, Cs = Bh[idx].transpose(1, 2), Ch[idx].transpose(1, 2)  # [n, H, L, N]
+        entry = torch.exp(c)[..., None]
+        y = entry * (Cs @ h.transpose(-1, -2)) + (_decay_matrix(c) * (Cs @ Bs.transpose(-1, -2))) @ xs
+        tail = torch.exp(c[..., -1:] - c)[..., None]
+        h = torch.exp(c[..., -1])[..., None, None] * h + (xs * tail).transpose(-1, -2) @ Bs
+        return h, y.transpose(1, 2) + Dh * xt
+
+    return chunk
+
+
+def chunked_scan(
+    chunk: Chunk,
+    layout: RecurrentLayout,
+    state_shape: Tuple[int, ...],
+    out_shape: Tuple[int, ...],
+    like: torch.Tensor,
+    init_state: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`segment_scan` in blocks of up to ``chunk_size`` tokens per segment (same contract)."""
+    if chunk_size < 1:
+        raise ValueError(f"ssm chunk_size must be >= 1, got {chunk_size}")
+    dev = like.device
+    seg_start, seg_len, seg_parent = layout.seg_start, layout.seg_len, layout.seg_parent
+    final: Dict[int, torch.Tensor] = {}
+    zero = like.new_zeros(state_shape)
+    out_idx, out_val = [], []
+    for segs in layout.levels:
+        lens = seg_len[segs]
+        starts = seg_start[segs]
+        init = []
+        for s in segs:
+            p = seg_parent[s]
+            init.append(final[int(p)] if p >= 0 else (init_state if (p == -2 and init_state is not None) else zero))
+        S = torch.stack(init)
+        for t0 in range(0, int(lens.max()), chunk_size):
+            act = np.flatnonzero(lens > t0)
+            full = len(act) == len(segs)
+            L = min(chunk_size, int(lens[act].max()) - t0)
+            pos = t0 + np.arange(L)
+            valid_np = pos[None, :] < lens[act][:, None]
+            idx_np = starts[act][:, None] + np.minimum(pos[None, :], lens[act][:, None] - 1)
+            idx = torch.from_numpy(idx_np).to(dev)
+            valid = torch.from_numpy(valid_np).to(dev)
+            act_t = torch.from_numpy(act).to(dev)
+            Sa, o = chunk(S if full else S[act_t], idx, valid)
+            S = Sa if full else S.index_copy(0, act_t, Sa)
+            out_idx.append(idx[valid])
+            out_val.append(o[valid])
+            for j in act[lens[act] <= t0 + L]:
                 final[int(segs[j])] = S[j]
     idx = torch.cat(out_idx)
     vals = torch.cat(out_val)
