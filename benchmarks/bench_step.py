@@ -68,11 +68,11 @@ def hybrid_model(args) -> treelit.TreeDecoder:
     )
 
 
-HYBRID_SCALE = 0.2  # the recurrent layers' exact torch scan steps token by token: smaller trees
+HYBRID_SCALE = 0.2  # smaller trees keep the whole suite within a few minutes on 2 CPU cores
 
 
 def load_case(name: str, args):
-    """A synthetic agentic case; ``hybrid/<case>`` on the hybrid model (at a quarter of the size);
+    """A synthetic agentic case; ``hybrid/<case>`` on the hybrid model (at a fifth of the size);
     or the real-data ``tau_bench`` case (natural per-call masks, a model with the Qwen vocabulary).
     Returns ``(case, model key)``."""
     if name == "tau_bench":
