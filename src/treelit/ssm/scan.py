@@ -89,38 +89,12 @@ def segment_scan(
     Returns ``(outputs [T, *out_shape], captured [len(layout.capture), *state_shape] or None)``:
     the states right after each token of ``layout.capture`` (which the layout made segment ends).
     """
-    dev = like.device
-    seg_start, seg_len, seg_parent = layout.seg_start, layout.seg_len, layout.seg_parent
-    final: Dict[int, torch.Tensor] = {}
-    zero = like.new_zeros(state_shape)
-    out_idx, out_val = [], []
-    for segs in layout.levels:
-        starts = torch.from_numpy(seg_start[segs]).to(dev)
-        lens = seg_len[segs]
-        init = []
-        for s in segs:
-            p = seg_parent[s]
-            init.append(final[int(p)] if p >= 0 else (init_state if (p == -2 and init_state is not None) else zero))
-        S = torch.stack(init)
-        for t in range(int(lens.max())):
-            act = np.flatnonzero(lens > t)
-            full = len(act) == len(segs)
-            act_t = torch.from_numpy(act).to(dev)
-            idx = starts[act_t] + t
-            Sa, o = step(S if full else S[act_t], idx)
-            S = Sa if full else S.index_copy(0, act_t, Sa)
-            out_idx.append(idx)
-            out_val.append(o)
-            for j in act[lens[act] == t + 1]:
-                final[int(segs[j])] = S[j]
-    idx = torch.cat(out_idx)
-    vals = torch.cat(out_val)
-    out = vals.new_zeros((layout.T, *out_shape)).index_put((idx,), vals)
-    cap = None
-    if len(layout.capture):
-        seg_of = np.searchsorted(seg_start, layout.capture, side="right") - 1
-        cap = torch.stack([final[int(s)] for s in seg_of])
-    return out, cap
+
+    def one_token(S: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor):
+        S, o = step(S, idx[:, 0])
+        return S, o[:, None]
+
+    return chunked_scan(one_token, layout, state_shape, out_shape, like, init_state, chunk_size=1)
 
 
 def _decay_matrix(c: torch.Tensor) -> torch.Tensor:
@@ -181,7 +155,10 @@ def chunked_scan(
     init_state: Optional[torch.Tensor] = None,
     chunk_size: int = 64,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`segment_scan` in blocks of up to ``chunk_size`` tokens per segment (same contract)."""
+    """Run ``chunk`` over every segment in blocks of up to ``chunk_size`` tokens, level by
+    level, segments of a level in parallel; contract as :func:`segment_scan`. ``chunk``
+    gets ``(states [n, ...], token indices [n, L], valid [n, L])``, where the rows of
+    ``valid`` are true on a prefix (the block's real tokens; the rest repeat the last one)."""
     if chunk_size < 1:
         raise ValueError(f"ssm chunk_size must be >= 1, got {chunk_size}")
     dev = like.device
