@@ -303,7 +303,7 @@ def _similar_lengths(members, waste: float = 1.5):
         top = (run[0][1] - run[0][0]) if run else lq
         if run and (len(run) + 1) * top * (top + 1) > waste * (real + lq * (lq + 1)):
             runs.append(run)
-            run, real, top = [], 0, lq
+            run, real = [], 0
         run.append(m)
         real += lq * (lq + 1)
     if run:
