@@ -57,6 +57,62 @@ def test_chunked_scan_equals_step_scan_on_long_segments(name, chunk):
     assert_equivalent(model, run(chunk), run(1), torch.float64, f"chunk {chunk}")
 
 
+def _scan_inputs(T=70, H=2, K=4, V=3, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    gdn = dict(q=r(T, H, K), k=torch.nn.functional.normalize(r(T, H, K), dim=-1), v=r(T, H, V),
+               beta=torch.rand(T, H, generator=gen, dtype=torch.float64), g=-3 * torch.rand(T, H, generator=gen, dtype=torch.float64))
+    ssd = dict(x=r(T, H, V), dt=torch.rand(T, H, generator=gen, dtype=torch.float64) * 2, A=-torch.rand(H, dtype=torch.float64) * 3,
+               Bh=r(T, H, K), Ch=r(T, H, K), D=r(H))
+    cast = lambda d: {n: t.to(dtype) for n, t in d.items()}  # noqa: E731
+    return cast(gdn), cast(ssd)
+
+
+def _run_scans(gdn, ssd, T, chunk_size):
+    from treelit.ssm.layout import causal_layout
+    from treelit.ssm.scan import chunked_scan, gdn_chunk, gdn_step, segment_scan, ssd_chunk, ssd_step
+
+    lay = causal_layout(1, T, None, 1, "cpu")
+    H, K, V = gdn["q"].shape[1], gdn["q"].shape[2], gdn["v"].shape[2]
+    gargs = (gdn["q"], gdn["k"], gdn["v"], gdn["beta"], gdn["g"], K**-0.5)
+    sargs = tuple(ssd[n] for n in ("x", "dt", "A", "Bh", "Ch", "D"))
+    if chunk_size == 1:
+        o_g, _ = segment_scan(gdn_step(*gargs), lay, (H, K, V), (H, V), gdn["q"])
+        o_s, _ = segment_scan(ssd_step(*sargs), lay, (H, V, K), (H, V), ssd["x"])
+    else:
+        o_g, _ = chunked_scan(gdn_chunk(*gargs), lay, (H, K, V), (H, V), gdn["q"], None, chunk_size)
+        o_s, _ = chunked_scan(ssd_chunk(*sargs), lay, (H, V, K), (H, V), ssd["x"], None, chunk_size)
+    return o_g, o_s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_scan_in_half_precision(dtype):
+    """bf16/fp16 inputs (triangular solves have no half kernels; blocks run in float32):
+    outputs keep the dtype and are at least as close to float64 as the step scan's."""
+    T = 70
+    ref = _run_scans(*_scan_inputs(T), T, 1)
+    low = _scan_inputs(T, dtype=dtype)
+    step, chunked = _run_scans(*low, T, 1), _run_scans(*low, T, 64)
+    for r, a, b in zip(ref, step, chunked):
+        assert b.dtype == dtype
+        err_step = ((a.double() - r).norm() / r.norm()).item()
+        err_chunk = ((b.double() - r).norm() / r.norm()).item()
+        assert err_chunk <= 2 * err_step + 1e-3, (err_chunk, err_step)
+
+
+def test_infinite_decay_stays_finite():
+    """A log-decay of -inf (an overflowed exp) zeroes the state in both scans; the chunked
+    one must not turn it into inf - inf."""
+    T = 20
+    gdn, ssd = _scan_inputs(T)
+    gdn["g"][5] = float("-inf")  # one token forgets everything before it
+    ssd["A"][0] = float("-inf")  # head 0 keeps no state from one token to the next
+    step, chunked = _run_scans(gdn, ssd, T, 1), _run_scans(gdn, ssd, T, 8)
+    for a, b in zip(step, chunked):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
 def test_bad_chunk_size():
     from treelit.ssm.layout import causal_layout
     from treelit.ssm.scan import chunked_scan

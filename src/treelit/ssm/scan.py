@@ -30,7 +30,9 @@ Two ways to run them, same results to rounding:
                (unit lower-triangular), and o_t = scale q_t^T S_t.
 
   Blocks are padded at their end with tokens of zero decay and zero input (``dt = 0``,
-  ``beta = 0``), which leave the state unchanged.
+  ``beta = 0``), which leave the state unchanged. The pairwise decays are summed
+  directly (no differences of running sums), and half-precision inputs run their blocks
+  in float32.
 
 Faster backends are tested against these.
 """
@@ -97,32 +99,46 @@ def segment_scan(
     return chunked_scan(one_token, layout, state_shape, out_shape, like, init_state, chunk_size=1)
 
 
-def _decay_matrix(c: torch.Tensor) -> torch.Tensor:
-    """``[..., L] -> [..., L, L]``: ``e^{c_t - c_s}`` for ``s <= t``, 0 above the diagonal."""
-    L = c.shape[-1]
-    lower = torch.ones(L, L, dtype=torch.bool, device=c.device).tril()
-    return torch.exp((c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")))
+def _decays(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-decays ``a [..., L]`` of a block -> ``(entry [..., L], pair [..., L, L])``:
+    ``entry_t = sum_{r<=t} a_r`` and ``pair[t, s] = sum_{s<r<=t} a_r`` for ``s <= t``
+    (``-inf`` above the diagonal). Pair sums are accumulated directly rather than as
+    differences of running sums, so nothing cancels (large decays, low precision) and an
+    infinite decay gives ``-inf`` (a zero factor), never ``inf - inf``."""
+    L = a.shape[-1]
+    ones = torch.ones(L, L, dtype=torch.bool, device=a.device)
+    rows = a[..., :, None].expand(*a.shape, L).masked_fill(~ones.tril(-1), 0.0)  # [t, s] = a_t if t > s
+    pair = rows.cumsum(-2).masked_fill(~ones.tril(), float("-inf"))
+    return a.cumsum(-1), pair
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Blocks run in at least float32: triangular solves have no half-precision kernels,
+    and decay products lose too much in bf16/fp16 (the state keeps the input dtype)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def gdn_chunk(q, k, v, beta, g, scale):
     """Returns ``chunk(state [n, HV, K, V], idx [n, L], valid [n, L]) -> (state, out [n, L, HV, V])``."""
+    wd = _work_dtype(q.dtype)
 
     def chunk(S: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor):
-        m = valid.to(g.dtype)[..., None]
-        gc = (g[idx] * m).transpose(1, 2).cumsum(-1)  # [n, HV, L]
-        b = (beta[idx] * m).transpose(1, 2)[..., None]  # [n, HV, L, 1]
-        kk, vv = k[idx].transpose(1, 2), v[idx].transpose(1, 2)  # [n, HV, L, K|V]
-        qq = q[idx].transpose(1, 2) * scale
+        m = valid.to(wd)[..., None]
+        entry, pair = _decays((g[idx].to(wd) * m).transpose(1, 2))  # [n, HV, L], [n, HV, L, L]
+        b = (beta[idx].to(wd) * m).transpose(1, 2)[..., None]  # [n, HV, L, 1]
+        kk, vv = k[idx].to(wd).transpose(1, 2), v[idx].to(wd).transpose(1, 2)  # [n, HV, L, K|V]
+        qq = q[idx].to(wd).transpose(1, 2) * scale
+        S0 = S.to(wd)
         L = idx.shape[1]
-        decay = _decay_matrix(gc)
-        entry = torch.exp(gc)[..., None]  # e^{c_t}
+        decay = torch.exp(pair)
+        start = torch.exp(entry)[..., None]  # e^{c_t}
         A = (b * decay * (kk @ kk.transpose(-1, -2))).tril(-1)
-        eye = torch.eye(L, dtype=A.dtype, device=A.device)
-        u = torch.linalg.solve_triangular(eye + A, b * (vv - entry * (kk @ S)), upper=False, unitriangular=True)
-        o = entry * (qq @ S) + (decay * (qq @ kk.transpose(-1, -2))) @ u
-        tail = torch.exp(gc[..., -1:] - gc)[..., None]  # e^{c_L - c_s}
-        S = torch.exp(gc[..., -1])[..., None, None] * S + (kk * tail).transpose(-1, -2) @ u
-        return S, o.transpose(1, 2)
+        eye = torch.eye(L, dtype=wd, device=A.device)
+        u = torch.linalg.solve_triangular(eye + A, b * (vv - start * (kk @ S0)), upper=False, unitriangular=True)
+        o = start * (qq @ S0) + (decay * (qq @ kk.transpose(-1, -2))) @ u
+        tail = decay[..., -1, :, None]  # e^{c_L - c_s}
+        S1 = torch.exp(entry[..., -1])[..., None, None] * S0 + (kk * tail).transpose(-1, -2) @ u
+        return S1.to(S.dtype), o.transpose(1, 2).to(q.dtype)
 
     return chunk
 
@@ -130,18 +146,20 @@ def gdn_chunk(q, k, v, beta, g, scale):
 def ssd_chunk(x, dt, A, Bh, Ch, D):
     """Mamba2 blocks; arguments as :func:`ssd_step`."""
     Dh = D[:, None] if D.dim() == 1 else D
+    wd = _work_dtype(x.dtype)
 
     def chunk(h: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor):
-        d = (dt[idx] * valid.to(dt.dtype)[..., None]).transpose(1, 2)  # [n, H, L]
-        c = (d * A[:, None]).cumsum(-1)
+        d = (dt[idx].to(wd) * valid.to(wd)[..., None]).transpose(1, 2)  # [n, H, L]
+        entry, pair = _decays(d * A.to(wd)[:, None])
         xt = x[idx]  # [n, L, H, P]
-        xs = xt.transpose(1, 2) * d[..., None]  # dt_s x_s, [n, H, L, P]
-        Bs, Cs = Bh[idx].transpose(1, 2), Ch[idx].transpose(1, 2)  # [n, H, L, N]
-        entry = torch.exp(c)[..., None]
-        y = entry * (Cs @ h.transpose(-1, -2)) + (_decay_matrix(c) * (Cs @ Bs.transpose(-1, -2))) @ xs
-        tail = torch.exp(c[..., -1:] - c)[..., None]
-        h = torch.exp(c[..., -1])[..., None, None] * h + (xs * tail).transpose(-1, -2) @ Bs
-        return h, y.transpose(1, 2) + Dh * xt
+        xs = xt.to(wd).transpose(1, 2) * d[..., None]  # dt_s x_s, [n, H, L, P]
+        Bs, Cs = Bh[idx].to(wd).transpose(1, 2), Ch[idx].to(wd).transpose(1, 2)  # [n, H, L, N]
+        h0 = h.to(wd)
+        decay = torch.exp(pair)
+        y = torch.exp(entry)[..., None] * (Cs @ h0.transpose(-1, -2)) + (decay * (Cs @ Bs.transpose(-1, -2))) @ xs
+        tail = decay[..., -1, :, None]
+        h1 = torch.exp(entry[..., -1])[..., None, None] * h0 + (xs * tail).transpose(-1, -2) @ Bs
+        return h1.to(h.dtype), y.transpose(1, 2).to(x.dtype) + Dh * xt
 
     return chunk
 
