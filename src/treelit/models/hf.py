@@ -22,6 +22,7 @@ import torch
 
 from treelit.models.config import DecoderConfig
 from treelit.models.decoder import TreeDecoder
+from treelit.models.hf_keys import check_config_keys
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ _KNOWN_KEYS = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "torch_dtype",
     "dtype", "hidden_act", "transformers_version", "use_cache", "attention_dropout", "mlp_bias",
-    "treelit", "max_window_layers", "use_sliding_window", "sliding_window", "layer_types",
+    "treelit",
 }
 
 # Hugging Face name -> torchtune name (per-layer names use {}).
@@ -91,9 +92,13 @@ def _rope_settings(cfg: Dict[str, Any]):
     return float(theta), scaling
 
 
-def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None) -> DecoderConfig:
-    """Translate a Hugging Face ``config.json`` dict into a :class:`DecoderConfig`."""
+def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None, where: str = "config.json") -> DecoderConfig:
+    """Translate a Hugging Face ``config.json`` dict into a :class:`DecoderConfig`.
+
+    Every key that would change the math but is not supported raises :class:`CheckpointError`
+    naming it (see :mod:`treelit.models.hf_keys`)."""
     mt = cfg.get("model_type")
+    check_config_keys(cfg, where, max_seq_len)
     if mt in ("gated_deltanet", "mamba2"):
         from treelit.models.hf_recurrent import config_from_hf_recurrent
 
@@ -153,6 +158,8 @@ def config_to_hf(c: DecoderConfig, dtype: torch.dtype) -> Dict[str, Any]:
     if c.family != "qwen2":
         cfg["attention_bias"] = bool(c.qkv_bias)
         cfg["mlp_bias"] = False
+    if c.family == "mistral":
+        cfg.setdefault("sliding_window", None)  # transformers' MistralConfig defaults to a 4096-token window
     return cfg
 
 
@@ -259,14 +266,16 @@ def load_hf_checkpoint(
             config.max_seq_len = int(max_seq_len)
         tune_sd = _read_state_dict(path)
     else:
-        config = config_from_hf(cfg, max_seq_len)
+        config = config_from_hf(cfg, max_seq_len, where=str(cfg_file))
         tune_sd = _hf_weights_to_tune(_read_state_dict(path), config, path)
     model = TreeDecoder(config)
     expected = set(model.state_dict().keys())
     missing = sorted(expected - set(tune_sd))
     if missing:
         raise CheckpointError(f"{path}: missing weights for {', '.join(missing[:8])}")
-    model.load_state_dict(tune_sd, strict=True)
+    # assign: the checkpoint's tensors themselves (a float64 checkpoint must not round through the
+    # float32 parameters a fresh module starts with)
+    model.load_state_dict(tune_sd, strict=True, assign=True)
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device)

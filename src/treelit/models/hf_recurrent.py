@@ -22,7 +22,7 @@ __all__ = ["config_from_hf_recurrent", "config_to_hf_recurrent", "hf_to_tune_rec
 
 _GDN_KEYS = ("head_dim", "num_heads", "num_v_heads", "expand_v", "use_gate", "use_short_conv", "allow_neg_eigval",
              "conv_size", "output_gate_activation")
-_M2_KEYS = ("head_dim", "state_size", "expand", "n_groups", "conv_kernel", "use_conv_bias", "use_bias", "D_has_hdim",
+_M2_KEYS = ("head_dim", "num_heads", "state_size", "expand", "n_groups", "conv_kernel", "use_conv_bias", "use_bias", "D_has_hdim",
             "rmsnorm", "norm_before_gate")
 
 
@@ -47,6 +47,11 @@ def config_from_hf_recurrent(cfg: Dict[str, Any], max_seq_len: Optional[int] = N
     )
     if mt == "mamba2":
         rec = {k: cfg[k] for k in _M2_KEYS if k in cfg}
+        heads = cfg.get("num_heads")
+        inner = int(cfg.get("expand", 2) * D)
+        if heads is not None and heads * cfg.get("head_dim", 64) != inner:
+            raise _error(f"Mamba2 config key 'num_heads' = {heads}: num_heads x head_dim "
+                         f"({heads} x {cfg.get('head_dim', 64)}) must equal expand x hidden_size ({inner})")
         rec["mlp"] = False
         if cfg.get("dt_limit") is not None:
             rec["dt_limit"] = tuple(float(v) for v in cfg["dt_limit"])

@@ -1,0 +1,151 @@
+"""``transformers`` as an independent float64 oracle, run branch by branch.
+
+transformers computes RMSNorm and rotary embeddings through float32 even in a float64
+model, which limits any comparison to ~1e-7. For the strict checks, this module rebinds
+(test-only, on one model instance) every RMSNorm to compute in the input's precision and
+every rotary embedding to form its angles and cos/sin in float64 from the model's own
+inverse frequencies. Nothing else of transformers' modelling code is touched.
+
+``hf_branch_loss`` is per-branch training written from the definition: each branch is
+its own causal sequence through the transformers model, token t is predicted from
+position t-1, and the aggregation's normaliser is counted here.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Dict, Optional, Sequence
+
+import torch
+
+
+def _rms_forward_exact(self, x):
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if getattr(self, "_treelit_offset", False):  # Gemma: (1 + w)
+        return y * (1.0 + self.weight.to(x.dtype))
+    return self.weight.to(x.dtype) * y
+
+
+def _rope_forward_exact(self, x, position_ids, *args, **kwargs):
+    inv = getattr(self, "inv_freq")
+    if args or kwargs:  # Gemma 3 passes the layer type: inv_freq of that type
+        layer_type = args[0] if args else kwargs.get("layer_type")
+        if layer_type is not None and hasattr(self, f"{layer_type}_inv_freq"):
+            inv = getattr(self, f"{layer_type}_inv_freq")
+            scaling = getattr(self, f"{layer_type}_attention_scaling", 1.0)
+        else:
+            scaling = getattr(self, "attention_scaling", 1.0)
+    else:
+        scaling = getattr(self, "attention_scaling", 1.0)
+    freqs = position_ids[..., None].to(torch.float64) * inv.to(device=x.device, dtype=torch.float64)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
+def make_exact(hf_model):
+    """Rebind the model's RMSNorms and rotary embeddings to keep float64 (in place); returns it."""
+    seen_norm = seen_rope = 0
+    for mod in hf_model.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNorm"):
+            if "Gemma" in name:
+                mod._treelit_offset = True
+            mod.forward = types.MethodType(_rms_forward_exact, mod)
+            seen_norm += 1
+        elif name.endswith("RotaryEmbedding"):
+            mod.forward = types.MethodType(_rope_forward_exact, mod)
+            seen_rope += 1
+    assert seen_norm and seen_rope, "no RMSNorm / rotary embedding found to rebind"
+    return hf_model
+
+
+def load_hf_oracle(path, dtype=torch.float64, exact: Optional[bool] = None, **kwargs):
+    """The checkpoint at ``path`` as a transformers model (sdpa attention), rebound to stay in
+    float64 when ``exact`` (default: for float64)."""
+    import transformers
+
+    kwargs.setdefault("attn_implementation", "sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if exact if exact is not None else dtype == torch.float64:
+        make_exact(model)
+    return model
+
+
+def hf_branch_loss(hf_model, branches: Sequence[Sequence[int]], masks: Sequence[Sequence[int]],
+                   weights: Sequence[float], aggregation: str, extra=None) -> torch.Tensor:
+    """Per-branch loss from the definition, one branch at a time (``extra(out, mask)`` may add a
+    per-branch term, e.g. a router loss)."""
+    total = 0.0
+    n_targets = n_seq = 0
+    for br, m, w in zip(branches, masks, weights):
+        ids = torch.tensor([list(br)])
+        out = hf_model(input_ids=ids)
+        logits = out.logits[0]
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
+        mask = torch.tensor([float(v) for v in m[1:]], dtype=logits.dtype)
+        n = int(mask.sum().item())
+        n_targets += n
+        n_seq += int(n > 0)
+        s = -(logp * mask).sum() * w
+        total = total + (s / n if aggregation == "seq-mean-token-mean" and n > 0 else s)
+    Z = {"token-mean": n_targets, "seq-mean-token-mean": n_seq, "seq-mean-token-sum": n_seq, "sum": 1}[aggregation]
+    return total / Z
+
+
+def hf_grads(hf_model, tied: bool) -> Dict[str, torch.Tensor]:
+    out = {n: p.grad for n, p in hf_model.named_parameters() if p.grad is not None}
+    if tied:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def random_hf_checkpoint(path, model_type: str, seed: int = 0, std: float = 0.3, **config):
+    """Write a transformers model of ``model_type`` (tiny config ``config``) with every parameter
+    random (norm weights around 1) as a float64 checkpoint at ``path``; returns the config dict."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(1.0 + 0.2 * r if "norm" in name and p.ndim == 1 else std * r)
+    model.save_pretrained(path)
+    return cfg.to_dict()
+
+
+def tree_vs_hf(path, branches, masks, weights, aggregation="token-mean", attention="auto", dtype=torch.float64,
+               partition_budget=None, hf_kwargs=None):
+    """Tree-mode loss/gradients of treelit's model loaded from ``path`` vs the transformers model
+    from the same checkpoint trained branch by branch. Returns (loss rel diff, max grad rel diff,
+    treelit loss) with gradients compared by Hugging Face parameter name."""
+    import treelit
+    from treelit.models.hf import tune_to_hf_state_dict
+
+    ours = treelit.load_hf_checkpoint(path, dtype=dtype)
+    hf = load_hf_oracle(path, dtype=dtype, **(hf_kwargs or {}))
+    tree = treelit.TokenTree.from_branches(branches, masks, weights)
+    if partition_budget is not None:
+        loss = torch.tensor(treelit.tree_backward(ours, tree, aggregation, "redundancy_free", partition_budget,
+                                                  attention=attention))
+    else:
+        loss = treelit.tree_loss(ours, tree, aggregation, attention)
+        loss.backward()
+    ref = hf_branch_loss(hf, branches, masks, weights, aggregation)
+    ref.backward()
+    ours_g = tune_to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, ours.config)
+    theirs = hf_grads(hf, ours.config.tie_word_embeddings)
+    assert ours_g.keys() == theirs.keys(), sorted(set(ours_g) ^ set(theirs))
+    scale = max(g.double().norm().item() for g in theirs.values())
+    # per-parameter relative difference, floored at 1e-6 of the largest gradient
+    worst = 0.0
+    for k in theirs:
+        d = (ours_g[k].double() - theirs[k].double()).norm().item()
+        n = max(theirs[k].double().norm().item(), 1e-6 * scale)
+        worst = max(worst, d / n)
+    loss_diff = abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-30)
+    assert ref.item() != 0.0 and scale > 0, "vacuous comparison: zero loss or zero gradients"
+    return loss_diff, worst, loss.item()
