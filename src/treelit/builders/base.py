@@ -106,11 +106,12 @@ class TokenBuilder(TreeBuilder):
                                         logprob_tol=self.logprob_tol)
 
 
-def fill_advantages(items: List[tuple], estimator: Optional[str], **options: Any) -> None:
+def fill_advantages(items: List[tuple], estimator: Optional[str], key_name: str = "group", **options: Any) -> None:
     """Set ``advantage`` on branch dicts that have a ``reward`` but no advantage.
 
     ``items``: ``(branch dict, group key)`` over the whole dataset; ``estimator`` is a name
-    in the ``advantage`` registry (``grpo``, ``rloo``, ``reinforce_pp``, ``raw``).
+    in the ``advantage`` registry (``grpo``, ``rloo``, ``reinforce_pp``, ``raw``);
+    ``key_name`` is the field the group keys come from (named in warnings and errors).
     """
     if estimator is None:
         return
@@ -119,9 +120,13 @@ def fill_advantages(items: List[tuple], estimator: Optional[str], **options: Any
         return
     if any(b.get("reward") is None for b, _ in todo):
         raise DataError(f"advantage estimator {estimator!r} needs a 'reward' on every branch without an 'advantage'")
-    from treelit.rl.advantages import compute_advantages
+    from treelit.rl.advantages import AdvantageError, compute_advantages
 
-    adv = compute_advantages(estimator, [b["reward"] for b, _ in todo], [g for _, g in todo], **options)
+    try:
+        adv = compute_advantages(estimator, [b["reward"] for b, _ in todo], [g for _, g in todo], key_name=key_name,
+                                 **options)
+    except AdvantageError as exc:
+        raise DataError(str(exc)) from exc
     for (b, _), a in zip(todo, adv):
         b["advantage"] = float(a)
 

@@ -28,6 +28,14 @@ class Objective:
         """This micro-batch's share of the step normaliser (summed over micro-batches and ranks)."""
         return batch.norm_contribution(aggregation)
 
+    def normalizer(self, micro_batches, aggregation: str) -> float:
+        """The step normaliser ``Z`` of ``micro_batches`` for this objective: pass it as
+        ``normalizer=Z`` to each micro-batch's loss (gradient accumulation; under data
+        parallelism sum the contributions over ranks as well)."""
+        from treelit.tree.batch import global_normalizer
+
+        return global_normalizer(micro_batches, aggregation, objective=self)
+
     def tree_loss(
         self,
         model,

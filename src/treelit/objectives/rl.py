@@ -287,7 +287,8 @@ class DPO(_PolicyObjective):
     Branches carry ``pair`` (a pair id) and ``chosen`` (true/false); each pair has one of
     each. Sequence log-probs sum the branch's target tokens. ``loss``: ``sigmoid`` or
     ``ipo``. The step normaliser is the number of pairs (``sum``: 1); a pair's weight is
-    its chosen branch's weight.
+    its chosen branch's weight. ``kl_coef`` and ``entropy_coef`` are refused: DPO's
+    ``beta`` is its tie to the reference policy, and a silent no-op option would mislead.
     """
 
     name = "dpo"
@@ -295,7 +296,17 @@ class DPO(_PolicyObjective):
     def __init__(self, beta: float = 0.1, loss: str = "sigmoid", reference: str = "data", **kw):
         if loss not in ("sigmoid", "ipo"):
             raise ValueError(f"objective.loss must be 'sigmoid' or 'ipo', got {loss!r}")
-        super().__init__(reference=reference, **kw)
+        for opt in ("kl_coef", "entropy_coef"):
+            if kw.get(opt):
+                raise ValueError(
+                    f"objective=dpo does not take objective.{opt} (got {kw[opt]!r}): DPO's loss already keeps the "
+                    "policy near the reference through objective.beta, and a per-token KL or entropy term is not part "
+                    f"of it; remove {opt}, or use objective=ppo/grpo/gspo for a KL-penalised or entropy-regularised loss"
+                )
+        unknown = sorted(set(kw) - {"kl_coef", "entropy_coef", "kl_estimator"})
+        if unknown:
+            raise TypeError(f"objective=dpo got unknown options {unknown}; it takes beta, loss, reference")
+        super().__init__(reference=reference)
         self.beta = float(beta)
         self.loss = loss
 

@@ -419,9 +419,25 @@ def pack_trees(items: Iterable[Any], max_tokens: int) -> List[TreeBatch]:
     return rows
 
 
-def global_normalizer(batches: Iterable[TreeBatch], aggregation: str) -> float:
-    """The normaliser ``Z`` of one optimizer step made of ``batches`` (micro-batches)."""
+def global_normalizer(batches: Iterable[TreeBatch], aggregation: str, objective: Any = None) -> float:
+    """The normaliser ``Z`` of one optimizer step made of ``batches`` (micro-batches).
+
+    Pass every micro-batch's loss this ``Z`` (``normalizer=Z``) and the summed gradients
+    equal those of the whole step as one batch. ``objective`` (an objective instance, as
+    :func:`treelit.make_objective` returns, or its registered name) decides what is
+    counted: by default (and for ``sft``, ``ppo``, ``grpo``, ``gspo``) (branch, position)
+    targets or branches as the table above says; ``dpo`` counts preference pairs. Use the
+    objective you train with: a DPO step normalised by targets is scaled wrongly.
+    """
     check_aggregation(aggregation)
     if aggregation == "sum":
         return 1.0
-    return float(sum(b.norm_contribution(aggregation) for b in batches))
+    if objective is None:
+        return float(sum(b.norm_contribution(aggregation) for b in batches))
+    if isinstance(objective, str):
+        from treelit.registry import get_registry  # the objective registry; objectives import this module
+
+        objective = get_registry("objective").get(objective)()
+    if not hasattr(objective, "norm_contribution"):
+        raise TypeError(f"objective must be an objective name or instance, got {type(objective).__name__}")
+    return float(sum(objective.norm_contribution(b, aggregation) for b in batches))
