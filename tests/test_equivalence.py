@@ -3,22 +3,26 @@
 float64 to 1e-9 relative, float32 to 1e-4 (max over parameters of ||dg|| / ||g||),
 for every model family and aggregation mode, on random forests with the nasty
 cases (duplicates, prefixes, last-token variants, one-token branches, masks that
-differ on shared tokens), packed rows and gradient accumulation.
+differ on shared tokens), packed rows and gradient accumulation. Family, backend,
+dtype and aggregation are parametrized, so every combination gets its own forests;
+every forest trains something in every tree.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treelit
 from helpers import FAMILIES, assert_equivalent, cached_model
-from strategies import forests
+from strategies import examples, forests
 from treelit.attention.segment import SegmentAttention
 
 DTYPES = [torch.float64, torch.float32]
+DTYPE_IDS = ["f64", "f32"]
+BACKENDS = ["sdpa_dense", "segment"]
 
 
 def backend(name):
@@ -27,15 +31,13 @@ def backend(name):
     return SegmentAttention(batch_below=3) if name == "segment" else name
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    data=forests(),
-    family=st.sampled_from(FAMILIES),
-    aggregation=st.sampled_from(treelit.AGGREGATIONS),
-    dtype=st.sampled_from(DTYPES),
-    attention=st.sampled_from(["sdpa_dense", "segment"]),
-)
-def test_random_forests(data, family, aggregation, dtype, attention):
+@pytest.mark.parametrize("attention", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=examples(8))
+@given(data=forests())
+def test_random_forests(family, aggregation, dtype, attention, data):
     branches, masks, weights = data
     model = cached_model(family, dtype)
     tree = treelit.TokenTree.from_branches(branches, masks, weights)
@@ -44,7 +46,8 @@ def test_random_forests(data, family, aggregation, dtype, attention):
         lambda: treelit.tree_loss(model, tree, aggregation, attention=backend(attention)),
         lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
         dtype,
-        f"{family}/{aggregation}/{dtype}",
+        f"{family}/{aggregation}/{dtype}/{attention}",
+        forest=data,
     )
 
 
@@ -65,8 +68,8 @@ NASTY = {
 }
 
 
-@pytest.mark.parametrize("attention", ["sdpa_dense", "segment"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize("attention", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
 @pytest.mark.parametrize("case", sorted(NASTY))
 def test_nasty_cases(family, case, aggregation, dtype, attention):
@@ -79,17 +82,16 @@ def test_nasty_cases(family, case, aggregation, dtype, attention):
         lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
         dtype,
         case,
+        require_grad=case != "no_targets",  # the one case that checks an untrained tree gives 0
     )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    parts=st.lists(forests(max_branches=4), min_size=2, max_size=4),
-    family=st.sampled_from(FAMILIES),
-    aggregation=st.sampled_from(treelit.AGGREGATIONS),
-    attention=st.sampled_from(["sdpa_dense", "segment"]),
-)
-def test_several_trees_packed_in_one_row(parts, family, aggregation, attention):
+@pytest.mark.parametrize("attention", BACKENDS)
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=examples(4))
+@given(parts=st.lists(forests(max_branches=4), min_size=2, max_size=4))
+def test_several_trees_packed_in_one_row(family, aggregation, attention, parts):
     model = cached_model(family, torch.float64)
     packed = treelit.TreeBatch.pack([treelit.TokenTree.from_branches(*p).to_batch() for p in parts])
     branches = [b for p in parts for b in p[0]]
@@ -101,17 +103,16 @@ def test_several_trees_packed_in_one_row(parts, family, aggregation, attention):
         lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
         torch.float64,
         "packed",
+        forest=parts,
     )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    parts=st.lists(forests(max_branches=4), min_size=2, max_size=4),
-    family=st.sampled_from(FAMILIES),
-    aggregation=st.sampled_from(treelit.AGGREGATIONS),
-    dtype=st.sampled_from(DTYPES),
-)
-def test_gradient_accumulation_over_micro_batches(parts, family, aggregation, dtype):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=examples(4))
+@given(parts=st.lists(forests(max_branches=4), min_size=2, max_size=4))
+def test_gradient_accumulation_over_micro_batches(family, aggregation, dtype, parts):
     """Micro-batches backward separately with the step-global normaliser == one big step."""
     model = cached_model(family, dtype)
     batches = [treelit.TokenTree.from_branches(*p).to_batch() for p in parts]
@@ -135,6 +136,7 @@ def test_gradient_accumulation_over_micro_batches(parts, family, aggregation, dt
         lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
         dtype,
         "accumulated",
+        forest=parts,
     )
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treelit
-from helpers import FAMILIES, RECURRENT, assert_equivalent, cached_model, ssm_chunk_size
-from strategies import forests
+from helpers import FAMILIES, RECURRENT, assert_equivalent, cached_model, has_attention, ssm_chunk_size
+from strategies import examples, forests
 from treelit.partition import BudgetError, PartitionStats, plan_partitions, tree_backward
 
 
@@ -35,11 +35,16 @@ def chains_ok(plan, batch):
         assert len(inside) == 1, "a partition is connected: exactly one token has its parent outside"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=forests(max_branches=7, max_len=12), extra=st.integers(0, 40),
-       family=st.sampled_from(FAMILIES + RECURRENT), aggregation=st.sampled_from(treelit.AGGREGATIONS),
-       dtype=st.sampled_from([torch.float64, torch.float32]))
-def test_partitioned_equals_unpartitioned(data, extra, family, aggregation, dtype):
+# (model, attention backend of the partitioned run); models without attention layers run one
+MODELS_BACKENDS = [(m, a) for m in FAMILIES + RECURRENT for a in ("segment", "sdpa_dense") if a == "segment" or has_attention(m)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
+@pytest.mark.parametrize("family,attention", MODELS_BACKENDS)
+@settings(max_examples=examples(3))
+@given(data=forests(max_branches=7, max_len=12), extra=st.integers(0, 40))
+def test_partitioned_equals_unpartitioned(family, attention, aggregation, dtype, data, extra):
     branches, masks, weights = data
     model = cached_model(family, dtype)
     batch = treelit.TokenTree.from_branches(branches, masks, weights).to_batch()
@@ -49,11 +54,12 @@ def test_partitioned_equals_unpartitioned(data, extra, family, aggregation, dtyp
     stats = PartitionStats()
 
     def partitioned():
-        value = tree_backward(model, batch, aggregation, "redundancy_free", budget, attention="segment", stats=stats)
+        value = tree_backward(model, batch, aggregation, "redundancy_free", budget, attention=attention, stats=stats)
         return torch.tensor(value, dtype=torch.float64) + 0.0 * sum(p.sum() for p in model.parameters())
 
     assert_equivalent(
-        model, partitioned, lambda: treelit.tree_loss(model, batch, aggregation, "sdpa_dense"), dtype, "partitioned"
+        model, partitioned, lambda: treelit.tree_loss(model, batch, aggregation, "sdpa_dense"), dtype, "partitioned",
+        forest=data,
     )
     assert stats.token_forwards == batch.num_tokens, "every tree token forwarded exactly once"
     assert stats.partitions == (1 if budget >= batch.num_tokens else len(plan))

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings
 
 import treelit
 from helpers import RECURRENT, assert_equivalent, cached_model, ssm_chunk_size
-from strategies import forests
+from strategies import examples, forests
 from treelit.loss.tree import tree_hidden
 from treelit.models.context import CausalContext
 from treelit.models.decoder import decoder_hidden
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=forests(max_branches=6, max_len=10), name=st.sampled_from(RECURRENT),
-       aggregation=st.sampled_from(treelit.AGGREGATIONS), dtype=st.sampled_from([torch.float64, torch.float32]),
-       chunk=st.sampled_from([1, 2, 3, 64]))
-def test_loss_and_gradients_match_per_branch(data, name, aggregation, dtype, chunk):
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
+@pytest.mark.parametrize("name", RECURRENT)
+@settings(max_examples=examples(3))
+@given(data=forests(max_branches=6, max_len=10))
+def test_loss_and_gradients_match_per_branch(name, aggregation, dtype, chunk, data):
     """Tree mode with the scan in blocks of ``chunk`` tokens (1: step by step) against
     per-branch training with the token-by-token reference scan."""
     branches, masks, weights = data
@@ -34,7 +35,7 @@ def test_loss_and_gradients_match_per_branch(data, name, aggregation, dtype, chu
         with ssm_chunk_size(model, 1):
             return treelit.linear_loss(model, branches, masks, weights, aggregation)
 
-    assert_equivalent(model, tree_mode, per_branch, dtype, f"{name}/{aggregation}/chunk {chunk}")
+    assert_equivalent(model, tree_mode, per_branch, dtype, f"{name}/{aggregation}/chunk {chunk}", forest=data)
 
 
 @pytest.mark.parametrize("name", RECURRENT)
@@ -128,7 +129,7 @@ def test_bad_chunk_size():
 
 
 @pytest.mark.parametrize("name", RECURRENT)
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(15))
 @given(data=forests(max_branches=6, max_len=10))
 def test_every_token_output_equals_its_branch_output(name, data):
     """Layer outputs: the final hidden state of every tree token equals the one the token has
