@@ -43,6 +43,16 @@ def _rope_forward_exact(self, x, position_ids, *args, **kwargs):
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
+def _router_forward_exact(self, hidden_states):
+    h = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(h, self.weight)
+    probs = torch.softmax(logits, dim=-1)
+    top, idx = torch.topk(probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top, idx
+
+
 def make_exact(hf_model):
     """Rebind the model's RMSNorms and rotary embeddings to keep float64 (in place); returns it."""
     seen_norm = seen_rope = 0
@@ -56,6 +66,8 @@ def make_exact(hf_model):
         elif name.endswith("RotaryEmbedding"):
             mod.forward = types.MethodType(_rope_forward_exact, mod)
             seen_rope += 1
+        elif name.endswith("TopKRouter"):  # MoE router: softmax through float32
+            mod.forward = types.MethodType(_router_forward_exact, mod)
     assert seen_norm and seen_rope, "no RMSNorm / rotary embedding found to rebind"
     return hf_model
 
@@ -66,6 +78,9 @@ def load_hf_oracle(path, dtype=torch.float64, exact: Optional[bool] = None, **kw
     import transformers
 
     kwargs.setdefault("attn_implementation", "sdpa")
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    if getattr(cfg, "num_experts_per_tok", None):  # MoE: grouped_mm has no float64 kernel
+        kwargs.setdefault("experts_implementation", "eager")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if exact if exact is not None else dtype == torch.float64:
         make_exact(model)
@@ -121,23 +136,25 @@ def tree_vs_hf(path, branches, masks, weights, aggregation="token-mean", attenti
                partition_budget=None, hf_kwargs=None):
     """Tree-mode loss/gradients of treelit's model loaded from ``path`` vs the transformers model
     from the same checkpoint trained branch by branch. Returns (loss rel diff, max grad rel diff,
-    treelit loss) with gradients compared by Hugging Face parameter name."""
+    treelit loss); every parameter gradient is compared (under treelit's names)."""
     import treelit
-    from treelit.models.hf import tune_to_hf_state_dict
+    from treelit.models.hf import hf_to_tune_state_dict
 
     ours = treelit.load_hf_checkpoint(path, dtype=dtype)
     hf = load_hf_oracle(path, dtype=dtype, **(hf_kwargs or {}))
     tree = treelit.TokenTree.from_branches(branches, masks, weights)
     if partition_budget is not None:
+        # tree_backward returns a Python float (float64); torch.tensor would round it to float32
         loss = torch.tensor(treelit.tree_backward(ours, tree, aggregation, "redundancy_free", partition_budget,
-                                                  attention=attention))
+                                                  attention=attention), dtype=torch.float64)
     else:
         loss = treelit.tree_loss(ours, tree, aggregation, attention)
         loss.backward()
     ref = hf_branch_loss(hf, branches, masks, weights, aggregation)
     ref.backward()
-    ours_g = tune_to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, ours.config)
-    theirs = hf_grads(hf, ours.config.tie_word_embeddings)
+    # compared under treelit's names (transformers' own names may be fused in memory, e.g. MoE experts)
+    ours_g = {n: p.grad for n, p in ours.named_parameters()}
+    theirs = hf_to_tune_state_dict(hf_grads(hf, ours.config.tie_word_embeddings), ours.config)
     assert ours_g.keys() == theirs.keys(), sorted(set(ours_g) ^ set(theirs))
     scale = max(g.double().norm().item() for g in theirs.values())
     # per-parameter relative difference, floored at 1e-6 of the largest gradient

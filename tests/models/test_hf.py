@@ -97,7 +97,8 @@ def test_plain_llama_gets_no_llama3_scaling(tmp_path):
     cfg["rope_scaling"] = None
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     model = treelit.load_hf_checkpoint(tmp_path)
-    assert type(model.layers[0].attn.pos_embeddings).__name__ == "RotaryPositionalEmbeddings"
+    rope = model.layers[0].attn.pos_embeddings
+    assert rope.scaling is None and rope.style == "interleaved"
 
 
 def test_checkpoint_errors(tmp_path):

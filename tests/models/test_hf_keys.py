@@ -71,8 +71,8 @@ BAD_VALUES = {
     "attention_dropout": 0.1,
     "use_l2warp": True,
     "attnres_block_size": 2,
+    "layer_types": ["linear_attention", "full_attention"],
 }
-WINDOW_KEYS = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
 
 
 @pytest.mark.parametrize("model_type", sorted(CLASSES))
@@ -80,8 +80,6 @@ def test_refused_keys_raise_naming_the_key(model_type):
     base = _tiny(model_type)
     config_from_hf(copy.deepcopy(base))  # the neutral config loads
     for key in FAMILY_KEYS[model_type]["refused"]:
-        if key in WINDOW_KEYS:
-            continue  # windows: see below
         assert key in BAD_VALUES, f"add a math-changing value for refused key {key!r}"
         cfg = copy.deepcopy(base)
         cfg[key] = BAD_VALUES[key]
@@ -102,14 +100,26 @@ PERTURB = {
     "attn": {"layers": [0], "num_heads": 4, "num_kv_heads": 4},
     "state_size": 4, "expand": 4, "n_groups": 1, "conv_kernel": 3, "use_conv_bias": False, "use_bias": True,
     "D_has_hdim": True, "rmsnorm": False, "norm_before_gate": True, "dt_limit": [0.0, 10.0],
+    "sliding_window": 8, "num_experts": 6, "num_local_experts": 6, "num_experts_per_tok": 3,
+    "moe_intermediate_size": 24, "norm_topk_prob": True, "decoder_sparse_step": 2, "mlp_only_layers": [0],
+    "output_router_logits": True,
 }
+_WIN = {"use_sliding_window": True, "sliding_window": 8}
 DEPENDENT = {  # keys whose perturbation needs a consistent companion change
     ("mamba2", "num_heads"): {"num_heads": 8, "head_dim": 8},
     ("mamba2", "head_dim"): {"num_heads": 2, "head_dim": 32},
     ("mamba2", "expand"): {"expand": 4, "num_heads": 8},
     ("mamba2", "hidden_size"): {"hidden_size": 64, "num_heads": 8},
     ("gated_deltanet", "hidden_ratio"): {"hidden_ratio": 16, "intermediate_size": None},
+    ("qwen3_moe", "router_aux_loss_coef"): {"output_router_logits": True, "router_aux_loss_coef": 0.01},
+    ("qwen3_moe", "sliding_window"): _WIN,
+    ("qwen3_moe", "use_sliding_window"): _WIN,
 }
+for _mt in ("qwen2", "qwen3"):  # (their configs carry an explicit layer_types, dropped by these)
+    DEPENDENT[(_mt, "sliding_window")] = {**_WIN, "max_window_layers": 0, "layer_types": None}
+    DEPENDENT[(_mt, "use_sliding_window")] = {**_WIN, "max_window_layers": 0, "layer_types": None}
+    DEPENDENT[(_mt, "max_window_layers")] = {**_WIN, "max_window_layers": 1, "layer_types": None}
+    DEPENDENT[(_mt, "layer_types")] = {**_WIN, "layer_types": ["full_attention", "sliding_attention"]}
 
 
 @pytest.mark.parametrize("model_type", sorted(CLASSES))
@@ -121,40 +131,25 @@ def test_implemented_keys_are_applied(model_type):
         if change is None:
             assert key in PERTURB, f"add a perturbation for implemented key {key!r}"
             change = {key: PERTURB[key]}
-        if key == "rope_scaling" and model_type != "llama":
-            continue  # scaling other than llama3 is a separate test (RoPE types)
         cfg = copy.deepcopy(base)
         if key == "rope_theta":
             cfg.pop("rope_parameters", None)
         if key == "rope_scaling":
             cfg.pop("rope_parameters", None)
         cfg.update(change)
+        cfg = {k: v for k, v in cfg.items() if v is not None or k not in change or k == "intermediate_size"}
         got = config_from_hf(cfg).to_dict()
         assert got != ref, f"{model_type}: changing {key!r} did not change the loaded config"
 
 
-def test_mistral_window_refused_unless_it_cannot_act():
-    cfg = _tiny("mistral")
-    cfg["sliding_window"] = 8
-    with pytest.raises(CheckpointError, match="'sliding_window' = 8"):
-        config_from_hf(cfg)
-    cfg["sliding_window"] = 64  # >= max_position_embeddings: no branch can be that long
-    config_from_hf(cfg)
-    with pytest.raises(CheckpointError, match="sliding_window"):
-        config_from_hf(cfg, max_seq_len=128)  # a longer context makes it act
-    cfg["sliding_window"] = None
-    config_from_hf(cfg)
-
-
-def test_qwen2_window_refused_naming_every_window_key():
-    cfg = _tiny("qwen2")
-    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3", "qwen3_moe"])
+def test_windows_read_as_transformers_applies_them(model_type):
+    cfg = _tiny(model_type)
     cfg.pop("layer_types", None)
-    with pytest.raises(CheckpointError) as err:
-        config_from_hf(cfg)
-    for key in ("use_sliding_window", "sliding_window", "max_window_layers"):
-        assert repr(key) in str(err.value)
-    cfg["max_window_layers"] = 2  # every layer below max_window_layers: no window acts
-    config_from_hf(cfg)
-    cfg.update(max_window_layers=0, use_sliding_window=False)
-    config_from_hf(cfg)
+    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    c = config_from_hf(cfg)
+    expect = [8, 8] if model_type in ("mistral", "qwen3_moe") else [None, 8]  # Qwen3-MoE: every layer
+    assert [c.window(i) for i in range(2)] == expect
+    cfg["use_sliding_window"] = False
+    c = config_from_hf(cfg)
+    assert [c.window(i) for i in range(2)] == ([8, 8] if model_type == "mistral" else [None, None])

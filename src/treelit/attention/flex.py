@@ -9,6 +9,11 @@ any query of the block, *full* when every key is seen by every query, and *parti
 otherwise (the mask_mod then decides per element). Only ``[num_q_blocks,
 num_kv_blocks]`` tensors are formed, never an N x N one.
 
+With a sliding window the mask_mod also requires ``q_pos[q] - kv_pos[kv] < window``, and
+the block classification uses each block's position range (a pair of blocks is skipped
+when even its closest positions are out of the window, full only when its farthest are
+within it).
+
 FlexAttention's fused kernels (forward and backward) need CUDA; on CPU only an
 unfused forward exists, so choosing this backend on CPU fails at configuration time.
 """
@@ -22,9 +27,10 @@ import torch
 from treelit.attention.base import ATTENTION, AttentionBackend
 
 
-def tree_block_mask(kv_lo: torch.Tensor, kv_hi: torch.Tensor, num_queries: int, block_size: int = 128):
+def tree_block_mask(kv_lo: torch.Tensor, kv_hi: torch.Tensor, num_queries: int, block_size: int = 128,
+                    q_pos: torch.Tensor = None, kv_pos: torch.Tensor = None, window: int = None):
     """A FlexAttention ``BlockMask`` for queries ``0..num_queries-1`` over keys with
-    visibility intervals ``[kv_lo, kv_hi)``."""
+    visibility intervals ``[kv_lo, kv_hi)`` (and, with ``window``, positions within it)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     dev = kv_lo.device
@@ -38,6 +44,13 @@ def tree_block_mask(kv_lo: torch.Tensor, kv_hi: torch.Tensor, num_queries: int, 
     i1 = torch.clamp(i0 + bs, max=N)
     some = (lo.amin(1)[None, :] <= i1 - 1) & (hi.amax(1)[None, :] > i0)
     full = (lo.amax(1)[None, :] <= i0) & (hi.amin(1)[None, :] >= i1)
+    if window is not None:
+        qpad = Qb * bs - N
+        qp = torch.cat([q_pos, q_pos[-1:].expand(qpad)]).view(Qb, bs)
+        kp_lo = torch.cat([kv_pos, torch.full((pad,), big, dtype=torch.long, device=dev)]).view(Kb, bs)
+        kp_hi = torch.cat([kv_pos, torch.full((pad,), -big, dtype=torch.long, device=dev)]).view(Kb, bs)
+        some &= (qp.amin(1)[:, None] - kp_hi.amax(1)[None, :]) < window
+        full &= (qp.amax(1)[:, None] - kp_lo.amin(1)[None, :]) < window
     partial = some & ~full
 
     def ordered(m: torch.Tensor):
@@ -48,8 +61,13 @@ def tree_block_mask(kv_lo: torch.Tensor, kv_hi: torch.Tensor, num_queries: int, 
     kv_num, kv_idx = ordered(partial)
     full_num, full_idx = ordered(full)
 
-    def mask_mod(b, h, q_idx, kv_idx_):
-        return (kv_lo[kv_idx_] <= q_idx) & (q_idx < kv_hi[kv_idx_])
+    if window is None:
+        def mask_mod(b, h, q_idx, kv_idx_):
+            return (kv_lo[kv_idx_] <= q_idx) & (q_idx < kv_hi[kv_idx_])
+    else:
+        def mask_mod(b, h, q_idx, kv_idx_):
+            near = (q_pos[q_idx] - kv_pos[kv_idx_]) < window
+            return (kv_lo[kv_idx_] <= q_idx) & (q_idx < kv_hi[kv_idx_]) & near
 
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(N, KV)
@@ -74,7 +92,10 @@ class FlexTreeAttention(AttentionBackend):
         self._fn = None
 
     def plan(self, layout):
-        return tree_block_mask(layout.kv_lo, layout.kv_hi, layout.num_queries, self.block_size)
+        if layout.window is None:
+            return tree_block_mask(layout.kv_lo, layout.kv_hi, layout.num_queries, self.block_size)
+        return tree_block_mask(layout.kv_lo, layout.kv_hi, layout.num_queries, self.block_size,
+                               q_pos=layout.q_pos, kv_pos=layout.kv_pos, window=layout.window)
 
     def _flex(self):
         if self._fn is None:

@@ -34,6 +34,14 @@ most 1.5x their own causal work.
 *Irregular externals.* External keys visible to only part of a chain (not produced
 by treelit's partitioner) fall back to explicitly masked blocks.
 
+*Sliding windows.* A windowed layer (query sees the ancestors less than ``window``
+positions above it) gets its own plan. A chain's queries are cut into blocks of at most
+``window_block`` tokens; a block reads only the path keys that are within the window
+of its first query (at most ``window_block + window - 1`` keys, the chain's own ones up
+to its last query), under an explicit mask of visibility and distance. The work is
+O(tokens x (block + window)) instead of O(tokens x path). A window that no pair of the
+row can exceed is ignored (the layout says so), so long windows cost nothing extra.
+
 The plan is built once per forward and shared by all layers.
 """
 
@@ -110,49 +118,30 @@ class SegmentAttention(AttentionBackend):
 
     name = "segment"
 
-    def __init__(self, batch_below: int = 256, share_prefixes: bool = True) -> None:
+    def __init__(self, batch_below: int = 256, share_prefixes: bool = True, window_block: int = 128) -> None:
         if batch_below < 0:
             raise ValueError(f"segment attention batch_below must be >= 0, got {batch_below}")
+        if window_block < 1:
+            raise ValueError(f"segment attention window_block must be >= 1, got {window_block}")
         self.batch_below = int(batch_below)
         self.share_prefixes = bool(share_prefixes)
+        self.window_block = int(window_block)
 
     def __repr__(self) -> str:
-        return f"SegmentAttention(batch_below={self.batch_below}, share_prefixes={self.share_prefixes})"
+        return (f"SegmentAttention(batch_below={self.batch_below}, share_prefixes={self.share_prefixes}, "
+                f"window_block={self.window_block})")
 
     # planning ------------------------------------------------------------------------
     def plan(self, layout) -> SegmentPlan:
+        if layout.window is not None:
+            return self._plan_windowed(layout)
         batch = layout.batch
         dev = layout.kv_lo.device
         E = layout.num_external
-        seg_start = batch.seg_start.cpu().numpy()
-        seg_len = batch.seg_len.cpu().numpy()
-        seg_parent = batch.seg_parent.cpu().numpy()
         kv_lo = layout.kv_lo.cpu().numpy()
         kv_hi = layout.kv_hi.cpu().numpy()
         ext_lo, ext_hi = kv_lo[:E], kv_hi[:E]
-
-        # Chains: runs of segments where each is the previous one's contiguous first child.
-        chains: List[Tuple[int, int, int]] = []  # (first segment, token start, token end)
-        for s in range(len(seg_start)):
-            p = seg_parent[s]
-            if chains and p == s - 1 and seg_start[s] == seg_start[p] + seg_len[p]:
-                first, a, _ = chains[-1]
-                chains[-1] = (first, a, int(seg_start[s] + seg_len[s]))
-            else:
-                chains.append((s, int(seg_start[s]), int(seg_start[s] + seg_len[s])))
-        anc: Dict[int, np.ndarray] = {}  # ancestor keys (E-offset) of segments that start chains
-
-        def ancestors(s: int) -> np.ndarray:
-            out: List[np.ndarray] = []
-            p = seg_parent[s]
-            while p >= 0:
-                if p in anc:  # reuse a chain start's ancestors
-                    out.append(np.arange(seg_start[p], seg_start[p] + seg_len[p], dtype=np.int64) + E)
-                    out.append(anc[p])
-                    break
-                out.append(np.arange(seg_start[p], seg_start[p] + seg_len[p], dtype=np.int64) + E)
-                p = seg_parent[p]
-            return np.concatenate(out[::-1]) if out else np.zeros(0, dtype=np.int64)
+        chains, ancestors = _chains(batch, E)
 
         single: List[_Group] = []
         small: Dict[Tuple[int, int, bool], List[Tuple[int, int, np.ndarray]]] = {}
@@ -162,8 +151,7 @@ class SegmentAttention(AttentionBackend):
         rows: List[np.ndarray] = []
         exact = cost = 0
         for first, a, b in chains:
-            anc[first] = ancestors(first)
-            pre = anc[first]
+            pre = ancestors(first)
             if E:
                 touches = (ext_lo < b) & (ext_hi > a)
                 partial = bool((touches & ~((ext_lo <= a) & (ext_hi >= b))).any())
@@ -203,18 +191,45 @@ class SegmentAttention(AttentionBackend):
             rows.append(r)
             cost += g.n * (lq * lp + lq * (lq + 1) // 2)
         if irregular:
-            g, r, pairs = _irregular_group(irregular, kv_lo, kv_hi, E, dev)
+            units = [(a, b, np.concatenate([pre, np.arange(a, b, dtype=np.int64) + E])) for a, b, pre in irregular]
+            g, r, pairs = _masked_group(units, kv_lo, kv_hi, dev)
             groups.append(g)
             rows.append(r)
             cost += g.n * g.lq * g.lp
             exact += pairs
-        all_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-        order = None
-        if not np.array_equal(all_rows, np.arange(len(all_rows))):
-            inv = np.empty_like(all_rows)
-            inv[all_rows] = np.arange(len(all_rows))
-            order = torch.from_numpy(inv).to(dev)
-        return SegmentPlan(groups, order, cost, exact, len(chains))
+        return SegmentPlan(groups, _order(rows, dev), cost, exact, len(chains))
+
+    def _plan_windowed(self, layout) -> SegmentPlan:
+        """Blocks of each chain's queries against the path keys within the window (see the
+        module docstring), in masked groups of similar padded size."""
+        batch, w, bs = layout.batch, int(layout.window), self.window_block
+        dev = layout.kv_lo.device
+        E = layout.num_external
+        kv_lo, kv_hi = layout.kv_lo.cpu().numpy(), layout.kv_hi.cpu().numpy()
+        kv_pos, q_pos = layout.kv_pos.cpu().numpy(), layout.q_pos.cpu().numpy()
+        chains, ancestors = _chains(batch, E)
+        by_size: Dict[Tuple[int, int], list] = {}
+        for first, a, b in chains:
+            pre = ancestors(first)
+            if E:  # external keys that any query of the chain may see
+                touches = (kv_lo[:E] < b) & (kv_hi[:E] > a)
+                pre = np.concatenate([np.flatnonzero(touches).astype(np.int64), pre])
+            path = np.concatenate([pre, np.arange(a, b, dtype=np.int64) + E])
+            for qa in range(a, b, bs):
+                qb = min(qa + bs, b)
+                keys = path[: len(pre) + (qb - a)]
+                keys = keys[kv_pos[keys] > q_pos[qa] - w]  # older keys are out of every query's window
+                by_size.setdefault((_round_up(qb - qa), _round_up(len(keys))), []).append((qa, qb, keys))
+        groups: List[_Group] = []
+        rows: List[np.ndarray] = []
+        cost = exact = 0
+        for _, units in sorted(by_size.items()):
+            g, r, pairs = _masked_group(units, kv_lo, kv_hi, dev, q_pos=q_pos, kv_pos=kv_pos, window=w)
+            groups.append(g)
+            rows.append(r)
+            cost += g.n * g.lq * g.lp
+            exact += pairs
+        return SegmentPlan(groups, _order(rows, dev), cost, exact, len(chains))
 
     # compute -------------------------------------------------------------------------
     def __call__(self, q, k, v, plan: SegmentPlan):
@@ -334,13 +349,12 @@ def _shared_group(members, E: int, dev) -> Tuple[_Group, np.ndarray]:
     return group, q_cat
 
 
-def _irregular_group(chains, kv_lo, kv_hi, E: int, dev) -> Tuple[_Group, np.ndarray, int]:
-    """Chains with partially visible external keys: pad, and mask each (query, key) pair
-    by the visibility intervals over [prefix keys | own keys]."""
-    units = [(a, b, np.concatenate([pre, np.arange(a, b, dtype=np.int64) + E])) for a, b, pre in chains]
+def _masked_group(units, kv_lo, kv_hi, dev, q_pos=None, kv_pos=None, window=None) -> Tuple[_Group, np.ndarray, int]:
+    """Query runs ``(a, b, keys)`` padded into one batch, each (query, key) pair masked by the
+    visibility intervals (and, with ``window``, by the position distance)."""
     n = len(units)
     lq = max(b - a for a, b, _ in units)
-    lk = max(len(keys) for _, _, keys in units)
+    lk = max(max(len(keys) for _, _, keys in units), 1)
     q_idx = np.zeros((n, lq), dtype=np.int64)
     k_idx = np.zeros((n, lk), dtype=np.int64)
     q_valid = np.zeros((n, lq), dtype=bool)
@@ -352,9 +366,11 @@ def _irregular_group(chains, kv_lo, kv_hi, E: int, dev) -> Tuple[_Group, np.ndar
         k_valid[r, : len(keys)] = True
     qpos = q_idx[:, :, None]
     mask = (kv_lo[k_idx][:, None, :] <= qpos) & (qpos < kv_hi[k_idx][:, None, :])
+    if window is not None:
+        mask &= (q_pos[q_idx][:, :, None] - kv_pos[k_idx][:, None, :]) < window
     mask &= q_valid[:, :, None] & k_valid[:, None, :]
     pairs = int(mask.sum())
-    mask[~q_valid, 0] = True  # padded queries attend to one key: finite, then dropped
+    mask[:, :, 0] |= ~mask.any(-1)  # rows that see nothing (padding) attend to one key: finite, dropped
     keep = np.flatnonzero(q_valid.reshape(-1))
     group = _Group(
         n,
@@ -366,3 +382,47 @@ def _irregular_group(chains, kv_lo, kv_hi, E: int, dev) -> Tuple[_Group, np.ndar
         mask=torch.from_numpy(mask[:, None]).to(dev),
     )
     return group, q_idx.reshape(-1)[keep], pairs
+
+
+def _chains(batch, E: int):
+    """The row's chains ``(first segment, token start, token end)`` (runs of segments where each
+    is the previous one's contiguous first child) and ``ancestors(first segment)``: the
+    E-offset keys of a chain's ancestors in path order."""
+    seg_start = batch.seg_start.cpu().numpy()
+    seg_len = batch.seg_len.cpu().numpy()
+    seg_parent = batch.seg_parent.cpu().numpy()
+    chains: List[Tuple[int, int, int]] = []
+    for s in range(len(seg_start)):
+        p = seg_parent[s]
+        if chains and p == s - 1 and seg_start[s] == seg_start[p] + seg_len[p]:
+            first, a, _ = chains[-1]
+            chains[-1] = (first, a, int(seg_start[s] + seg_len[s]))
+        else:
+            chains.append((s, int(seg_start[s]), int(seg_start[s] + seg_len[s])))
+    anc: Dict[int, np.ndarray] = {}  # ancestor keys of segments that start chains (memoised)
+
+    def ancestors(s: int) -> np.ndarray:
+        if s in anc:
+            return anc[s]
+        out: List[np.ndarray] = []
+        p = seg_parent[s]
+        while p >= 0:
+            out.append(np.arange(seg_start[p], seg_start[p] + seg_len[p], dtype=np.int64) + E)
+            if p in anc:  # reuse a chain start's ancestors
+                out.append(anc[p])
+                break
+            p = seg_parent[p]
+        anc[s] = np.concatenate(out[::-1]) if out else np.zeros(0, dtype=np.int64)
+        return anc[s]
+
+    return chains, ancestors
+
+
+def _order(rows: List[np.ndarray], dev) -> Optional[torch.Tensor]:
+    """Concatenated group outputs -> row order (None when already in order)."""
+    all_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    if np.array_equal(all_rows, np.arange(len(all_rows))):
+        return None
+    inv = np.empty_like(all_rows)
+    inv[all_rows] = np.arange(len(all_rows))
+    return torch.from_numpy(inv).to(dev)

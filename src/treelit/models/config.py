@@ -7,25 +7,73 @@ from typing import Any, Dict, List, Optional
 
 __all__ = ["DecoderConfig", "FAMILIES"]
 
-# family -> (Hugging Face model_type, RoPE rotation style, q/k/v bias)
+# family -> (Hugging Face model_type, RoPE rotation style, q/k/v bias, per-head q/k RMSNorm)
 FAMILIES = {
-    "llama": ("llama", "interleaved", False),  # Llama 3.x (3.2 uses llama3-scaled RoPE)
-    "qwen2": ("qwen2", "half", True),  # Qwen2 and Qwen2.5
-    "mistral": ("mistral", "interleaved", False),
+    "llama": ("llama", "interleaved", False, False),  # Llama 3.x (3.2 uses llama3-scaled RoPE)
+    "qwen2": ("qwen2", "half", True, False),  # Qwen2 and Qwen2.5
+    "mistral": ("mistral", "interleaved", False, False),
+    "qwen3": ("qwen3", "half", False, True),
+    "qwen3_moe": ("qwen3_moe", "half", False, True),
 }
+
+ROPE_TYPES = ("llama3", "yarn", "linear")
+# RoPE types whose frequencies depend on the sequence length: a tree and its branches would
+# rotate the same token differently.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+MOE_DEFAULTS: Dict[str, Any] = {
+    "num_experts": 8,
+    "top_k": 2,
+    "intermediate_dim": 64,  # per expert
+    "norm_topk_prob": False,
+    "sparse_step": 1,  # every sparse_step-th layer is a MoE layer ...
+    "mlp_only_layers": [],  # ... except these, which keep a dense MLP
+    "router_aux_loss_coef": 0.0,  # > 0: add coef x load-balancing loss to the training loss
+    "router_aux_loss": "micro_batch",  # micro_batch | sequence
+}
+AUX_DEFINITIONS = ("micro_batch", "sequence")
+
+
+def check_rope_scaling(scaling: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Validate a RoPE scaling dict; ``None`` for the default (unscaled) RoPE."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("default", None):
+        return None
+    if kind in LENGTH_DEPENDENT_ROPE:
+        raise ValueError(
+            f"rope scaling {kind!r} depends on the sequence length: a tree and its branches would get different "
+            f"frequencies, so tree mode cannot reproduce per-branch training (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    if kind == "linear" and not scaling.get("factor"):
+        raise ValueError(f"rope scaling {kind!r} needs a 'factor'")
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("rope scaling with partial_rotary_factor != 1 is not supported")
+    out = {k: v for k, v in scaling.items() if k != "type"}
+    out["rope_type"] = kind
+    return out
 
 
 @dataclass
 class DecoderConfig:
     """Shape and numerics of a decoder-only language model.
 
-    ``family`` picks the torchtune building blocks and the Hugging Face layout
-    (``llama``, ``qwen2``, ``mistral``; hybrid/recurrent layers via ``layer_types``).
-    ``rope_scaling`` is ``None`` or a Llama-3 scaling dict
-    (``rope_type="llama3"``, ``factor``, ``low_freq_factor``, ``high_freq_factor``,
-    ``original_max_position_embeddings``).
+    ``family`` picks the building blocks and the Hugging Face layout (``llama``, ``qwen2``,
+    ``mistral``, ``qwen3``, ``qwen3_moe``; hybrid/recurrent layers via ``layer_types``).
+    ``rope_scaling`` is ``None`` or a scaling dict with ``rope_type`` ``llama3`` (``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``),
+    ``yarn`` (``factor``, ``original_max_position_embeddings``, optional ``attention_factor``,
+    ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``truncate``) or ``linear``
+    (``factor``).
+    ``qk_norm``: per-head RMSNorm on queries and keys before RoPE (default: by family).
+    ``sliding_window``: tokens a query sees (itself included) in the layers listed in
+    ``sliding_window_layers`` (None: every attention layer); counted in depth on a tree.
     ``layer_types``: ``None`` (all attention) or one of ``"attention"``, ``"gdn"``,
     ``"mamba2"`` per layer; ``recurrent`` holds the recurrent layers' options.
+    ``moe``: mixture-of-experts options (``qwen3_moe``; see ``MOE_DEFAULTS``).
     """
 
     family: str = "llama"
@@ -42,8 +90,12 @@ class DecoderConfig:
     rope_scaling: Optional[Dict[str, Any]] = None
     tie_word_embeddings: bool = False
     qkv_bias: Optional[bool] = None
+    qk_norm: Optional[bool] = None
+    sliding_window: Optional[int] = None
+    sliding_window_layers: Optional[List[int]] = None
     layer_types: Optional[List[str]] = None
     recurrent: Dict[str, Any] = field(default_factory=dict)
+    moe: Dict[str, Any] = field(default_factory=dict)
     hf_extra: Dict[str, Any] = field(default_factory=dict)  # unknown config.json keys kept on save
 
     def __post_init__(self) -> None:
@@ -69,12 +121,30 @@ class DecoderConfig:
             bad = sorted(set(self.layer_types) - {"attention", "gdn", "mamba2"})
             if bad:
                 raise ValueError(f"unknown layer types {bad}; use attention, gdn or mamba2")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default", None):
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
-            if kind in ("default", None):
-                self.rope_scaling = None
+        if self.qk_norm is None:
+            self.qk_norm = FAMILIES[self.family][3]
+        self.rope_scaling = check_rope_scaling(self.rope_scaling)
+        if self.sliding_window is not None:
+            self.sliding_window = int(self.sliding_window)
+            if self.sliding_window < 1:
+                raise ValueError(f"sliding_window must be >= 1 token, got {self.sliding_window}")
+            if self.sliding_window_layers is not None:
+                bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
+                if bad:
+                    raise ValueError(f"sliding_window_layers {bad} outside 0..{self.num_layers - 1}")
+                self.sliding_window_layers = sorted(int(i) for i in self.sliding_window_layers)
+        if self.family == "qwen3_moe" or self.moe:
+            self.moe = {**MOE_DEFAULTS, **self.moe}
+            unknown = sorted(set(self.moe) - set(MOE_DEFAULTS))
+            if unknown:
+                raise ValueError(f"unknown moe options {unknown}; known: {', '.join(MOE_DEFAULTS)}")
+            m = self.moe
+            if not 1 <= int(m["top_k"]) <= int(m["num_experts"]):
+                raise ValueError(f"moe top_k must be in 1..num_experts ({m['num_experts']}), got {m['top_k']}")
+            if m["router_aux_loss"] not in AUX_DEFINITIONS:
+                raise ValueError(f"moe router_aux_loss must be one of {AUX_DEFINITIONS}, got {m['router_aux_loss']!r}")
+            if float(m["router_aux_loss_coef"]) < 0:
+                raise ValueError("moe router_aux_loss_coef must be >= 0")
 
     @property
     def rope_style(self) -> str:
@@ -86,6 +156,20 @@ class DecoderConfig:
 
     def layer_type(self, i: int) -> str:
         return "attention" if self.layer_types is None else self.layer_types[i]
+
+    def window(self, i: int) -> Optional[int]:
+        """The sliding window of layer ``i`` (None: it sees every ancestor)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is not None and i not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i`` has a sparse mixture-of-experts MLP (transformers' Qwen3-MoE rule)."""
+        if not self.moe or int(self.moe["num_experts"]) <= 0:
+            return False
+        return i not in self.moe["mlp_only_layers"] and (i + 1) % int(self.moe["sparse_step"]) == 0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

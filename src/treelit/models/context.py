@@ -1,9 +1,12 @@
 """Sequence contexts: what each token of a forward pass may see.
 
 A context is handed to every layer. Attention layers call
-``ctx.attention(layer_index, q, k, v)`` with post-RoPE ``q [B, Hq, L, D]`` and
-un-expanded ``k, v [B, Hkv, L, D]``; recurrent layers ask the context how to
-route their state (see :mod:`treelit.ssm`).
+``ctx.attention(layer_index, q, k, v, window=None)`` with post-RoPE ``q [B, Hq, L, D]``
+and un-expanded ``k, v [B, Hkv, L, D]`` (``window``: a sliding window, in tokens a query
+sees counting itself; on a tree, positions are depths, so a query sees the ancestors
+less than ``window`` levels above it); recurrent layers ask the context how to route
+their state (see :mod:`treelit.ssm`); mixture-of-experts layers hand it their router
+logits (``ctx.record_router``, read by the router loss).
 
 * :class:`CausalContext`: B independent right-padded causal rows.
 * :class:`TreeContext`: one DFS-serialized tree row (B = 1). Query ``q`` sees key
@@ -26,7 +29,16 @@ from treelit.tree.batch import TreeBatch
 __all__ = ["CausalContext", "TreeContext", "TreeLayout", "ExternalKV"]
 
 
-class CausalContext:
+class _RouterRecord:
+    """Router logits of the mixture-of-experts layers of one forward pass: layer -> ``[T, E]``."""
+
+    def record_router(self, layer: int, logits: torch.Tensor) -> None:
+        if not hasattr(self, "router_logits"):
+            self.router_logits: Dict[int, torch.Tensor] = {}
+        self.router_logits[layer] = logits  # a recomputation (activation checkpointing) overwrites
+
+
+class CausalContext(_RouterRecord):
     """Independent causal sequences (the linearized baseline). Rows are right-padded."""
 
     kind = "causal"
@@ -34,6 +46,7 @@ class CausalContext:
     def __init__(self, lengths: Optional[torch.Tensor] = None) -> None:
         self.lengths = lengths  # [B] real lengths (for recurrent layers); None = no padding
         self._layouts: Dict[tuple, Any] = {}
+        self.router_logits: Dict[int, torch.Tensor] = {}
 
     captures_recurrent = False
 
@@ -48,8 +61,14 @@ class CausalContext:
     def recurrent_external(self, layer: int):
         return None
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  window: Optional[int] = None) -> torch.Tensor:
+        L = q.shape[2]
+        if window is None or window >= L:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        i = torch.arange(L, device=q.device)
+        band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # [L, L]: key j visible to query i
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=q.shape[1] != k.shape[1])
 
 
 @dataclass
@@ -58,6 +77,8 @@ class ExternalKV:
 
     ``k[layer], v[layer]``: ``[1, Hkv, E, D]`` per attention layer (may require grad).
     ``lo, hi``: ``[E]`` long; row query ``q`` sees external key ``e`` iff ``lo[e] <= q < hi[e]``.
+    ``pos``: ``[E]`` positions (depths) of the external keys, for sliding windows (None: the
+    keys are never out of a window, which is only right for models without one).
     ``state``: per-layer recurrent boundary state for recurrent layers (see :mod:`treelit.ssm`).
     """
 
@@ -66,6 +87,7 @@ class ExternalKV:
     lo: torch.Tensor
     hi: torch.Tensor
     state: Dict[int, Any] = field(default_factory=dict)
+    pos: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,24 +101,49 @@ class TreeLayout:
     ``kv_lo, kv_hi [E + N]``: visibility interval of every key over query indices.
     ``batch``: the row (segment tables for structure-aware backends).
     ``num_external``: E, number of external keys in front of the row's own keys.
+    ``kv_pos [E + N]``: key positions (depths); ``window``: a sliding window (tokens a query
+    sees, itself included), or None. With a window, query ``q`` sees key ``j`` iff it is
+    visible by the intervals *and* ``pos[q] - kv_pos[j] < window``.
     """
 
     batch: TreeBatch
     kv_lo: torch.Tensor
     kv_hi: torch.Tensor
     num_external: int
+    kv_pos: Optional[torch.Tensor] = None
+    window: Optional[int] = None
 
     @property
     def num_queries(self) -> int:
         return self.batch.num_tokens
 
+    @property
+    def q_pos(self) -> torch.Tensor:
+        return self.batch.position_ids
+
+    def with_window(self, window: Optional[int]) -> "TreeLayout":
+        """This layout restricted to a sliding window (itself when the window cannot act)."""
+        if window is None or not self.window_acts(window):
+            return self
+        return TreeLayout(self.batch, self.kv_lo, self.kv_hi, self.num_external, self.kv_pos, int(window))
+
+    def window_acts(self, window: int) -> bool:
+        """Whether some query is further than ``window - 1`` positions from a key it could see
+        (conservative: the row's position range)."""
+        if self.kv_pos is None or self.kv_pos.numel() == 0:
+            return False
+        return int(self.q_pos.max()) - int(self.kv_pos.min()) >= window
+
     def dense_mask(self) -> torch.Tensor:
-        """Boolean ``[N, E+N]`` ancestor mask (True = attend)."""
+        """Boolean ``[N, E+N]`` ancestor mask (True = attend), windowed if this layout is."""
         q = torch.arange(self.num_queries, device=self.kv_lo.device).unsqueeze(1)
-        return (self.kv_lo.unsqueeze(0) <= q) & (q < self.kv_hi.unsqueeze(0))
+        mask = (self.kv_lo.unsqueeze(0) <= q) & (q < self.kv_hi.unsqueeze(0))
+        if self.window is not None:
+            mask &= (self.q_pos.unsqueeze(1) - self.kv_pos.unsqueeze(0)) < self.window
+        return mask
 
 
-class TreeContext:
+class TreeContext(_RouterRecord):
     """A DFS-serialized tree row attended through a tree attention backend.
 
     Args:
@@ -124,15 +171,20 @@ class TreeContext:
         self.capture_kv = capture_kv
         self.captured: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.recurrent_out: Dict[int, Any] = {}  # boundary states produced by recurrent layers
-        self._plan = None
+        self.router_logits: Dict[int, torch.Tensor] = {}
+        self._plans: Dict[Optional[int], Any] = {}
         idx = torch.arange(batch.num_tokens, device=batch.device)
         if external is not None:
             kv_lo = torch.cat([external.lo.to(batch.device), idx])
             kv_hi = torch.cat([external.hi.to(batch.device), batch.subtree_end])
             E = external.num_tokens
+            ext_pos = external.pos.to(batch.device) if external.pos is not None else None
+            kv_pos = None if ext_pos is None and E else torch.cat(
+                [ext_pos if ext_pos is not None else batch.position_ids[:0], batch.position_ids])
         else:
             kv_lo, kv_hi, E = idx, batch.subtree_end, 0
-        self.layout = TreeLayout(batch=batch, kv_lo=kv_lo, kv_hi=kv_hi, num_external=E)
+            kv_pos = batch.position_ids
+        self.layout = TreeLayout(batch=batch, kv_lo=kv_lo, kv_hi=kv_hi, num_external=E, kv_pos=kv_pos)
 
     # recurrent layers ----------------------------------------------------------------------
     @property
@@ -155,11 +207,22 @@ class TreeContext:
 
     @property
     def plan(self):
-        if self._plan is None:
-            self._plan = self.backend.plan(self.layout)
-        return self._plan
+        return self.plan_for(None)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def plan_for(self, window: Optional[int]):
+        """The backend's plan for this row (one per distinct window, shared by the layers)."""
+        layout = self.layout
+        if window is not None:
+            if layout.kv_pos is None:
+                raise ValueError("a sliding window needs the positions of external keys (ExternalKV.pos)")
+            layout = layout.with_window(window)
+        key = layout.window
+        if key not in self._plans:
+            self._plans[key] = self.backend.plan(layout)
+        return self._plans[key]
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  window: Optional[int] = None) -> torch.Tensor:
         if q.shape[0] != 1:
             raise ValueError("a tree row has batch size 1")
         if self.capture_kv:
@@ -167,5 +230,5 @@ class TreeContext:
         if self.external is not None and self.layout.num_external:
             k = torch.cat([self.external.k[layer], k], dim=2)
             v = torch.cat([self.external.v[layer], v], dim=2)
-        return self.backend(q, k, v, self.plan)
+        return self.backend(q, k, v, self.plan_for(window))
 

@@ -21,6 +21,7 @@ norm and RoPE are computed in float32 exactly like torchtune does.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -38,6 +39,8 @@ from torchtune.modules import (
 )
 
 from treelit.models.config import DecoderConfig
+from treelit.models.moe import MoEFeedForward
+from treelit.models.rope import TreeRoPE
 
 __all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "in_forward", "output_weight", "rope_style_of"]
 
@@ -52,7 +55,7 @@ class TreeDecoder(TransformerDecoder):
         for i in range(c.num_layers):
             kind = c.layer_type(i)
             if kind == "attention":
-                layers.append(_attention_layer(c, rope))
+                layers.append(_attention_layer(c, rope, i))
             else:
                 from treelit.ssm.layers import build_recurrent_layer
 
@@ -115,23 +118,10 @@ def build_decoder(config: Optional[DecoderConfig] = None, **overrides) -> TreeDe
 
 
 def _make_rope(c: DecoderConfig) -> nn.Module:
-    if c.rope_style == "half":
-        return Qwen2RotaryPositionalEmbeddings(dim=c.head_dim, max_seq_len=c.max_seq_len, base=c.rope_base)
-    if c.rope_scaling is not None:
-        s = c.rope_scaling
-        return Llama3ScaledRoPE(
-            dim=c.head_dim,
-            max_seq_len=c.max_seq_len,
-            base=c.rope_base,
-            scale_factor=s.get("factor", 8),
-            low_freq_factor=s.get("low_freq_factor", 1),
-            high_freq_factor=s.get("high_freq_factor", 4),
-            old_context_len=s.get("original_max_position_embeddings", 8192),
-        )
-    return RotaryPositionalEmbeddings(dim=c.head_dim, max_seq_len=c.max_seq_len, base=c.rope_base)
+    return TreeRoPE(c.head_dim, c.rope_base, c.rope_style, c.rope_scaling, max_positions=c.max_seq_len)
 
 
-def _attention_layer(c: DecoderConfig, rope: nn.Module) -> TransformerSelfAttentionLayer:
+def _attention_layer(c: DecoderConfig, rope: nn.Module, index: int) -> TransformerSelfAttentionLayer:
     hd, bias = c.head_dim, bool(c.qkv_bias)
     attn = MultiHeadAttention(
         embed_dim=c.embed_dim,
@@ -143,13 +133,21 @@ def _attention_layer(c: DecoderConfig, rope: nn.Module) -> TransformerSelfAttent
         v_proj=nn.Linear(c.embed_dim, c.num_kv_heads * hd, bias=bias),
         output_proj=nn.Linear(c.num_heads * hd, c.embed_dim, bias=False),
         pos_embeddings=rope,
+        q_norm=RMSNorm(hd, eps=c.norm_eps) if c.qk_norm else None,
+        k_norm=RMSNorm(hd, eps=c.norm_eps) if c.qk_norm else None,
         max_seq_len=c.max_seq_len,
     )
-    mlp = FeedForward(
-        gate_proj=nn.Linear(c.embed_dim, c.intermediate_dim, bias=False),
-        down_proj=nn.Linear(c.intermediate_dim, c.embed_dim, bias=False),
-        up_proj=nn.Linear(c.embed_dim, c.intermediate_dim, bias=False),
-    )
+    attn.sliding_window = c.window(index)  # tokens a query sees (itself included); None: all ancestors
+    if c.is_moe_layer(index):
+        m = c.moe
+        mlp = MoEFeedForward(c.embed_dim, int(m["intermediate_dim"]), int(m["num_experts"]), int(m["top_k"]),
+                             bool(m["norm_topk_prob"]))
+    else:
+        mlp = FeedForward(
+            gate_proj=nn.Linear(c.embed_dim, c.intermediate_dim, bias=False),
+            down_proj=nn.Linear(c.intermediate_dim, c.embed_dim, bias=False),
+            up_proj=nn.Linear(c.embed_dim, c.intermediate_dim, bias=False),
+        )
     return TransformerSelfAttentionLayer(
         attn=attn,
         mlp=mlp,
@@ -176,6 +174,8 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_style_of(rope: nn.Module) -> str:
+    if isinstance(rope, TreeRoPE):
+        return rope.style
     if isinstance(rope, Qwen2RotaryPositionalEmbeddings):
         return "half"
     if isinstance(rope, (RotaryPositionalEmbeddings, Llama3ScaledRoPE)):
@@ -192,8 +192,9 @@ def apply_rope(rope: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Ten
     theta = rope.theta.to(torch.float64)
     ang = pos.to(torch.float64).unsqueeze(-1) * theta  # [B, L, D/2]
     dt = _compute_dtype(x)
-    cos = ang.cos().to(dt).unsqueeze(2)  # [B, L, 1, D/2]
-    sin = ang.sin().to(dt).unsqueeze(2)
+    scale = getattr(rope, "attention_scaling", 1.0)  # yarn's attention factor
+    cos = (ang.cos() * scale).to(dt).unsqueeze(2)  # [B, L, 1, D/2]
+    sin = (ang.sin() * scale).to(dt).unsqueeze(2)
     xf = x.to(dt)
     if rope_style_of(rope) == "half":
         half = x.shape[-1] // 2
@@ -220,17 +221,20 @@ def output_weight(model: TransformerDecoder) -> torch.Tensor:
 
 def _attention_block(layer: TransformerSelfAttentionLayer, idx: int, x: torch.Tensor, pos, ctx) -> torch.Tensor:
     attn: MultiHeadAttention = layer.attn
-    if attn.q_norm is not None or attn.k_norm is not None:
-        raise NotImplementedError("q/k norms are not supported in tree mode yet")
     B, L, _ = x.shape
     hd = attn.head_dim
     q = attn.q_proj(x).view(B, L, attn.num_heads, hd)
     k = attn.k_proj(x).view(B, L, attn.num_kv_heads, hd)
     v = attn.v_proj(x).view(B, L, attn.num_kv_heads, hd)
+    if attn.q_norm is not None:  # per-head RMSNorm before RoPE (Qwen3)
+        q = rms_norm(attn.q_norm, q)
+    if attn.k_norm is not None:
+        k = rms_norm(attn.k_norm, k)
     if attn.pos_embeddings is not None:
         q = apply_rope(attn.pos_embeddings, q, pos)
         k = apply_rope(attn.pos_embeddings, k, pos)
-    o = ctx.attention(idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    window = getattr(attn, "sliding_window", None)
+    o = ctx.attention(idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window)
     o = o.transpose(1, 2).reshape(B, L, attn.num_heads * hd)
     return attn.output_proj(o)
 
@@ -265,15 +269,32 @@ def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_
     ``ctx`` decides what each token sees (see :mod:`treelit.models.context`).
     Layers that are not torchtune self-attention layers must provide
     ``tree_forward(x, layer_index, ctx)`` (treelit's recurrent layers do).
+    Each layer runs through its module call (:func:`~treelit.utils.blocks.call_block`), so
+    hooks on it (FSDP2's per-block unshard/reshard and gradient reduction) see the pass;
+    ``model.activation_checkpointing`` recomputes each layer in the backward.
     """
+    from treelit.utils.blocks import call_block
+
+    ckpt = bool(getattr(model, "activation_checkpointing", False))
+    guard = getattr(ctx, "oom_guard", None)
     h = _embed(model, input_ids, ctx)
     for i, layer in enumerate(model.layers):
-        if hasattr(layer, "tree_forward"):
-            h = layer.tree_forward(h, i, ctx)
-        elif isinstance(layer, TransformerSelfAttentionLayer):
-            a = _attention_block(layer, i, rms_norm(layer.sa_norm, h), position_ids, ctx)
-            h = h + layer.sa_scale(a)
-            h = h + layer.mlp_scale(layer.mlp(rms_norm(layer.mlp_norm, h)))
-        else:
-            raise TypeError(f"layer {i} ({type(layer).__name__}) cannot run in tree mode")
+        body = functools.partial(_layer_forward, layer, i, position_ids, ctx)
+        h = call_block(layer, body, h, checkpoint=ckpt, oom_guard=guard)
     return rms_norm(model.norm, h)
+
+
+def _layer_forward(layer: nn.Module, i: int, position_ids: torch.Tensor, ctx, h: torch.Tensor) -> torch.Tensor:
+    """Layer ``i`` over ``h [B, L, D]`` (run as the layer's forward by ``call_block``)."""
+    if hasattr(layer, "tree_forward"):
+        return layer.tree_forward(h, i, ctx)
+    if isinstance(layer, TransformerSelfAttentionLayer):
+        a = _attention_block(layer, i, rms_norm(layer.sa_norm, h), position_ids, ctx)
+        h = h + layer.sa_scale(a)
+        x = rms_norm(layer.mlp_norm, h)
+        if isinstance(layer.mlp, MoEFeedForward):  # the router loss reads the logits from ctx
+            m, logits = layer.mlp.route(x)
+            ctx.record_router(i, logits)
+            return h + layer.mlp_scale(m)
+        return h + layer.mlp_scale(layer.mlp(x))
+    raise TypeError(f"layer {i} ({type(layer).__name__}) cannot run in tree mode")

@@ -9,7 +9,7 @@ import torch
 from treelit.models.hf import load_hf_checkpoint
 from treelit.models.registry import build_model
 
-__all__ = ["make_model", "parse_dtype"]
+__all__ = ["make_model", "parse_dtype", "set_router_aux_loss"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,13 +28,42 @@ def make_model(
     dtype: str = "float32",
     config: Optional[Dict[str, Any]] = None,
     max_seq_len: Optional[int] = None,
+    router_aux_loss_coef: Optional[float] = None,
+    router_aux_loss: Optional[str] = None,
 ):
     """Load ``hf_checkpoint`` if given, else build the registered ``preset`` (random init,
-    ``config`` overriding its fields). ``max_seq_len`` overrides the context length."""
+    ``config`` overriding its fields). ``max_seq_len`` overrides the context length.
+
+    ``router_aux_loss_coef`` / ``router_aux_loss`` override a mixture-of-experts model's
+    router load-balancing loss (coefficient; ``micro_batch`` or ``sequence`` definition);
+    by default a checkpoint's own setting applies (on when it has ``output_router_logits``)."""
     dt = parse_dtype(dtype)
     if hf_checkpoint:
-        return load_hf_checkpoint(hf_checkpoint, dtype=dt, max_seq_len=max_seq_len)
-    overrides = dict(config or {})
-    if max_seq_len:
-        overrides["max_seq_len"] = max_seq_len
-    return build_model(preset, **overrides).to(dt)
+        model = load_hf_checkpoint(hf_checkpoint, dtype=dt, max_seq_len=max_seq_len)
+    else:
+        overrides = dict(config or {})
+        if max_seq_len:
+            overrides["max_seq_len"] = max_seq_len
+        model = build_model(preset, **overrides).to(dt)
+    set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
+    return model
+
+
+def set_router_aux_loss(model, coef: Optional[float] = None, definition: Optional[str] = None) -> None:
+    """Override the router load-balancing loss options of a mixture-of-experts model."""
+    from treelit.models.config import AUX_DEFINITIONS
+
+    if coef is None and definition is None:
+        return
+    cfg = getattr(model, "config", None)
+    if cfg is None or not getattr(cfg, "moe", None):
+        raise ValueError("model.router_aux_loss_coef / model.router_aux_loss need a mixture-of-experts model "
+                         f"(family qwen3_moe); this model's family is {getattr(cfg, 'family', '?')!r}")
+    if coef is not None:
+        if float(coef) < 0:
+            raise ValueError(f"model.router_aux_loss_coef must be >= 0, got {coef}")
+        cfg.moe["router_aux_loss_coef"] = float(coef)
+    if definition is not None:
+        if definition not in AUX_DEFINITIONS:
+            raise ValueError(f"model.router_aux_loss must be one of {', '.join(AUX_DEFINITIONS)}, got {definition!r}")
+        cfg.moe["router_aux_loss"] = definition

@@ -20,9 +20,9 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from treelit.models.config import DecoderConfig
+from treelit.models.config import DecoderConfig, check_rope_scaling
 from treelit.models.decoder import TreeDecoder
-from treelit.models.hf_keys import check_config_keys
+from treelit.models.hf_keys import check_config_keys, effective_windows
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,17 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read as a supported model."""
 
 
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _KNOWN_KEYS = {
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "torch_dtype",
     "dtype", "hidden_act", "transformers_version", "use_cache", "attention_dropout", "mlp_bias",
-    "treelit",
+    "treelit", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers",
 }
 
 # Hugging Face name -> torchtune name (per-layer names use {}).
@@ -62,7 +65,15 @@ _HF_TO_TUNE = {
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.mlp.w2.weight",
     "model.layers.{}.input_layernorm.weight": "layers.{}.sa_norm.scale",
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm.scale",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.scale",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.scale",
+    "model.layers.{}.mlp.gate.weight": "layers.{}.mlp.gate.weight",
 }
+# Experts: per-expert Hugging Face names (hub checkpoints; what transformers writes) -> stacked
+# treelit parameters [E, ...]; transformers 5's in-memory fused names load too.
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT_TUNE = {"gate": "w1", "up": "w3", "down": "w2"}
 _TUNE_TO_HF = {v: k for k, v in _HF_TO_TUNE.items()}
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
@@ -77,19 +88,50 @@ def _map_key(key: str, table: Dict[str, str]) -> Optional[str]:
 
 
 def _rope_settings(cfg: Dict[str, Any]):
+    """(theta, scaling dict or None) from ``rope_theta``/``rope_scaling`` (hub checkpoints) or
+    ``rope_parameters`` (transformers 5). Scaling lengths that default to the config are filled
+    in, so the result does not depend on a later ``max_seq_len`` override."""
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling")
     if scaling is None and params:
-        kind = params.get("rope_type", "default")
+        kind = params.get("rope_type", params.get("type", "default"))
         scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "default":
-            scaling = None
-        elif kind != "llama3":
-            raise CheckpointError(f"rope scaling {kind!r} is not supported (supported: llama3)")
+    try:
+        scaling = check_rope_scaling(scaling)
+    except ValueError as exc:
+        raise CheckpointError(f"config key 'rope_scaling': {exc}") from None
+    if scaling is not None and scaling["rope_type"] in ("yarn", "llama3"):
+        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if scaling["rope_type"] == "yarn" and not scaling.get("factor"):
+            scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
     return float(theta), scaling
+
+
+def _windows(cfg: Dict[str, Any]):
+    """(sliding_window, sliding_window_layers) of a config (see hf_keys.effective_windows)."""
+    per_layer = effective_windows(cfg)
+    sized = {w for w in per_layer if w is not None}
+    if not sized:
+        return None, None
+    if len(sized) > 1:
+        raise CheckpointError(f"config keys 'sliding_window'/'layer_types': layers use different windows {sorted(sized)}")
+    layers = [i for i, w in enumerate(per_layer) if w is not None]
+    return sized.pop(), (None if len(layers) == len(per_layer) else layers)
+
+
+def _moe_options(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Qwen3-MoE options; the router loss is on when transformers' is (``output_router_logits``)."""
+    coef = float(cfg.get("router_aux_loss_coef", 0.0) or 0.0)
+    return {
+        "num_experts": int(cfg.get("num_experts", cfg.get("num_local_experts", 0))),
+        "top_k": int(cfg["num_experts_per_tok"]),
+        "intermediate_dim": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "sparse_step": int(cfg.get("decoder_sparse_step", 1) or 1),
+        "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []],
+        "router_aux_loss_coef": coef if cfg.get("output_router_logits") else 0.0,
+    }
 
 
 def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None, where: str = "config.json") -> DecoderConfig:
@@ -107,28 +149,31 @@ def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None, where
         raise CheckpointError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(_MODEL_TYPES))}")
     family = _MODEL_TYPES[mt]
     theta, scaling = _rope_settings(cfg)
-    if family != "llama" and scaling is not None:
-        raise CheckpointError(f"rope scaling on a {mt} checkpoint is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+    window, window_layers = _windows(cfg)
     heads = cfg["num_attention_heads"]
-    return DecoderConfig(
-        family=family,
-        vocab_size=cfg["vocab_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        embed_dim=cfg["hidden_size"],
-        intermediate_dim=cfg["intermediate_size"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_seq_len=int(max_seq_len or cfg.get("max_position_embeddings", 4096)),
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_base=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-        hf_extra={k: v for k, v in cfg.items() if k not in _KNOWN_KEYS},
-    )
+    try:
+        return DecoderConfig(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            embed_dim=cfg["hidden_size"],
+            intermediate_dim=cfg.get("intermediate_size") or 1,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_seq_len=int(max_seq_len or cfg.get("max_position_embeddings", 4096)),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_base=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            sliding_window=window,
+            sliding_window_layers=window_layers,
+            moe=_moe_options(cfg) if family == "qwen3_moe" else {},
+            hf_extra={k: v for k, v in cfg.items() if k not in _KNOWN_KEYS},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {type(exc).__name__}: {exc}") from None
 
 
 def config_to_hf(c: DecoderConfig, dtype: torch.dtype) -> Dict[str, Any]:
@@ -157,9 +202,27 @@ def config_to_hf(c: DecoderConfig, dtype: torch.dtype) -> Dict[str, Any]:
     )
     if c.family != "qwen2":
         cfg["attention_bias"] = bool(c.qkv_bias)
+    if c.family in ("llama", "mistral"):
         cfg["mlp_bias"] = False
     if c.family == "mistral":
-        cfg.setdefault("sliding_window", None)  # transformers' MistralConfig defaults to a 4096-token window
+        cfg["sliding_window"] = c.sliding_window  # transformers' MistralConfig defaults to a 4096-token window
+    elif c.family in ("qwen2", "qwen3", "qwen3_moe"):
+        windowed = [c.window(i) is not None for i in range(c.num_layers)]
+        cfg["use_sliding_window"] = any(windowed)
+        cfg["sliding_window"] = c.sliding_window
+        cfg["max_window_layers"] = windowed.index(True) if any(windowed) else c.num_layers
+        cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windowed]
+    elif c.sliding_window is not None:
+        raise CheckpointError(f"a {c.model_type} checkpoint has no sliding-window setting")
+    if c.family == "qwen3_moe":
+        m = c.moe
+        cfg.update(num_experts=m["num_experts"], num_experts_per_tok=m["top_k"], moe_intermediate_size=m["intermediate_dim"],
+                   norm_topk_prob=m["norm_topk_prob"], decoder_sparse_step=m["sparse_step"],
+                   mlp_only_layers=list(m["mlp_only_layers"]))
+        if m["router_aux_loss_coef"] > 0:
+            cfg.update(output_router_logits=True, router_aux_loss_coef=m["router_aux_loss_coef"])
+        else:
+            cfg["output_router_logits"] = False
     return cfg
 
 
@@ -192,8 +255,37 @@ def _read_state_dict(path: Path) -> Dict[str, torch.Tensor]:
     raise CheckpointError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
 
 
-def hf_to_tune_state_dict(sd: Dict[str, torch.Tensor], c: DecoderConfig, where: str = "") -> Dict[str, torch.Tensor]:
+def _stack_experts(sd: Dict[str, torch.Tensor], c: DecoderConfig, where: str) -> Dict[str, torch.Tensor]:
+    """Per-expert (or fused) Hugging Face expert weights -> treelit's stacked ``w1/w3/w2`` [E, ...]."""
     out: Dict[str, torch.Tensor] = {}
+    per: Dict[tuple, Dict[int, torch.Tensor]] = {}
+    for key in [k for k in sd if ".mlp.experts." in k]:
+        m = _EXPERT_RE.match(key)
+        if m:
+            per.setdefault((int(m.group(1)), _EXPERT_TUNE[m.group(3)]), {})[int(m.group(2))] = sd.pop(key)
+            continue
+        m = _FUSED_RE.match(key)
+        if m is None:
+            continue  # reported as unexpected by the caller
+        layer, value = int(m.group(1)), sd.pop(key)
+        if m.group(2) == "down_proj":
+            out[f"layers.{layer}.mlp.w2"] = value
+        else:
+            inter = value.shape[1] // 2
+            out[f"layers.{layer}.mlp.w1"], out[f"layers.{layer}.mlp.w3"] = value[:, :inter], value[:, inter:]
+    E = int(c.moe.get("num_experts", 0)) if c.moe else 0
+    for (layer, name), experts in per.items():
+        missing = sorted(set(range(E)) - set(experts))
+        if missing or len(experts) != E:
+            raise CheckpointError(f"{where}layer {layer}: expert weights for experts {missing[:8]} are missing "
+                                  f"({len(experts)} of {E} found)")
+        out[f"layers.{layer}.mlp.{name}"] = torch.stack([experts[e] for e in range(E)])
+    return out
+
+
+def hf_to_tune_state_dict(sd: Dict[str, torch.Tensor], c: DecoderConfig, where: str = "") -> Dict[str, torch.Tensor]:
+    sd = dict(sd)
+    out: Dict[str, torch.Tensor] = _stack_experts(sd, c, where) if c.moe else {}
     unknown = []
     for key, value in sd.items():
         if "rotary_emb.inv_freq" in key:
@@ -217,8 +309,14 @@ def hf_to_tune_state_dict(sd: Dict[str, torch.Tensor], c: DecoderConfig, where: 
 
 def tune_to_hf_state_dict(sd: Dict[str, torch.Tensor], c: DecoderConfig) -> Dict[str, torch.Tensor]:
     out = {}
+    inv_expert = {v: k for k, v in _EXPERT_TUNE.items()}
     for key, value in sd.items():
         if key == "output.weight" and c.tie_word_embeddings:
+            continue
+        m = re.match(r"^layers\.(\d+)\.mlp\.(w1|w2|w3)$", key)
+        if m:  # stacked experts -> one tensor per expert (the hub layout)
+            for e in range(value.shape[0]):
+                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{inv_expert[m.group(2)]}_proj.weight"] = value[e].contiguous()
             continue
         new = _map_key(key, _TUNE_TO_HF)
         if new is None:

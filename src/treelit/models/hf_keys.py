@@ -6,7 +6,8 @@ key of each supported family is declared here in exactly one of three ways:
 
 * **implemented**: read by the loader and applied (covered by the equivalence tests);
 * **refused**: applied only in its neutral setting; any value that would change the
-  math raises :class:`~treelit.models.hf.CheckpointError` at load time, naming the key;
+  math raises :class:`~treelit.models.hf.CheckpointError` at load time, naming the key
+  (an implemented key may also carry such a check for the values it cannot apply);
 * **ignored**: irrelevant to training (token ids, cache flags, initialisation ranges,
   kernel selection, bookkeeping).
 
@@ -61,8 +62,9 @@ def effective_windows(cfg: Dict[str, Any]) -> List[Optional[int]]:
     """The sliding window of each layer as transformers applies it (None = full attention).
 
     Mistral applies ``sliding_window`` to every layer. Qwen2/Qwen3(-MoE) apply it only when
-    ``use_sliding_window`` is true, to the layers marked ``sliding_attention`` in
-    ``layer_types`` (by default the layers at or above ``max_window_layers``).
+    ``use_sliding_window`` is true: Qwen2/Qwen3 to the layers marked ``sliding_attention`` in
+    ``layer_types`` (by default the layers at or above ``max_window_layers``), Qwen3-MoE to
+    every layer.
     """
     n = int(cfg.get("num_hidden_layers", 0))
     mt = cfg.get("model_type")
@@ -71,23 +73,18 @@ def effective_windows(cfg: Dict[str, Any]) -> List[Optional[int]]:
         window = None
     if window is None:
         return [None] * n
+    if mt in ("mistral", "qwen3_moe"):  # every layer (Qwen3-MoE ignores max_window_layers)
+        return [int(window)] * n
     types = cfg.get("layer_types")
-    if mt == "mistral" or not types:
-        if mt == "mistral":
-            return [int(window)] * n
+    if not types:
         start = int(cfg.get("max_window_layers", 0) or 0)
         return [int(window) if i >= start else None for i in range(n)]
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
-def _window_refused(value: Any, cfg: Dict[str, Any]) -> Optional[str]:
-    """Refuse a window that can take effect: one shorter than the longest sequence the model runs."""
-    limit = int(cfg.get("_treelit_max_seq_len") or cfg.get("max_position_embeddings") or 0)
-    active = [w for w in effective_windows(cfg) if w is not None and (limit == 0 or w < limit)]
-    if not active:
-        return None
-    return (f"a sliding window of {min(active)} tokens (shorter than the context of {limit}) is not supported: "
-            "tree mode would attend to every ancestor")
+def _layer_types(value: Any, cfg: Dict[str, Any]) -> Optional[str]:
+    kinds = set(value or []) - {"full_attention", "sliding_attention"}
+    return None if not kinds else f"layer types {sorted(kinds)} are not supported (full_attention, sliding_attention)"
 
 
 _ATTENTION_FAMILY = {
@@ -95,7 +92,11 @@ _ATTENTION_FAMILY = {
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
     "rope_parameters", "tie_word_embeddings",
 }
+_WINDOWS = {"sliding_window", "use_sliding_window", "max_window_layers"}
+_MOE = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits"}
 _BIAS = "q/k/v/o projection biases are not supported for this family"
+_QWEN = {"hidden_act": _silu, "attention_dropout": _no_dropout, "layer_types": _layer_types}
 
 FAMILY_KEYS: Dict[str, Dict[str, Any]] = {
     "llama": {
@@ -104,15 +105,20 @@ FAMILY_KEYS: Dict[str, Dict[str, Any]] = {
                     "mlp_bias": _must_be(False, "MLP biases are not supported"), "attention_dropout": _no_dropout},
     },
     "mistral": {
-        "implemented": _ATTENTION_FAMILY,
+        "implemented": _ATTENTION_FAMILY | {"sliding_window"},
         "refused": {"hidden_act": _silu, "attention_bias": _must_be(False, _BIAS), "attention_dropout": _no_dropout,
-                    "sliding_window": _window_refused, "mlp_bias": _must_be(False, "MLP biases are not supported")},
+                    "mlp_bias": _must_be(False, "MLP biases are not supported")},
     },
-    "qwen2": {
-        "implemented": _ATTENTION_FAMILY,
-        "refused": {"hidden_act": _silu, "attention_dropout": _no_dropout, "sliding_window": _window_refused,
-                    "use_sliding_window": _window_refused, "max_window_layers": _window_refused,
-                    "layer_types": _window_refused},
+    "qwen2": {"implemented": _ATTENTION_FAMILY | _WINDOWS | {"layer_types"}, "refused": dict(_QWEN)},
+    "qwen3": {
+        "implemented": _ATTENTION_FAMILY | _WINDOWS | {"layer_types"},
+        "refused": {**_QWEN, "attention_bias": _must_be(False, _BIAS)},
+    },
+    "qwen3_moe": {
+        "implemented": _ATTENTION_FAMILY | {"sliding_window", "use_sliding_window"} | _MOE,
+        "refused": {**_QWEN, "attention_bias": _must_be(False, _BIAS)},
+        # transformers' Qwen3-MoE applies the window to every layer whatever max_window_layers says
+        "ignored": {"max_window_layers"},
     },
     "gated_deltanet": {
         "implemented": {
@@ -150,7 +156,7 @@ FAMILY_KEYS: Dict[str, Dict[str, Any]] = {
 def classify(model_type: str, key: str) -> Optional[str]:
     """``implemented``, ``refused``, ``ignored``, or None (unknown) for ``key`` of ``model_type``."""
     fam = FAMILY_KEYS[model_type]
-    if key in fam["implemented"]:
+    if key in fam["implemented"]:  # (it may also have a value check in "refused")
         return "implemented"
     if key in fam["refused"]:
         return "refused"
