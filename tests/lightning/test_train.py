@@ -172,5 +172,5 @@ def test_tokens_outside_the_model_vocabulary_fail_before_training(tmp_path, hf_d
     path.write_text(json.dumps({"id": "x", "branches": [{"input_ids": [1, 2, 500]}]}) + "\n")
     from treelit.data.records import DataError
 
-    with pytest.raises(DataError, match=r"big_ids.jsonl:1 \(tree 'x'\): token id 500 .*vocabulary \(size 11\)"):
+    with pytest.raises(DataError, match=r"big_ids.jsonl:1: branches\[0\].input_ids\[2\]: token id 500 .*vocabulary \(size 11\)"):
         train(tmp_path, f"model.hf_checkpoint={hf_dir}", "data=jsonl", f"data.train_path={path}")

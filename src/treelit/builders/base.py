@@ -1,22 +1,33 @@
 """The tree-builder interface.
 
-A builder turns the records of a data file into trees. Built-ins: ``sequences``
+A builder turns the records of a data source into trees. Built-ins: ``sequences``
 (each record's token branches form one tree), ``groups`` (records sharing a group
 key form one tree, e.g. the samples of one GRPO prompt) and ``chat`` (conversations
 rendered with a tokenizer's chat template). Third-party builders register through
 the entry-point group ``treelit.tree_builder``.
+
+A builder describes one record at a time (:meth:`TreeBuilder.encode`: the record's
+token branches; :meth:`TreeBuilder.tree_keys` / :meth:`TreeBuilder.advantage_keys`:
+which tree and which advantage group each branch joins). The
+:class:`~treelit.builders.assemble.Assembler` does the rest the same way for every
+builder, in memory or streaming: per-record checks (structure, the model's vocabulary
+and context, what the objective needs), groups, advantages, trees, and errors that
+name the record's file, line and field (``on_error=skip`` skips and counts instead).
+A builder that overrides ``__call__`` instead (records in, trees out) still works in
+memory, without per-record skipping or streaming.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from treelit.data.records import DataError, Record, validate_token_record
 from treelit.registry import get_registry
 from treelit.tree.token_tree import TokenTree, TreeInputError
 
-__all__ = ["TREE_BUILDERS", "BuiltTree", "TreeBuilder", "build_tree_from_branches", "make_tree_builder", "BRANCH_FIELDS"]
+__all__ = ["TREE_BUILDERS", "BuiltTree", "TreeBuilder", "TokenBuilder", "build_tree_from_branches",
+           "make_tree_builder", "BRANCH_FIELDS"]
 
 TREE_BUILDERS = get_registry(
     "tree_builder", ["treelit.builders.sequences", "treelit.builders.groups", "treelit.builders.chat"]
@@ -27,19 +38,71 @@ BRANCH_FIELDS = ("group", "reward", "advantage", "old_logprobs", "ref_logprobs",
 
 @dataclass
 class BuiltTree:
+    """A tree and where it came from: ``source`` is its first record's, ``positions`` the
+    positions of all its records in the data source (used to resume a stream)."""
+
     id: str
     tree: TokenTree
     source: str
+    positions: List[Any] = field(default_factory=list)
+    sources: List[str] = field(default_factory=list)
 
 
 class TreeBuilder:
-    """Interface: ``builder(records) -> list[BuiltTree]``. Records are validated by
-    ``validate`` while reading (see :func:`treelit.data.records.read_records`)."""
+    """Interface. Override :meth:`encode` (and the key methods to merge records); the
+    class attributes say how advantages are formed.
+
+    Attributes:
+        validate: structural check of one raw record ``validate(data, source)``.
+        advantage: estimator name (``grpo``, ``rloo``, ``reinforce_pp``, ...) or None.
+        group_field: the data field group keys come from (named in messages).
+        reward_per_record: True when a record (not each branch) carries one reward.
+        ids_are_keys: True when records without a group key would otherwise be told apart
+            by their ``id`` (duplicate ids are then refused).
+    """
 
     validate = staticmethod(validate_token_record)
+    advantage: Optional[str] = None
+    advantage_options: Dict[str, Any] = {}
+    group_field: str = "group"
+    reward_per_record: bool = False
+    logprob_conflict: str = "raise"
+    logprob_tol: float = 1e-4
+
+    def encode(self, record: Record) -> List[Dict[str, Any]]:
+        """Token-level branch dicts of one validated record (``input_ids``, optional ``loss_mask``,
+        ``weight`` and RL fields), each with ``_where``: the record field it came from."""
+        return [dict(br, _where=f"branches[{j}]") for j, br in enumerate(record.data["branches"])]
+
+    def tree_keys(self, record: Record, branches: List[Dict[str, Any]]) -> List[Any]:
+        """Per branch: the key of the tree it joins (None: the record's own tree)."""
+        return [None] * len(branches)
+
+    def advantage_keys(self, record: Record, branches: List[Dict[str, Any]]) -> List[Any]:
+        """Per branch: the key of its advantage group (None: the record's own group)."""
+        return self.tree_keys(record, branches)
+
+    def reward_of(self, record: Record) -> Any:
+        """The record's reward (builders with ``reward_per_record``)."""
+        return record.data.get("reward")
+
+    def uses_ids(self, record: Record, tree_keys: List[Any], adv_keys: List[Any]) -> bool:
+        """Whether the record's ``id`` would have told it apart from others (see ``ids_are_keys``)."""
+        return self.advantage is not None and any(k is None for k in adv_keys)
+
+    def tree(self, branches: Sequence[Dict[str, Any]], tree_id: str, source: str) -> BuiltTree:
+        return build_tree_from_branches(branches, tree_id, source, logprob_conflict=self.logprob_conflict,
+                                        logprob_tol=self.logprob_tol)
 
     def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
-        raise NotImplementedError
+        """All trees of ``records`` (in memory, ``on_error=raise``, no model checks)."""
+        from treelit.builders.assemble import Assembler
+
+        asm = Assembler(self)
+        out: List[BuiltTree] = []
+        for r in records:
+            out += asm.add(r)
+        return out + asm.flush()
 
 
 def build_tree_from_branches(
@@ -54,6 +117,7 @@ def build_tree_from_branches(
 
     ``advantage`` (per branch), ``old_logprobs`` and ``ref_logprobs`` (per token) become the
     tree's RL data when present; see :meth:`TokenTree.from_branches` for ``logprob_conflict``.
+    Errors are :class:`DataError` s; their ``branches`` attribute holds the branches at fault.
     """
     fields: Dict[str, List[Any]] = {k: [b.get(k) for b in branches] for k in BRANCH_FIELDS if any(k in b for b in branches)}
     fields["record"] = [b.get("_record", tree_id) for b in branches]
@@ -61,7 +125,8 @@ def build_tree_from_branches(
     if any(b.get("advantage") is not None for b in branches):
         missing = [i for i, b in enumerate(branches) if b.get("advantage") is None]
         if missing:
-            raise DataError(f"{source}: branches[{missing[0]}] has no advantage while others of its tree do")
+            raise DataError(f"{source}: branches[{missing[0]}] has no advantage while others of its tree do",
+                            branches=(missing[0],), detail="advantage: missing while other branches of its tree have one")
         adv = [b["advantage"] for b in branches]
     lp = {k: ([b.get(k) for b in branches] if any(b.get(k) is not None for b in branches) else None)
           for k in ("old_logprobs", "ref_logprobs")}
@@ -79,7 +144,7 @@ def build_tree_from_branches(
             logprob_tol=logprob_tol,
         )
     except TreeInputError as exc:
-        raise DataError(str(exc)) from exc
+        raise DataError(str(exc), branches=exc.branches, detail=exc.detail) from exc
     return BuiltTree(tree_id, tree, source)
 
 
@@ -88,7 +153,7 @@ class TokenBuilder(TreeBuilder):
 
     Args:
         advantage: estimator turning branch ``reward`` s into advantages (``grpo``, ``rloo``,
-            ``reinforce_pp``, ``raw``; groups as the builder defines them).
+            ``reinforce_pp``, ``reinforce_pp_baseline``, ``raw``; groups as the builder defines them).
         logprob_conflict: ``raise`` or ``split`` when branches disagree on a shared token's
             old/reference log-prob by more than ``logprob_tol``.
         advantage_options: extra keyword arguments of the estimator.
@@ -96,39 +161,16 @@ class TokenBuilder(TreeBuilder):
 
     def __init__(self, advantage: Optional[str] = None, logprob_conflict: str = "raise", logprob_tol: float = 1e-4,
                  **advantage_options: Any) -> None:
+        if logprob_conflict not in ("raise", "split"):
+            raise ValueError(f"tree_builder.logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
+        if advantage is not None:
+            from treelit.rl.advantages import ADVANTAGES
+
+            ADVANTAGES.get(advantage)  # unknown names list the known ones
         self.advantage = advantage
         self.advantage_options = advantage_options
         self.logprob_conflict = logprob_conflict
-        self.logprob_tol = logprob_tol
-
-    def tree(self, branches, tree_id: str, source: str) -> BuiltTree:
-        return build_tree_from_branches(branches, tree_id, source, logprob_conflict=self.logprob_conflict,
-                                        logprob_tol=self.logprob_tol)
-
-
-def fill_advantages(items: List[tuple], estimator: Optional[str], key_name: str = "group", **options: Any) -> None:
-    """Set ``advantage`` on branch dicts that have a ``reward`` but no advantage.
-
-    ``items``: ``(branch dict, group key)`` over the whole dataset; ``estimator`` is a name
-    in the ``advantage`` registry (``grpo``, ``rloo``, ``reinforce_pp``, ``raw``);
-    ``key_name`` is the field the group keys come from (named in warnings and errors).
-    """
-    if estimator is None:
-        return
-    todo = [(b, g) for b, g in items if b.get("advantage") is None]
-    if not todo:
-        return
-    if any(b.get("reward") is None for b, _ in todo):
-        raise DataError(f"advantage estimator {estimator!r} needs a 'reward' on every branch without an 'advantage'")
-    from treelit.rl.advantages import AdvantageError, compute_advantages
-
-    try:
-        adv = compute_advantages(estimator, [b["reward"] for b, _ in todo], [g for _, g in todo], key_name=key_name,
-                                 **options)
-    except AdvantageError as exc:
-        raise DataError(str(exc)) from exc
-    for (b, _), a in zip(todo, adv):
-        b["advantage"] = float(a)
+        self.logprob_tol = float(logprob_tol)
 
 
 def make_tree_builder(name: str, **options: Any) -> TreeBuilder:

@@ -27,44 +27,83 @@ token), never the role header the template writes before them.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from treelit.builders.base import TREE_BUILDERS, BuiltTree, TreeBuilder
-from treelit.data.records import DataError, Record
-from treelit.tree.token_tree import TokenTree, TreeInputError
+from treelit.builders.base import TREE_BUILDERS, TreeBuilder
+from treelit.data.records import DataError, Record, check_key, check_text, finite_number
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def validate_chat_record(rec: Dict[str, Any], source: str) -> None:
+def _strings(x: Any, where: str) -> None:
+    """Every string inside ``x`` must be encodable as UTF-8 (no lone surrogates)."""
+    if isinstance(x, str):
+        check_text(x, where)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _strings(v, f"{where}.{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            _strings(v, f"{where}[{i}]")
+
+
+def _check_tool_call(call: Any, where: str) -> None:
+    if not isinstance(call, dict):
+        raise DataError(f"{where}: a tool call must be an object, got {type(call).__name__}")
+    fn = call.get("function", call)
+    if "function" in call and not isinstance(fn, dict):
+        raise DataError(f"{where}.function: must be an object with 'name' and 'arguments', got {type(fn).__name__}")
+    fwhere = f"{where}.function" if "function" in call else where
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise DataError(f"{fwhere}.name: a tool call needs a non-empty string name, got {fn.get('name')!r}")
+    args = fn.get("arguments")
+    if not isinstance(args, (str, dict)):
+        raise DataError(f"{fwhere}.arguments: must be a JSON string or an object, got {type(args).__name__}")
+
+
+def validate_chat_record(rec: Dict[str, Any], source: str, group_key: Optional[str] = None) -> None:
+    """Check a chat record's structure; raise :class:`DataError` naming the field."""
     if not isinstance(rec, dict):
-        raise DataError(f"{source}: a record must be a JSON object")
-    convs = _conversations(rec, source)
-    for c, msgs in enumerate(convs):
-        where = f"{source}: " + (f"branches[{c}]." if "branches" in rec else "") + "messages"
+        raise DataError(f"{source}: a record must be a JSON object, got {type(rec).__name__}")
+    check_key(rec.get("id"), f"{source}: id")
+    if group_key:
+        check_key(rec.get(group_key), f"{source}: {group_key}")
+    if rec.get("reward") is not None and not finite_number(rec["reward"]):
+        raise DataError(f"{source}: reward: must be a finite number, got {rec['reward']!r}")
+    for field, msgs in _conversations(rec, source):
+        where = f"{source}: {field}"
         if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: must be a non-empty list")
+            raise DataError(f"{where}: must be a non-empty list of messages")
         for i, m in enumerate(msgs):
+            at = f"{where}[{i}]"
             if not isinstance(m, dict):
-                raise DataError(f"{where}[{i}]: must be an object")
+                raise DataError(f"{at}: must be an object, got {type(m).__name__}")
             if m.get("role") not in ROLES:
-                raise DataError(f"{where}[{i}].role: must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
-            content = m.get("content")
-            if content is not None and not isinstance(content, str):
-                raise DataError(f"{where}[{i}].content: must be a string or null")
-            if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
-                raise DataError(f"{where}[{i}].tool_calls: must be a list")
+                raise DataError(f"{at}.role: must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+            for key in ("content", "reasoning_content", "thinking"):
+                if m.get(key) is not None and not isinstance(m[key], str):
+                    raise DataError(f"{at}.{key}: must be a string or null, got {type(m[key]).__name__}")
+            if m.get("compaction") is not None and not isinstance(m["compaction"], bool):
+                raise DataError(f"{at}.compaction: must be true or false, got {m['compaction']!r}")
+            calls = m.get("tool_calls")
+            if calls is not None:
+                if not isinstance(calls, list):
+                    raise DataError(f"{at}.tool_calls: must be a list, got {type(calls).__name__}")
+                for c, call in enumerate(calls):
+                    _check_tool_call(call, f"{at}.tool_calls[{c}]")
+            _strings(m, at)
 
 
-def _conversations(rec: Dict[str, Any], source: str) -> List[List[Dict[str, Any]]]:
+def _conversations(rec: Dict[str, Any], source: str) -> List[Tuple[str, Any]]:
+    """``(field name, messages)`` of each conversation of a record."""
     if "messages" in rec:
-        return [rec["messages"]]
+        return [("messages", rec["messages"])]
     if "traj" in rec:  # tau-bench style records
-        return [rec["traj"]]
+        return [("traj", rec["traj"])]
     branches = rec.get("branches")
     if isinstance(branches, list) and branches and all(isinstance(b, dict) and "messages" in b for b in branches):
-        return [b["messages"] for b in branches]
-    raise DataError(f"{source}: a chat record needs 'messages' (or 'branches' with 'messages')")
+        return [(f"branches[{c}].messages", b["messages"]) for c, b in enumerate(branches)]
+    raise DataError(f"{source}: messages: a chat record needs 'messages' (or 'branches' with 'messages')")
 
 
 def _normalise(m: Dict[str, Any], keep_thinking: bool) -> Dict[str, Any]:
@@ -82,7 +121,7 @@ def _visible_history(msgs: Sequence[Dict[str, Any]], upto: int) -> List[int]:
     """Indices of messages a call at position ``upto`` sees (compaction applied)."""
     start = 0
     for i in range(upto):
-        if msgs[i].get("compaction"):
+        if msgs[i].get("compaction") is True:
             start = i
     keep = [i for i in range(start) if msgs[i].get("role") == "system"]
     return keep + list(range(start, upto))
@@ -93,14 +132,16 @@ class ChatBuilder(TreeBuilder):
     """Args:
         tokenizer_path: local directory of a Hugging Face tokenizer with a chat template.
         export: ``per_call`` or ``trajectory`` (see the module docstring).
-        group_key: records with equal values of this field are merged into one tree
-            (``None``: every record is its own tree).
+        group_key: records with equal values of this field (a string or an integer) are merged
+            into one tree (``None``: every record is its own tree).
         tokenizer: an already loaded tokenizer (overrides ``tokenizer_path``).
-        advantage: estimator turning the records' ``reward`` into per-branch advantages,
-            within each group (``grpo``, ``rloo``, ``reinforce_pp``, ``raw``; None: no RL data).
+        advantage: estimator turning each record's ``reward`` into the advantage of all its
+            branches, within the groups of ``group_key`` (``grpo``, ``rloo``,
+            ``reinforce_pp_baseline``) or over the batch (``reinforce_pp``); None: no RL data.
+            Each conversation counts once in its group, however many calls it has.
     """
 
-    validate = staticmethod(validate_chat_record)
+    reward_per_record = True
 
     def __init__(
         self,
@@ -109,6 +150,7 @@ class ChatBuilder(TreeBuilder):
         group_key: Optional[str] = "group",
         tokenizer: Any = None,
         advantage: Optional[str] = None,
+        **advantage_options: Any,
     ) -> None:
         if export not in ("per_call", "trajectory"):
             raise ValueError(f"tree_builder.export must be 'per_call' or 'trajectory', got {export!r}")
@@ -118,10 +160,19 @@ class ChatBuilder(TreeBuilder):
             tokenizer = load_tokenizer(tokenizer_path)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer at {tokenizer_path!r} has no chat template")
+        if advantage is not None:
+            from treelit.rl.advantages import ADVANTAGES
+
+            ADVANTAGES.get(advantage)
         self.tok = tokenizer
         self.export = export
         self.group_key = group_key
+        self.group_field = group_key or "group"
         self.advantage = advantage
+        self.advantage_options = advantage_options
+
+    def validate(self, rec: Any, source: str) -> None:
+        validate_chat_record(rec, source, self.group_key)
 
     # rendering -------------------------------------------------------------------------
     def _render(self, msgs: List[Dict[str, Any]], gen: bool = False) -> str:
@@ -150,62 +201,48 @@ class ChatBuilder(TreeBuilder):
                     break
         return ids, mask
 
-    def branches_of(self, msgs: List[Dict[str, Any]], source: str) -> List[Tuple[List[int], List[int]]]:
-        if self.export == "trajectory":
-            norm = [_normalise(m, keep_thinking=True) for m in msgs]
-            train = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-            return [self._encode(norm, train, source)]
+    def branches_of(self, msgs: List[Dict[str, Any]], source: str, field: str = "messages"
+                    ) -> List[Tuple[List[int], List[int]]]:
+        """``(ids, mask)`` per exported branch of one conversation (see :meth:`encode`)."""
+        return [(ids, mask) for ids, mask, _ in self._branches(msgs, source, field)]
+
+    def _branches(self, msgs, source, field):
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{source}: {field}: no assistant message to train on")
+        try:
+            if self.export == "trajectory":
+                norm = [_normalise(m, keep_thinking=True) for m in msgs]
+                train = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+                return [(*self._encode(norm, train, f"{source}: {field}"), field)]
+            out = []
+            for t, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                ctx = [_normalise(msgs[i], keep_thinking=False) for i in _visible_history(msgs, t)]
+                ids, mask = self._encode(ctx + [_normalise(m, keep_thinking=True)], [len(ctx)], f"{source}: {field}[{t}]")
+                out.append((ids, mask, f"{field}[{t}]"))
+            return out
+        except DataError:
+            raise
+        except Exception as exc:  # the template or tokenizer failed on this record's content
+            raise DataError(f"{source}: {field}: the chat template or tokenizer failed on this conversation "
+                            f"({type(exc).__name__}: {exc})") from None
+
+    # the builder interface -------------------------------------------------------------------
+    def encode(self, record: Record) -> List[Dict[str, Any]]:
         out = []
-        for t, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            ctx = [_normalise(msgs[i], keep_thinking=False) for i in _visible_history(msgs, t)]
-            out.append(self._encode(ctx + [_normalise(m, keep_thinking=True)], [len(ctx)], source))
+        reward = record.data.get("reward")
+        for field, msgs in _conversations(record.data, record.source):
+            for ids, mask, where in self._branches(copy.deepcopy(msgs), record.source, field):
+                out.append({"input_ids": ids, "loss_mask": mask, "reward": reward, "_where": where})
         return out
 
-    # building ----------------------------------------------------------------------------
-    def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
-        groups: Dict[str, List[Tuple[List[int], List[int], str, Optional[float]]]] = {}
-        sources: Dict[str, str] = {}
-        order: List[str] = []
-        for r in records:
-            key = r.data.get(self.group_key) if self.group_key else None
-            gid = f"{self.group_key}={key}" if key is not None else r.id
-            if gid not in groups:
-                groups[gid], sources[gid] = [], r.source
-                order.append(gid)
-            reward = r.data.get("reward")
-            if self.advantage is not None and (reward is None or not isinstance(reward, (int, float))):
-                raise DataError(f"{r.source}: field 'reward' must be a number (tree_builder.advantage={self.advantage})")
-            for msgs in _conversations(r.data, r.source):
-                for ids, mask in self.branches_of(copy.deepcopy(msgs), r.source):
-                    groups[gid].append((ids, mask, r.id, reward))
-        adv: Dict[str, List[float]] = {}
-        if self.advantage is not None:
-            from treelit.rl.advantages import compute_advantages
+    def tree_keys(self, record: Record, branches: List[Dict[str, Any]]) -> List[Any]:
+        key = record.data.get(self.group_key) if self.group_key else None
+        return [key] * len(branches)
 
-            flat = [(gid, it[3]) for gid in order for it in groups[gid]]
-            values = compute_advantages(self.advantage, [x[1] for x in flat], [x[0] for x in flat])
-            pos = 0
-            for gid in order:
-                adv[gid] = [float(v) for v in values[pos : pos + len(groups[gid])]]
-                pos += len(groups[gid])
-        out = []
-        for gid in order:
-            items = groups[gid]
-            if not items:
-                raise DataError(f"{sources[gid]}: record {gid!r} has no assistant message to train on")
-            try:
-                tree = TokenTree.from_branches(
-                    [i[0] for i in items], [i[1] for i in items],
-                    branch_fields={"record": [i[2] for i in items], "reward": [i[3] for i in items]},
-                    source=f"{sources[gid]}: ",
-                    advantages=adv.get(gid),
-                )
-            except TreeInputError as exc:
-                raise DataError(str(exc)) from exc
-            out.append(BuiltTree(gid, tree, sources[gid]))
-        return out
+    def uses_ids(self, record: Record, tree_keys: List[Any], adv_keys: List[Any]) -> bool:
+        return any(k is None for k in tree_keys)
 
 
 def load_tokenizer(path: str):

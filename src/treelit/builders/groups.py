@@ -1,17 +1,18 @@
 """``groups``: records (or branches) sharing a group key are merged into one tree.
 
 A GRPO prompt's samples, or the trials of one agent task, usually arrive as separate
-records; merging them lets their common prompt be computed once. The key is read from
-the record (``key`` field) or, failing that, from each branch; records without a key
-stay trees of their own.
+records; merging them lets their common prompt be computed once. A branch's key is its
+own ``key`` field, else its record's; branches without a key (missing or null) form the
+tree of their record. Keys are strings or integers and keep their type (``7`` and
+``"7"`` are different groups). Advantages are computed within groups.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, List
 
-from treelit.builders.base import TREE_BUILDERS, BuiltTree, TokenBuilder, fill_advantages
-from treelit.data.records import Record
+from treelit.builders.base import TREE_BUILDERS, TokenBuilder
+from treelit.data.records import Record, check_key, validate_token_record
 
 
 @TREE_BUILDERS.register("groups")
@@ -23,27 +24,24 @@ class GroupsBuilder(TokenBuilder):
 
     def __init__(self, key: str = "group", **options: Any) -> None:
         super().__init__(**options)
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"tree_builder.key must be a field name, got {key!r}")
         self.key = key
+        self.group_field = key
 
-    def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
-        records = list(records)
-        items = [(b, b.get(self.key, r.data.get(self.key, r.id))) for r in records for b in r.data["branches"]]
-        fill_advantages(items, self.advantage, **self.advantage_options)
+    def validate(self, rec: Any, source: str) -> None:  # noqa: D102 - also checks the key fields
+        validate_token_record(rec, source)
+        check_key(rec.get(self.key), f"{source}: {self.key}")
+        for j, br in enumerate(rec["branches"]):
+            check_key(br.get(self.key), f"{source}: branches[{j}].{self.key}")
 
-        groups: Dict[str, List[dict]] = {}
-        sources: Dict[str, str] = {}
-        out: List[BuiltTree] = []
-        for r in records:
-            rkey = r.data.get(self.key)
-            for br in r.data["branches"]:
-                k = br.get(self.key, rkey)
-                if k is None:
-                    continue
-                gid = f"{self.key}={k}"
-                groups.setdefault(gid, []).append({**br, self.key: k, "_record": r.id})
-                sources.setdefault(gid, r.source)
-            if all(br.get(self.key, rkey) is None for br in r.data["branches"]):
-                out.append(self.tree(r.data["branches"], r.id, r.source))
-        for gid, branches in groups.items():
-            out.append(self.tree(branches, gid, sources[gid]))
+    def tree_keys(self, record: Record, branches: List[Dict[str, Any]]) -> List[Any]:
+        rkey = record.data.get(self.key)
+        return [b.get(self.key) if b.get(self.key) is not None else rkey for b in branches]
+
+    def encode(self, record: Record) -> List[Dict[str, Any]]:
+        out = super().encode(record)
+        if self.key == "group":  # a record-level key is every branch's group
+            for b, k in zip(out, self.tree_keys(record, out)):
+                b["group"] = k
         return out

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Any, Dict, List
 
-from treelit.builders.base import TREE_BUILDERS, BuiltTree, TokenBuilder, fill_advantages
+from treelit.builders.base import TREE_BUILDERS, TokenBuilder
 from treelit.data.records import Record
 
 
 @TREE_BUILDERS.register("sequences")
 class SequencesBuilder(TokenBuilder):
-    """One tree per record; advantage groups are the branches' ``group`` field, else the record.
+    """One tree per record. Advantage groups (with ``advantage``) are the branches' ``group``
+    field, else the record (a missing or null ``group`` means the record's own group).
     Options: see :class:`~treelit.builders.base.TokenBuilder`."""
 
-    def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
-        records = list(records)
-        items = [(b, b.get("group", r.id)) for r in records for b in r.data["branches"]]
-        fill_advantages(items, self.advantage, **self.advantage_options)
-        return [self.tree(r.data["branches"], r.id, r.source) for r in records]
+    def advantage_keys(self, record: Record, branches: List[Dict[str, Any]]) -> List[Any]:
+        return [b.get("group") for b in branches]

@@ -76,13 +76,14 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     set_ssm_backend(model, cfg.ssm.name, cfg.ssm.get("chunk_size", 64))
     builder = build(cfg.tree_builder)
     datamodule = build(cfg.data, tree_builder=builder)
-    datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
+    objective = build(cfg.objective)
+    datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None), objective=objective)
     data_stats = datamodule.stats()
     log.info("data: %s", data_stats)
 
     module = TreeLitModule(
         model=model,
-        objective=build(cfg.objective),
+        objective=objective,
         optimizer=build(cfg.optimizer),
         scheduler=build(cfg.scheduler) if cfg.get("scheduler") else None,
         attention=build(cfg.attention),

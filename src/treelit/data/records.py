@@ -1,4 +1,4 @@
-"""Reading tree records from JSONL and Parquet, with errors that name file, line and field.
+"""Reading tree records from JSONL, JSON and Parquet, with errors that name file, line and field.
 
 Token-level format, one record per tree::
 
@@ -7,31 +7,46 @@ Token-level format, one record per tree::
         {"input_ids": [151644, 8948, ...],     # required: token ids
          "loss_mask": [0, 0, ..., 1, 1],       # optional: 1 = token is a target (default: all)
          "weight": 1.0,                        # optional: branch weight (>= 0, default 1)
-         "group": "prompt-3",                  # optional: group key (GRPO groups)
+         "group": "prompt-3",                  # optional: group key (a string or an integer)
          "reward": 1.0, "advantage": 0.5,      # optional: RL fields (numbers)
-         "old_logprobs": [...], "ref_logprobs": [...]}  # optional: one per token
+         "old_logprobs": [...], "ref_logprobs": [...],  # optional: one per token (or null)
+         "pair": 0, "chosen": true}            # optional: DPO pairs
      ]}
 
 Chat-format records (``messages`` instead of ``input_ids``) are read the same way and
 turned into token branches by the ``chat`` tree builder.
+
+Reading never lets a raw decoding error through: a line that is not UTF-8, not JSON,
+nested deeper than Python can parse, or cut short by a truncated ``.gz`` stream is a
+:class:`DataError` naming the file and the line (``on_error=skip`` skips and counts it).
+Every record carries its ``source`` (``file:line``, ``file:record i`` or ``file:row i``)
+and a ``position`` from which a reader can resume (see :mod:`treelit.data.sources`).
 """
 
 from __future__ import annotations
 
+import difflib
+import gzip
 import json
 import logging
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from treelit.tree.token_tree import TreeInputError
 
-__all__ = ["Record", "read_records", "validate_token_record", "DataError", "ReadStats"]
+__all__ = [
+    "Record", "read_records", "iter_file", "validate_token_record", "DataError", "ReadStats", "check_key", "data_format",
+]
 
 log = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip")
+MAX_TOKEN_ID = 2**63 - 1
+BRANCH_KEYS = ("input_ids", "loss_mask", "weight", "group", "reward", "advantage", "old_logprobs", "ref_logprobs",
+               "pair", "chosen")
 
 
 class DataError(TreeInputError):
@@ -40,12 +55,17 @@ class DataError(TreeInputError):
 
 @dataclass
 class Record:
+    """One input record: its parsed ``data``, its ``source`` (for messages) and its ``position``
+    in the file (``(line, byte offset)`` for JSONL, ``row`` for Parquet, ``index`` for JSON)."""
+
     data: Dict[str, Any]
-    source: str  # "file:line" (JSONL) or "file:row" (Parquet)
+    source: str
+    position: Any = None
 
     @property
     def id(self) -> str:
-        return str(self.data.get("id", self.source))
+        v = self.data.get("id") if isinstance(self.data, dict) else None
+        return self.source if v is None else str(v)
 
 
 @dataclass
@@ -53,95 +73,242 @@ class ReadStats:
     read: int = 0
     skipped: int = 0
     errors: List[str] = field(default_factory=list)
+    max_errors_kept: int = 1000
+
+    def skip(self, err: Union[str, Exception], records: int = 1) -> None:
+        """Count ``records`` skipped records and log why (the first ``max_errors_kept`` messages are kept)."""
+        self.skipped += records
+        if len(self.errors) < self.max_errors_kept:
+            self.errors.append(str(err))
+        log.warning("skipping bad record%s: %s", "s" if records != 1 else "", err)
 
 
-def _is_int_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+# field checks ----------------------------------------------------------------------------------
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
-def validate_token_record(rec: Dict[str, Any], source: str) -> None:
+def finite_number(x: Any) -> bool:
+    """A JSON number that is a finite float (huge integers are not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _show(x: Any, n: int = 60) -> str:
+    s = repr(x)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def check_key(value: Any, where: str) -> None:
+    """A group key (or pair id) is a string or an integer: ``7`` and ``"7"`` are different keys,
+    and booleans, numbers with a fraction, lists and objects are refused (they would merge or not hash)."""
+    if value is None or isinstance(value, str) or is_int(value):
+        return
+    raise DataError(f"{where}: must be a string or an integer, got {type(value).__name__} {_show(value)}")
+
+
+def check_text(value: Any, where: str) -> None:
+    """A string that can be encoded as UTF-8 (JSON allows lone surrogates such as "\\ud800")."""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: must be a string, got {type(value).__name__} {_show(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where}: contains a lone surrogate {value[exc.start]!r} at character {exc.start} "
+                        "(not encodable as UTF-8)") from None
+
+
+def _typo(key: str, known) -> Optional[str]:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def validate_token_record(rec: Any, source: str) -> None:
     """Check a token-level record's structure; raise :class:`DataError` naming the field."""
     if not isinstance(rec, dict):
         raise DataError(f"{source}: a record must be a JSON object, got {type(rec).__name__}")
+    check_key(rec.get("id"), f"{source}: id")
     branches = rec.get("branches")
     if not isinstance(branches, list) or not branches:
-        raise DataError(f"{source}: field 'branches' must be a non-empty list")
+        raise DataError(f"{source}: branches: must be a non-empty list of branch objects, got {_show(branches)}")
     for b, br in enumerate(branches):
         where = f"{source}: branches[{b}]"
         if not isinstance(br, dict):
-            raise DataError(f"{where}: must be an object")
+            raise DataError(f"{where}: must be an object, got {type(br).__name__}")
+        for key in br:
+            if key not in BRANCH_KEYS and not str(key).startswith("_"):
+                guess = _typo(str(key), BRANCH_KEYS)
+                if guess is not None:
+                    raise DataError(f"{where}.{key}: unknown field; did you mean '{guess}'?")
         ids = br.get("input_ids")
-        if not _is_int_list(ids):
-            raise DataError(f"{where}.input_ids: must be a list of integers")
-        if not ids:
-            raise DataError(f"{where}.input_ids: empty branch")
-        if min(ids) < 0:
-            raise DataError(f"{where}.input_ids: negative token id {min(ids)}")
+        if not isinstance(ids, list) or not ids:
+            raise DataError(f"{where}.input_ids: must be a non-empty list of token ids, got {_show(ids)}")
+        for i, t in enumerate(ids):
+            if not is_int(t):
+                raise DataError(f"{where}.input_ids[{i}]: token ids must be integers, got {_show(t)}")
+            if t < 0 or t > MAX_TOKEN_ID:
+                raise DataError(f"{where}.input_ids[{i}]: token id {_show(t)} is out of range (0 .. 2^63-1)")
         mask = br.get("loss_mask")
         if mask is not None:
-            if not isinstance(mask, list) or any(m not in (0, 1, True, False) for m in mask):
-                raise DataError(f"{where}.loss_mask: must be a list of 0/1")
+            if not isinstance(mask, list) or any(not (m is True or m is False or (is_int(m) and m in (0, 1))) for m in mask):
+                raise DataError(f"{where}.loss_mask: must be a list of 0/1 (or true/false), got {_show(mask)}")
             if len(mask) != len(ids):
                 raise DataError(f"{where}.loss_mask: length {len(mask)} != {len(ids)} input_ids")
         for key in ("weight", "reward", "advantage"):
-            if key in br and br[key] is not None and not _finite(br[key]):
-                raise DataError(f"{where}.{key}: must be a finite number, got {br[key]!r}")
-        if "weight" in br and br["weight"] is not None and br["weight"] < 0:
+            if br.get(key) is not None and not finite_number(br[key]):
+                raise DataError(f"{where}.{key}: must be a finite number, got {_show(br[key])}")
+        if br.get("weight") is not None and br["weight"] < 0:
             raise DataError(f"{where}.weight: must be >= 0, got {br['weight']!r}")
+        for key in ("group", "pair"):
+            check_key(br.get(key), f"{where}.{key}")
+        if br.get("chosen") is not None and not isinstance(br["chosen"], bool):
+            raise DataError(f"{where}.chosen: must be true or false, got {_show(br['chosen'])}")
         for key in ("old_logprobs", "ref_logprobs"):
             lp = br.get(key)
             if lp is None:
                 continue
-            if not isinstance(lp, list) or len(lp) != len(ids) or not all(
-                v is None or (_finite(v) and v <= 0) for v in lp
-            ):
-                raise DataError(f"{where}.{key}: must be a list of {len(ids)} finite log-probs (<= 0) or nulls")
+            if not isinstance(lp, list) or len(lp) != len(ids):
+                raise DataError(f"{where}.{key}: must be a list of {len(ids)} log-probs (one per token, or null)")
+            for i, v in enumerate(lp):
+                if v is not None and not (finite_number(v) and v <= 0):
+                    raise DataError(f"{where}.{key}[{i}]: must be a finite log-prob <= 0 or null, got {_show(v)}")
 
 
-def _open_text(path: Path):
-    if path.name.endswith(".gz"):
-        import gzip
-
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open("r", encoding="utf-8")
+# reading -----------------------------------------------------------------------------------------
 
 
-def _iter_jsonl(path: Path) -> Iterator[Union[Record, DataError]]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+def data_format(path: Union[str, Path]) -> str:
+    """``jsonl``, ``json`` or ``parquet`` from the file name (``.gz`` allowed for the JSON ones)."""
+    name = Path(path).name.lower()
+    for fmt in ("jsonl", "json", "parquet"):
+        if name.endswith("." + fmt) or (fmt != "parquet" and name.endswith(f".{fmt}.gz")):
+            return fmt
+    raise DataError(f"{path}: unsupported data file type (use .jsonl, .json, .parquet, or .jsonl.gz / .json.gz)")
+
+
+def _parse(raw: bytes, src: str) -> Union[Any, DataError]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return DataError(f"{src}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                         "data files must be UTF-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        return DataError(f"{src}: invalid JSON ({exc.msg} at column {exc.colno})")
+    except RecursionError:
+        return DataError(f"{src}: invalid JSON (nested too deeply to parse)")
+    except ValueError as exc:  # e.g. an integer literal of more than 4300 digits
+        return DataError(f"{src}: invalid JSON ({exc})")
+
+
+_GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
+
+
+def _iter_jsonl(path: Path, start: Optional[Tuple[int, int]] = None) -> Iterator[Union["Record", DataError]]:
+    lineno, offset = start or (0, 0)
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as f:
+        if offset:
+            f.seek(offset)
+        while True:
+            try:
+                raw = f.readline()
+            except _GZIP_ERRORS as exc:
+                yield DataError(f"{path}:{lineno + 1}: truncated or corrupt gzip data after line {lineno} ({exc})")
+                return
+            if not raw:
+                return
+            pos = (lineno, offset)
+            lineno += 1
+            offset += len(raw)
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte-order mark
+            if not raw.strip():
                 continue
             src = f"{path}:{lineno}"
-            try:
-                yield Record(json.loads(line), src)
-            except json.JSONDecodeError as exc:
-                yield DataError(f"{src}: invalid JSON ({exc.msg} at column {exc.colno})")
+            item = _parse(raw, src)
+            yield item if isinstance(item, DataError) else Record(item, src, pos)
 
 
-def _iter_json(path: Path) -> Iterator[Union[Record, DataError]]:
+def _iter_json(path: Path, start: Optional[int] = None) -> Iterator[Union["Record", DataError]]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
-        with _open_text(path) as f:
-            data = json.loads(f.read())
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except _GZIP_ERRORS as exc:
+        yield DataError(f"{path}:1: truncated or corrupt gzip data ({exc})")
+        return
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        yield DataError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[exc.start]:02x}); data files must be UTF-8")
+        return
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        yield DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})")
+        yield DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})")
+        return
+    except RecursionError:
+        yield DataError(f"{path}:1: invalid JSON (nested too deeply to parse)")
+        return
+    except ValueError as exc:
+        yield DataError(f"{path}:1: invalid JSON ({exc})")
         return
     if not isinstance(data, list):
-        yield DataError(f"{path}: a .json data file must hold a list of records")
+        yield DataError(f"{path}:1: a .json data file must hold a list of records, got {type(data).__name__}")
         return
-    for i, rec in enumerate(data):
-        yield Record(rec, f"{path}:record {i}")
+    for i in range(start or 0, len(data)):
+        yield Record(data[i], f"{path}:record {i}", i)
 
 
-def _iter_parquet(path: Path) -> Iterator[Union[Record, DataError]]:
+def _iter_parquet(path: Path, start: Optional[int] = None) -> Iterator[Union["Record", DataError]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
-    for i, row in enumerate(table.to_pylist()):
-        yield Record(row, f"{path}:row {i}")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        yield DataError(f"{path}:row 0: not a readable Parquet file ({exc})")
+        return
+    row = 0
+    start = start or 0
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if row + n <= start:
+            row += n
+            continue
+        try:
+            rows = pf.read_row_group(g).to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            yield DataError(f"{path}:row {row}: unreadable Parquet row group {g} ({exc})")
+            return
+        for i, rec in enumerate(rows):
+            if row + i >= start:
+                yield Record(rec, f"{path}:row {row + i}", row + i)
+        row += n
+
+
+READERS = {"jsonl": _iter_jsonl, "json": _iter_json, "parquet": _iter_parquet}
+
+
+def iter_file(path: Union[str, Path], start: Any = None) -> Iterator[Union[Record, DataError]]:
+    """Records (or the :class:`DataError` of a record that cannot be read) of one data file,
+    from ``start`` (a :attr:`Record.position`, resuming after nothing: the record at it comes first)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist")
+    fmt = data_format(path)
+    return READERS[fmt](path, start)
 
 
 def read_records(
@@ -160,16 +327,8 @@ def read_records(
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"data.on_error must be one of {ON_ERROR}, got {on_error!r}")
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {str(path)!r} does not exist")
-    name = path.name.lower()
-    suffix = next((s for s in (".jsonl", ".json", ".parquet") if name.endswith(s) or name.endswith(s + ".gz")), None)
-    readers = {".jsonl": _iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet}
-    if suffix is None or (suffix == ".parquet" and name.endswith(".gz")):
-        raise DataError(f"{path}: unsupported data file type (use .jsonl, .json, .parquet, or .jsonl.gz / .json.gz)")
     stats = stats if stats is not None else ReadStats()
-    for item in readers[suffix](path):
+    for item in iter_file(path):
         if isinstance(item, Record) and validate is not None:
             try:
                 validate(item.data, item.source)
@@ -178,9 +337,7 @@ def read_records(
         if isinstance(item, DataError):
             if on_error == "raise":
                 raise item
-            stats.skipped += 1
-            stats.errors.append(str(item))
-            log.warning("skipping bad record: %s", item)
+            stats.skip(item)
             continue
         stats.read += 1
         yield item

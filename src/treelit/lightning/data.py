@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from treelit.builders.assemble import Assembler, Limits
 from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.sequences import SequencesBuilder
-from treelit.data.records import DataError, ReadStats, read_records
+from treelit.data.records import DataError, ReadStats, iter_file, read_records
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["TreeDataModule", "StepBatch"]
@@ -86,6 +87,81 @@ def _assign(trees: List[int], cost: np.ndarray, world: int) -> List[List[int]]:
         shares[r].append(t)
         load[r] += cost[t]
     return [sorted(s, key=trees.index) for s in shares]
+
+
+def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", limits: Optional[Limits] = None,
+                stats: Optional[ReadStats] = None) -> List[BuiltTree]:
+    """Every tree of a data file, in memory, through the builder's :class:`Assembler` (or its
+    own ``__call__`` for builders that only define that, checked against the model per tree)."""
+    stats = stats if stats is not None else ReadStats()
+    limits = limits or Limits()
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
+    if type(builder).__call__ is not TreeBuilder.__call__:
+        return _legacy_build(path, builder, on_error, limits, stats)
+    asm = Assembler(builder, on_error=on_error, limits=limits, stats=stats)
+    trees: List[BuiltTree] = []
+    for item in iter_file(path):
+        if isinstance(item, DataError):
+            if on_error == "raise":
+                raise item
+            stats.skip(item)
+            continue
+        stats.read += 1
+        trees += asm.add(item)
+    trees += asm.flush()
+    asm.report()
+    return trees
+
+
+def _legacy_build(path, builder, on_error, limits, stats) -> List[BuiltTree]:
+    records = read_records(path, on_error=on_error, validate=getattr(builder, "validate", None), stats=stats)
+    trees = []
+    for t in builder(records):
+        try:
+            t.tree.to_batch().validate_for_model(limits.vocab_size or 2**62, limits.max_seq_len)
+        except Exception as exc:
+            err = DataError(f"{t.source} (tree {t.id!r}): {exc}")
+            if on_error == "raise":
+                raise err from exc
+            stats.skip(err)
+            continue
+        trees.append(t)
+    return trees
+
+
+_PRESENT_TOGETHER = {
+    "token_old_logp": ("branch_old_logp",), "token_ref_logp": ("branch_ref_logp",),
+    "adv_pos_sum": ("adv_neg_sum", "adv_pos_mean", "adv_neg_mean", "branch_adv"),
+}
+
+
+def conform_batches(batches: List[TreeBatch]) -> List[TreeBatch]:
+    """Give every batch the same optional fields so that any of them pack together: a branch
+    field some trees lack is None on theirs, missing rollout/reference log-probs are NaN
+    (unknown), a missing advantage is NaN (an objective that needs one refuses it; the data
+    module's checks make sure none reaches such an objective)."""
+    keys = set().union(*(b.branch_fields.keys() for b in batches)) if batches else set()
+    for b in batches:
+        for k in keys - b.branch_fields.keys():
+            b.branch_fields[k] = [None] * b.num_branches
+    for lead, rest in _PRESENT_TOGETHER.items():
+        have = [getattr(b, lead) is not None for b in batches]
+        if all(have) or not any(have):
+            continue
+        for b, h in zip(batches, have):
+            if h:
+                continue
+            N, F, B = b.num_tokens, b.flat_tokens, b.num_branches
+            for name in (lead,) + rest:
+                if name == "branch_adv":
+                    val = torch.full((B,), float("nan"), dtype=torch.float64)
+                elif name.startswith("adv_"):
+                    val = torch.zeros(N, dtype=torch.float64)
+                else:
+                    val = torch.full((F if name.startswith("branch_") else N,), float("nan"), dtype=torch.float64)
+                setattr(b, name, val)
+    return batches
 
 
 def _empty_batch() -> TreeBatch:
@@ -159,6 +235,7 @@ class TreeDataModule(pl.LightningDataModule):
         self.consumed_steps = 0
         self.attention_cost = float(attention_cost)
         self.rank, self.world = 0, 1
+        self.limits = Limits()
 
     # building ----------------------------------------------------------------------------
     def setup(self, stage: Optional[str] = None) -> None:
@@ -167,27 +244,31 @@ class TreeDataModule(pl.LightningDataModule):
             self.rank, self.world = int(trainer.global_rank), int(trainer.world_size)
         if self.trees:
             return
-        validate = getattr(self.builder, "validate", None)
-        records = read_records(self.train_path, on_error=self.on_error, validate=validate, stats=self.read_stats)
-        trees = self.builder(records)
+        self.read_stats = ReadStats()
+        trees = build_trees(self.train_path, self.builder, on_error=self.on_error, limits=self.limits,
+                            stats=self.read_stats)
         if self.max_trees:
             trees = trees[: self.max_trees]
         if not trees:
             raise DataError(f"{self.train_path}: no trees to train on ({self.read_stats.skipped} records skipped)")
         self.trees = trees
-        self._batches = [t.tree.to_batch() for t in trees]
+        self._batches = conform_batches([t.tree.to_batch() for t in trees])
         self._cost = np.array([_tree_cost(b, self.attention_cost) for b in self._batches])
+        self._epoch_cache, self._epoch_len = {}, {}
         if self.read_stats.skipped:
             log.warning("%s: skipped %d malformed records (data.on_error=skip)", self.train_path, self.read_stats.skipped)
 
-    def check_against(self, vocab_size: int, max_seq_len: Optional[int]) -> None:
-        """Fail before training if any tree does not fit the model."""
+    def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None) -> None:
+        """Build the trees checked against the model (vocabulary, context length) and what
+        ``objective`` reads from the data, so that anything the first step would trip on fails
+        here, before training, naming the record (``on_error=skip``: skipped and counted)."""
+        limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
+                        None if objective is None else objective.data_needs(),
+                        "the objective" if objective is None else f"objective={objective.name}")
+        if limits != self.limits:
+            self.limits = limits
+            self.trees = []
         self.setup()
-        for t, b in zip(self.trees, self._batches):
-            try:
-                b.validate_for_model(vocab_size, max_seq_len)
-            except Exception as exc:
-                raise DataError(f"{t.source} (tree {t.id!r}): {exc}") from exc
 
     def stats(self) -> Dict[str, Any]:
         self.setup()

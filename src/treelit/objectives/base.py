@@ -28,6 +28,15 @@ class Objective:
         """This micro-batch's share of the step normaliser (summed over micro-batches and ranks)."""
         return batch.norm_contribution(aggregation)
 
+    def data_needs(self) -> Optional[Dict[str, bool]]:
+        """What this objective reads from the data, checked per record before training:
+        ``advantage`` (an advantage, or a reward and an estimator, on every branch),
+        ``old_logprobs`` (read when present), ``ref_logprobs`` (a reference log-prob on every
+        target token), ``pairs`` (DPO ``pair``/``chosen`` on every branch). Fields an
+        objective does not read are dropped before trees are built. None: unknown (a
+        plugin objective that does not say), every field is kept and nothing is required."""
+        return None
+
     def normalizer(self, micro_batches, aggregation: str) -> float:
         """The step normaliser ``Z`` of ``micro_batches`` for this objective: pass it as
         ``normalizer=Z`` to each micro-batch's loss (gradient accumulation; under data

@@ -114,6 +114,10 @@ class _PolicyObjective(Objective):
     def norm_contribution(self, batch, aggregation: str) -> float:
         return batch.norm_contribution(aggregation)
 
+    def data_needs(self):
+        return {"advantage": True, "old_logprobs": True, "pairs": False,
+                "ref_logprobs": bool(self.kl_coef) and self.reference == "data"}
+
     def _Z(self, batch, aggregation, normalizer) -> float:
         if normalizer is not None:
             return float(normalizer)
@@ -140,8 +144,18 @@ class _PolicyObjective(Objective):
             metrics["entropy"] = float((W * ent.detach().double()).sum()) / max(Wsum, 1e-30)
         return total, metrics
 
+    def _check_advantages(self, batch) -> None:
+        adv = batch.branch_adv
+        if adv is None:
+            raise ValueError(f"objective={self.name} needs advantages: give 'advantage' per branch, or rewards with "
+                             "tree_builder.advantage=grpo|rloo|reinforce_pp|... (TokenTree.from_branches(advantages=...))")
+        missing = torch.nonzero(torch.isnan(adv)).flatten()
+        if missing.numel():
+            raise ValueError(f"objective={self.name} needs an advantage on every branch; branch {int(missing[0])} has none")
+
     def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
         check_aggregation(aggregation)
+        self._check_advantages(batch)
         batch = prepare_batch(model, batch)
         Z = self._Z(batch, aggregation, normalizer)
         sel = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
@@ -157,6 +171,7 @@ class _PolicyObjective(Objective):
 
     def linear_loss(self, model, batch, *, aggregation, normalizer, chunk_rows=None):
         check_aggregation(aggregation)
+        self._check_advantages(batch)
         Z = self._Z(batch, aggregation, normalizer)
         branches, masks, weights = branches_from_batch(batch)
         logps, ents = linear_branch_logprobs(model, branches, with_entropy=bool(self.entropy_coef), chunk_rows=chunk_rows)
@@ -312,6 +327,9 @@ class DPO(_PolicyObjective):
 
     def norm_contribution(self, batch, aggregation: str) -> float:
         return 0.0 if aggregation == "sum" else float(len(_pairs(batch)))
+
+    def data_needs(self):
+        return {"advantage": False, "old_logprobs": False, "pairs": True, "ref_logprobs": self.reference == "data"}
 
     def _pair_loss(self, h):
         if self.loss == "sigmoid":

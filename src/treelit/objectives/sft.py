@@ -11,6 +11,9 @@ from treelit.objectives.base import OBJECTIVES, Objective
 class SFT(Objective):
     name = "sft"
 
+    def data_needs(self):
+        return {"advantage": False, "old_logprobs": False, "ref_logprobs": False, "pairs": False}
+
     def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
         loss = tree_loss(model, batch, aggregation, attention, normalizer=normalizer, chunk_rows=chunk_rows)
         return loss, {}

@@ -115,11 +115,14 @@ def estimator_scope(name: str) -> str:
 
 
 def compute_advantages(
-    name: str, rewards: Sequence[float], keys: Sequence[Hashable], *, key_name: str = "group", **options
+    name: str, rewards: Sequence[float], keys: Sequence[Hashable], *, key_name: str = "group",
+    check_singletons: bool = True, **options
 ) -> np.ndarray:
     """Advantages of the samples with ``rewards`` grouped by ``keys`` (``None``: a group of one).
 
     ``key_name`` is the data field the keys come from; it is named in warnings and errors.
+    ``check_singletons=False`` leaves the singleton-group warning and refusal to the caller
+    (a builder that sees the groups piece by piece counts them over the whole data).
     Raises :class:`AdvantageError` when every group is a singleton (group-scoped estimators),
     when a batch-scoped estimator gets fewer than two samples, or when an advantage is not finite.
     """
@@ -131,7 +134,7 @@ def compute_advantages(
     fn = ADVANTAGES.get(name)
     scope = getattr(fn, "scope", "group")
     groups = groups_of(keys)
-    if scope == "group" and len(r):
+    if scope == "group" and len(r) and check_singletons:
         single = sum(1 for idx in groups.values() if len(idx) == 1)
         if single == len(groups):
             raise AdvantageError(

@@ -33,7 +33,15 @@ __all__ = ["TokenTree", "TreeInputError"]
 
 
 class TreeInputError(ValueError):
-    """Malformed branches, masks or weights (raised before any compute)."""
+    """Malformed branches, masks or weights (raised before any compute).
+
+    ``branches`` holds the indices of the branches at fault when the error is about
+    specific branches (a builder maps them back to the records they came from)."""
+
+    def __init__(self, message: str, *, branches: Sequence[int] = (), detail: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.branches = tuple(int(b) for b in branches)
+        self.detail = detail or message
 
 
 class _Seg:
@@ -273,10 +281,15 @@ class TokenTree:
                 t = int(self.branch_tokens[f])
                 first = int(np.flatnonzero(known & (self.branch_tokens == t))[0])
                 b0 = int(np.searchsorted(self.branch_ptr, first, side="right") - 1)
+                pos = int(f - self.branch_ptr[b])
                 raise TreeInputError(
-                    f"{source}branches {b0} and {b} share the token at position {f - self.branch_ptr[b]} but disagree "
+                    f"{source}branches {b0} and {b} share the token at position {pos} but disagree "
                     f"on its {name} log-prob ({flat[first]:.6g} vs {flat[f]:.6g}, tolerance {tol:g}); "
-                    "use logprob_conflict='split' to give them separate copies"
+                    "use logprob_conflict='split' to give them separate copies",
+                    branches=(b0, b),
+                    detail=f"{name}_logprobs[{pos}] = {flat[f]:.6g} disagrees with {{other}} ({flat[first]:.6g}) on the "
+                    f"token they share at position {pos} (tolerance {tol:g}); use tree_builder.logprob_conflict=split "
+                    "to give them separate copies",
                 )
             setattr(self, f"token_{name}", tok)
 

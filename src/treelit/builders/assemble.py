@@ -1,0 +1,394 @@
+"""Records in, trees out, one record at a time, every failure pinned to its record.
+
+The :class:`Assembler` runs any :class:`~treelit.builders.base.TreeBuilder` the same
+way in memory and on a stream:
+
+1. **Per record**: the builder's structural check, its encoding into token branches
+   (the chat builder renders and tokenizes here), the model's limits (token ids inside
+   the vocabulary, branches no longer than the context) and what the objective needs
+   (an advantage or a reward on every branch, reference log-probs on every target,
+   DPO pairs). A failure names the record's file, line and field; with
+   ``on_error=skip`` the record is skipped and counted *before* it can touch a group's
+   advantages or a tree.
+2. **Units**: records whose branches share a tree key or an advantage-group key are
+   held together. A unit is complete at the end of the data, or on a stream once none
+   of its keys has been seen for ``window`` records; a key that comes back after its
+   unit was completed is an error (groups must lie within the window).
+3. **Per unit**: advantages from rewards (within groups, or over the whole batch for
+   batch-scoped estimators such as ``reinforce_pp``), then one tree per tree key. An
+   error here (disagreeing log-probs of two records, a broken DPO pair, a group whose
+   advantages are not finite) names the records' lines; ``skip`` skips the unit.
+
+Group keys keep their JSON type (``7`` and ``"7"`` are different groups). Records
+without a key are told apart by their position, never by their ``id``; where an ``id``
+would have been taken as a key, a duplicate is refused naming both lines. Fields the
+objective does not use are dropped before building (an SFT run does not fail on
+disagreeing rollout log-probs it would never read).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from treelit.builders.base import BuiltTree, TreeBuilder
+from treelit.data.records import DataError, ReadStats, Record, finite_number
+
+__all__ = ["Assembler", "Limits"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Limits:
+    """What every tree must satisfy: the model's ``vocab_size`` and ``max_seq_len`` and the
+    objective's ``needs`` (:meth:`~treelit.objectives.Objective.data_needs`; None: unknown,
+    every field is kept and nothing is required)."""
+
+    vocab_size: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    needs: Optional[Dict[str, bool]] = None
+    objective: str = "the objective"
+
+
+class _Own:
+    """The key of a record's own tree / group (records are told apart by position)."""
+
+    __slots__ = ("index", "source")
+
+    def __init__(self, index: int, source: str) -> None:
+        self.index, self.source = index, source
+
+    def __hash__(self) -> int:
+        return hash(("own", self.index))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Own) and other.index == self.index
+
+    def __repr__(self) -> str:
+        return f"<the record at {self.source}>"
+
+
+@dataclass
+class _Enc:
+    rec: Record
+    index: int
+    branches: List[Dict[str, Any]]
+    tree_keys: List[Any]
+    adv_keys: List[Any]
+
+
+class _Unit:
+    __slots__ = ("encs", "keys", "last")
+
+    def __init__(self) -> None:
+        self.encs: List[_Enc] = []
+        self.keys: set = set()
+        self.last = -1
+
+
+_BATCH = ("__batch__",)
+
+
+class Assembler:
+    """Args:
+        builder: the tree builder.
+        on_error: ``raise`` or ``skip`` (count in ``stats`` and go on).
+        window: on a stream, a unit is complete once none of its keys has been seen for this
+            many records (None: at :meth:`flush` only, i.e. in memory).
+        limits: :class:`Limits` (model and objective); default: none.
+        stats: a :class:`~treelit.data.records.ReadStats` the skips are counted in.
+    """
+
+    def __init__(self, builder: TreeBuilder, *, on_error: str = "raise", window: Optional[int] = None,
+                 limits: Optional[Limits] = None, stats: Optional[ReadStats] = None) -> None:
+        self.b = builder
+        self.on_error = on_error
+        self.window = window
+        self.limits = limits or Limits()
+        self.stats = stats if stats is not None else ReadStats()
+        needs = self.limits.needs
+        self.estimator = builder.advantage if (needs is None or needs.get("advantage")) else None
+        self.scope = None
+        if self.estimator is not None:
+            from treelit.rl.advantages import estimator_scope
+
+            self.scope = estimator_scope(self.estimator)
+            if self.scope == "batch" and window is not None:
+                raise DataError(
+                    f"tree_builder.advantage={self.estimator} normalises over the whole batch, which a stream of "
+                    "unbounded length does not have: give advantages in the records, use a group estimator "
+                    "(grpo, rloo, reinforce_pp_baseline), or read the data in memory"
+                )
+        self.n = 0
+        self.units: "OrderedDict[int, _Unit]" = OrderedDict()
+        self.key_unit: Dict[Any, _Unit] = {}
+        self.closed: Dict[Any, str] = {}
+        self.ids: "OrderedDict[Any, str]" = OrderedDict()
+        self.groups = 0
+        self.singletons = 0
+        self._warned = False
+
+    # public -------------------------------------------------------------------------------
+    def add(self, rec: Record) -> List[BuiltTree]:
+        """Take one record; return the trees of the units it completed."""
+        index = self.n
+        self.n += 1
+        try:
+            enc = self._encode(rec, index)
+        except DataError as exc:
+            self._fail(exc, 1)
+            return self._close_stale(index)
+        shared = {k for k in enc.tree_keys + enc.adv_keys if not isinstance(k, _Own)}
+        if self.scope == "batch":
+            shared.add(_BATCH)
+        units = []
+        for k in shared:
+            u = self.key_unit.get(k)
+            if u is not None and all(u is not v for v in units):
+                units.append(u)
+        if not shared:
+            unit = _Unit()
+            unit.encs.append(enc)
+            return self._close_stale(index) + self._close(unit)
+        unit = units[0] if units else _Unit()
+        for other in units[1:]:
+            unit.encs += other.encs
+            unit.keys |= other.keys
+            self.units.pop(id(other), None)
+        unit.encs.append(enc)
+        unit.keys |= shared
+        unit.last = index
+        for k in unit.keys:
+            self.key_unit[k] = unit
+        self.units[id(unit)] = unit
+        self.units.move_to_end(id(unit))
+        return self._close_stale(index)
+
+    def flush(self) -> List[BuiltTree]:
+        """Complete every open unit (the end of the data, or of one rollout file)."""
+        out: List[BuiltTree] = []
+        for unit in sorted(self.units.values(), key=lambda u: min(e.index for e in u.encs)):
+            out += self._close(unit)
+        self.units.clear()
+        self.key_unit.clear()
+        return out
+
+    def report(self) -> None:
+        """Warn (once) about singleton advantage groups; refuse when every group is one."""
+        if not self.groups:
+            return
+        key = self.b.group_field
+        if self.singletons == self.groups:
+            raise DataError(
+                f"advantage estimator {self.estimator!r}: all {self.groups} groups (samples sharing '{key}') have a "
+                "single sample, so every advantage would be 0 and training would have no signal; give the rollouts "
+                f"of one prompt the same '{key}' value, or use tree_builder.advantage=reinforce_pp (normalised over "
+                "the batch)"
+            )
+        if self.singletons and not self._warned:
+            self._warned = True
+            log.warning("advantage estimator %r: %d of %d groups (samples sharing '%s') have a single sample; their "
+                        "advantage is 0", self.estimator, self.singletons, self.groups, key)
+
+    # per record ------------------------------------------------------------------------------
+    def _encode(self, rec: Record, index: int) -> _Enc:
+        b, src = self.b, rec.source
+        b.validate(rec.data, src)
+        branches = b.encode(rec)
+        if not branches:
+            raise DataError(f"{src}: the record has nothing to train on")
+        needs = self.limits.needs
+        if needs is not None:
+            drop = [k for k, need in (("advantage", "advantage"), ("old_logprobs", "old_logprobs"),
+                                      ("ref_logprobs", "ref_logprobs")) if not needs.get(need)]
+            for br in branches:
+                for k in drop:
+                    br.pop(k, None)
+        self._check_limits(src, branches)
+        self._check_needs(rec, branches)
+        own = _Own(index, src)
+        tk = [own if k is None else k for k in b.tree_keys(rec, branches)]
+        ak = [own if k is None else k for k in b.advantage_keys(rec, branches)] if self.estimator else []
+        for k in set(tk + ak):
+            if not isinstance(k, _Own) and k in self.closed:
+                raise DataError(
+                    f"{src}: {b.group_field}: group {k!r} was already complete (its last record, {self.closed[k]}, is "
+                    f"more than data.group_window={self.window} records back); the records of one group must lie "
+                    "within the window (raise data.group_window, or sort the data by group)"
+                )
+        rid = rec.data.get("id")
+        if rid is not None and b.uses_ids(rec, [None if isinstance(k, _Own) else k for k in tk],
+                                          [None if isinstance(k, _Own) else k for k in ak]):
+            if rid in self.ids:
+                raise DataError(
+                    f"{src}: id: duplicate id {rid!r} (also at {self.ids[rid]}); records without a "
+                    f"'{b.group_field}' are told apart by their id here, so ids must be unique (or give both the "
+                    f"same '{b.group_field}' to group them)"
+                )
+            self.ids[rid] = src
+            if self.window is not None and len(self.ids) > 4 * self.window:
+                self.ids.popitem(last=False)
+        for br in branches:
+            br["_record"] = rec.id
+        return _Enc(rec, index, branches, tk, ak)
+
+    def _check_limits(self, src: str, branches: List[Dict[str, Any]]) -> None:
+        V, L = self.limits.vocab_size, self.limits.max_seq_len
+        for br in branches:
+            ids = br["input_ids"]
+            where = br["_where"]
+            if V is not None:
+                top = max(ids)
+                if top >= V:
+                    pos = ids.index(top)
+                    field = br.get("_ids", f"{where}.input_ids[{pos}]")
+                    raise DataError(f"{src}: {field}: token id {top} (position {pos}) is outside the model's "
+                                    f"vocabulary (size {V})")
+            if L is not None and len(ids) > L:
+                raise DataError(f"{src}: {where}: {len(ids)} tokens, more than the model's max_seq_len {L}; "
+                                "raise the model's max_seq_len or truncate the data")
+
+    def _check_needs(self, rec: Record, branches: List[Dict[str, Any]]) -> None:
+        needs, src, obj, est = self.limits.needs or {}, rec.source, self.limits.objective, self.estimator
+        if est is not None:
+            if self.b.reward_per_record:
+                r = self.b.reward_of(rec)
+                if not finite_number(r):
+                    raise DataError(f"{src}: reward: must be a finite number (tree_builder.advantage={est}), got {r!r}")
+            else:
+                for br in branches:
+                    if br.get("advantage") is None and not finite_number(br.get("reward")):
+                        raise DataError(f"{src}: {br['_where']}.reward: tree_builder.advantage={est} needs a finite "
+                                        f"reward on every branch without an advantage, got {br.get('reward')!r}")
+        elif needs.get("advantage"):
+            for br in branches:
+                if br.get("advantage") is None:
+                    raise DataError(
+                        f"{src}: {br['_where']}.advantage: {obj} needs an advantage on every branch (give "
+                        "'advantage', or 'reward' with tree_builder.advantage=grpo|rloo|reinforce_pp|...)"
+                    )
+        if needs.get("ref_logprobs"):
+            for br in branches:
+                ref = br.get("ref_logprobs")
+                mask = br.get("loss_mask")
+                for t in range(1, len(br["input_ids"])):
+                    if (mask is None or mask[t]) and (ref is None or ref[t] is None):
+                        raise DataError(f"{src}: {br['_where']}.ref_logprobs: {obj} needs a reference log-prob for "
+                                        f"every target token; position {t} has none (or use objective.reference=initial)")
+        if needs.get("pairs"):
+            for br in branches:
+                if br.get("pair") is None or not isinstance(br.get("chosen"), bool):
+                    raise DataError(f"{src}: {br['_where']}.pair: {obj} needs 'pair' (a string or an integer) and "
+                                    f"'chosen' (true/false) on every branch")
+
+    # per unit --------------------------------------------------------------------------------
+    def _close_stale(self, index: int) -> List[BuiltTree]:
+        out: List[BuiltTree] = []
+        if self.window is None:
+            return out
+        while self.units:
+            unit = next(iter(self.units.values()))
+            if index - unit.last <= self.window:
+                break
+            self.units.popitem(last=False)
+            for k in unit.keys:
+                self.key_unit.pop(k, None)
+                self.closed[k] = unit.encs[-1].rec.source
+            out += self._close(unit)
+        return out
+
+    def _close(self, unit: _Unit) -> List[BuiltTree]:
+        encs = sorted(unit.encs, key=lambda e: e.index)
+        try:
+            if self.estimator is not None:
+                self._fill_advantages(encs)
+            return self._trees(encs)
+        except DataError as exc:
+            self._fail(exc, len(encs))
+            return []
+
+    def _fill_advantages(self, encs: List[_Enc]) -> None:
+        from treelit.rl.advantages import AdvantageError, compute_advantages, groups_of
+
+        if self.b.reward_per_record:
+            todo = [(e, None) for e in encs]
+            rewards = [float(self.b.reward_of(e.rec)) for e in encs]
+            keys = [e.adv_keys[0] for e in encs]
+        else:
+            todo = [(e, j) for e in encs for j, br in enumerate(e.branches) if br.get("advantage") is None]
+            rewards = [float(e.branches[j]["reward"]) for e, j in todo]
+            keys = [e.adv_keys[j] for e, j in todo]
+        if not todo:
+            return
+        if self.scope == "group":
+            sizes = [len(ix) for ix in groups_of(keys).values()]
+            self.groups += len(sizes)
+            self.singletons += sum(1 for s in sizes if s == 1)
+        try:
+            adv = compute_advantages(self.estimator, rewards, keys, key_name=self.b.group_field, check_singletons=False,
+                                     **self.b.advantage_options)
+        except AdvantageError as exc:
+            raise DataError(f"{_lines(encs)}: {exc}") from None
+        for (e, j), a in zip(todo, adv):
+            for br in (e.branches if j is None else [e.branches[j]]):
+                br["advantage"] = float(a)
+
+    def _trees(self, encs: List[_Enc]) -> List[BuiltTree]:
+        groups: "OrderedDict[Any, List[Tuple[_Enc, int]]]" = OrderedDict()
+        for e in encs:
+            for j, k in enumerate(e.tree_keys):
+                groups.setdefault(k, []).append((e, j))
+        out = []
+        for key, members in groups.items():
+            first = members[0][0]
+            tree_id = first.rec.id if isinstance(key, _Own) else f"{self.b.group_field}={key!r}"
+            branches = [e.branches[j] for e, j in members]
+            try:
+                built = self.b.tree(branches, tree_id, first.rec.source)
+            except DataError as exc:
+                raise _pinned(exc, members) from None
+            recs = list(OrderedDict((id(e), e) for e, _ in members).values())
+            built.positions = [e.rec.position for e in recs]
+            built.sources = [e.rec.source for e in recs]
+            if (self.limits.needs or {}).get("pairs"):
+                _check_pairs(members, self.limits.objective)
+            out.append(built)
+        return out
+
+    def _fail(self, exc: DataError, records: int) -> None:
+        if self.on_error == "raise":
+            raise exc
+        self.stats.skip(exc, records)
+
+
+def _lines(encs: Sequence[_Enc]) -> str:
+    srcs = [e.rec.source for e in encs]
+    return srcs[0] if len(srcs) == 1 else f"{srcs[0]} (and {len(srcs) - 1} more records of its group)"
+
+
+def _pinned(exc: DataError, members: List[Tuple[_Enc, int]]) -> DataError:
+    """Re-address a tree-level error to the record(s) and field(s) of the branches at fault."""
+    idx = [b for b in getattr(exc, "branches", ()) if 0 <= b < len(members)]
+    if not idx:
+        return DataError(f"{_lines([e for e, _ in members])}: {exc.detail if hasattr(exc, 'detail') else exc}")
+    where = [f"{members[b][0].rec.source} {members[b][0].branches[members[b][1]]['_where']}" for b in idx]
+    e, j = members[idx[-1]]
+    detail = getattr(exc, "detail", str(exc)).replace("{other}", where[0] if len(where) > 1 else "another branch")
+    return DataError(f"{e.rec.source}: {e.branches[j]['_where']}.{detail}", branches=())
+
+
+def _check_pairs(members: List[Tuple[_Enc, int]], objective: str) -> None:
+    pairs: "OrderedDict[Any, List[Tuple[_Enc, int]]]" = OrderedDict()
+    for e, j in members:
+        pairs.setdefault(e.branches[j]["pair"], []).append((e, j))
+    for p, ms in pairs.items():
+        flags = sorted(bool(e.branches[j]["chosen"]) for e, j in ms)
+        if flags != [False, True]:
+            at = ", ".join(f"{e.rec.source} {e.branches[j]['_where']}" for e, j in ms)
+            e, j = ms[-1]
+            raise DataError(f"{e.rec.source}: {e.branches[j]['_where']}.pair: {objective} needs exactly one chosen and "
+                            f"one rejected branch per pair in a tree; pair {p!r} has {len(ms)} branch(es) with chosen="
+                            f"{[bool(e.branches[j]['chosen']) for e, j in ms]} ({at})")
