@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treelit
-from strategies import forests
+from strategies import examples, forests
 from treelit.attention import get_backend
 from treelit.attention.segment import SegmentAttention
 from treelit.models.context import TreeLayout
@@ -56,10 +56,11 @@ def compare(backend, layout, dtype, Hq=4, Hkv=2, D=8, seed=0):
         torch.testing.assert_close(a, b, **tol, msg=f"grad {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", sorted(CPU_BACKENDS))
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(data=forests(max_branches=6, max_len=12), n_ext=st.integers(0, 4), dtype=st.sampled_from([torch.float64, torch.float32]))
-def test_matches_dense_on_random_forests(name, data, n_ext, dtype):
+@settings(max_examples=examples(20))
+@given(data=forests(max_branches=6, max_len=12), n_ext=st.integers(0, 4))
+def test_matches_dense_on_random_forests(name, dtype, data, n_ext):
     batch = treelit.TokenTree.from_branches(data[0]).to_batch()
     layout = random_layout(batch, n_ext, torch.Generator().manual_seed(n_ext))
     compare(CPU_BACKENDS[name](), layout, dtype)
@@ -164,7 +165,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(15))
 @given(data=forests(max_branches=8, max_len=12), n_ext=st.integers(0, 4))
 def test_flex_block_mask_is_the_ancestor_mask(block_size, data, n_ext):
     """On CPU the BlockMask (block classification + mask_mod) is checked by expanding it:
