@@ -133,15 +133,20 @@ def random_hf_checkpoint(path, model_type: str, seed: int = 0, std: float = 0.3,
 
 
 def tree_vs_hf(path, branches, masks, weights, aggregation="token-mean", attention="auto", dtype=torch.float64,
-               partition_budget=None, hf_kwargs=None):
+               partition_budget=None, hf_kwargs=None, router=None):
     """Tree-mode loss/gradients of treelit's model loaded from ``path`` vs the transformers model
     from the same checkpoint trained branch by branch. Returns (loss rel diff, max grad rel diff,
-    treelit loss); every parameter gradient is compared (under treelit's names)."""
+    treelit loss); every parameter gradient is compared (under treelit's names). ``router``:
+    ``(definition, coef)`` adds the router load-balancing loss on both sides."""
     import treelit
     from treelit.models.hf import hf_to_tune_state_dict
 
     ours = treelit.load_hf_checkpoint(path, dtype=dtype)
     hf = load_hf_oracle(path, dtype=dtype, **(hf_kwargs or {}))
+    if router is not None:
+        from treelit.models.factory import set_router_aux_loss
+
+        set_router_aux_loss(ours, router[1], router[0])
     tree = treelit.TokenTree.from_branches(branches, masks, weights)
     if partition_budget is not None:
         # tree_backward returns a Python float (float64); torch.tensor would round it to float32
@@ -151,6 +156,8 @@ def tree_vs_hf(path, branches, masks, weights, aggregation="token-mean", attenti
         loss = treelit.tree_loss(ours, tree, aggregation, attention)
         loss.backward()
     ref = hf_branch_loss(hf, branches, masks, weights, aggregation)
+    if router is not None:
+        ref = ref + router[1] * hf_router_loss(hf, branches, router[0])
     ref.backward()
     # compared under treelit's names (transformers' own names may be fused in memory, e.g. MoE experts)
     ours_g = {n: p.grad for n, p in ours.named_parameters()}
@@ -166,3 +173,40 @@ def tree_vs_hf(path, branches, masks, weights, aggregation="token-mean", attenti
     loss_diff = abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-30)
     assert ref.item() != 0.0 and scale > 0, "vacuous comparison: zero loss or zero gradients"
     return loss_diff, worst, loss.item()
+
+
+def balance_loss(router_logits, num_experts: int, top_k: int, mask=None) -> torch.Tensor:
+    """The Switch-style load-balancing loss from its definition (in the logits' precision):
+    ``E * sum_e f_e P_e`` with f (top-k assignment share) and P (mean router probability)
+    pooled over the layers and the real tokens (``mask [T]``, 1 = real)."""
+    T = router_logits[0].shape[0]
+    w = torch.ones(T, dtype=router_logits[0].dtype) if mask is None else mask.to(router_logits[0].dtype)
+    f = P = 0.0
+    for logits in router_logits:
+        probs = torch.softmax(logits, dim=-1)
+        _, idx = torch.topk(probs, top_k, dim=-1)
+        m = torch.zeros_like(probs).scatter_(1, idx, 1.0)
+        f = f + (m * w[:, None]).sum(0)
+        P = P + (probs * w[:, None]).sum(0)
+    total = w.sum() * len(router_logits)
+    return num_experts * ((f / total) * (P / total)).sum()
+
+
+def hf_router_loss(hf_model, branches, definition: str) -> torch.Tensor:
+    """The router loss of the transformers model, from the definition: ``micro_batch`` over all
+    branches run as one right-padded batch (padding masked), ``sequence`` as the mean over
+    branches of each branch's own."""
+    cfg = hf_model.config
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    if definition == "sequence":
+        losses = [balance_loss(hf_model(input_ids=torch.tensor([list(b)]), output_router_logits=True).router_logits,
+                               E, k) for b in branches]
+        return sum(losses) / len(losses)
+    L = max(len(b) for b in branches)
+    ids = torch.zeros(len(branches), L, dtype=torch.long)
+    att = torch.zeros(len(branches), L, dtype=torch.long)
+    for r, b in enumerate(branches):
+        ids[r, : len(b)] = torch.tensor(list(b))
+        att[r, : len(b)] = 1
+    out = hf_model(input_ids=ids, attention_mask=att, output_router_logits=True)
+    return balance_loss(out.router_logits, E, k, att.reshape(-1))

@@ -147,14 +147,33 @@ def linear_loss(
     old_logprobs=None,
     ref_logprobs=None,
     branch_fields=None,
+    router_normalizer: Optional[float] = None,
+    metrics: Optional[dict] = None,
     **objective_options,
 ) -> torch.Tensor:
     """Per-branch (linearized) loss; differentiable. ``normalizer`` overrides Z (global over a step).
 
     ``objective`` (with its options) selects an RL objective; the per-branch RL inputs are
     ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``branch_fields`` (``pair``/``chosen``
-    for DPO), as for :meth:`TokenTree.from_branches`.
+    for DPO), as for :meth:`TokenTree.from_branches`. A mixture-of-experts model whose router
+    loss is on adds it over all the branches (``router_normalizer``, ``metrics``: as for
+    :func:`treelit.tree_loss`).
     """
+    from treelit.loss.router import router_aux
+
+    with router_aux(model, router_normalizer) as aux:
+        loss = _linear_objective_loss(model, branches, loss_masks, weights, aggregation, normalizer, max_tokens,
+                                      chunk_rows, objective, advantages, old_logprobs, ref_logprobs, branch_fields,
+                                      objective_options)
+        if aux is not None:
+            loss = loss + aux.loss()
+            if metrics is not None:
+                metrics.update(aux.metrics())
+    return loss
+
+
+def _linear_objective_loss(model, branches, loss_masks, weights, aggregation, normalizer, max_tokens, chunk_rows,
+                           objective, advantages, old_logprobs, ref_logprobs, branch_fields, objective_options):
     if objective != "sft" or objective_options:
         from treelit.objectives import make_objective
         from treelit.tree.token_tree import TokenTree
@@ -184,7 +203,15 @@ def linear_backward(
     chunk_rows: Optional[int] = None,
 ) -> float:
     """Per-branch training step as a trainer runs it: forward and backward per micro-batch,
-    accumulating ``.grad``. Returns the loss value."""
+    accumulating ``.grad``. Returns the loss value. (A mixture-of-experts model whose router
+    loss is on needs every branch's routing before any backward: one graph then.)"""
+    from treelit.loss.router import moe_options
+
+    if moe_options(model) is not None:
+        loss = linear_loss(model, branches, loss_masks, weights, aggregation, normalizer=normalizer,
+                           max_tokens=max_tokens, chunk_rows=chunk_rows)
+        loss.backward()
+        return float(loss.detach())
     lb, coef = _prepare(model, branches, loss_masks, weights, aggregation, normalizer)
     device = next(model.parameters()).device
     total = 0.0

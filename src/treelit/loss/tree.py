@@ -67,6 +67,8 @@ def tree_loss(
     normalizer: Optional[float] = None,
     chunk_rows: Optional[int] = None,
     objective: str = "sft",
+    router_normalizer: Optional[float] = None,
+    metrics: Optional[dict] = None,
     **objective_options,
 ) -> torch.Tensor:
     """Exactly the per-branch training loss, computed on the tree.
@@ -81,13 +83,42 @@ def tree_loss(
         chunk_rows: rows per log-prob chunk (bounds the logits memory).
         objective: ``sft`` (default) or any registered objective (``ppo``, ``grpo``, ``gspo``,
             ``dpo``, ...) with its options as keyword arguments.
+        router_normalizer: for mixture-of-experts models whose router loss is on, the step's
+            router-loss normaliser (see :func:`treelit.loss.router.router_normalizer_contribution`;
+            default: this batch's own), so that accumulated micro-batches equal one batch.
+        metrics: a dict to receive the objective's metrics and ``router_aux_loss`` (the router
+            load-balancing loss, before its coefficient) with the per-layer expert loads.
+
+    A mixture-of-experts model whose router loss is on (``router_aux_loss_coef > 0``) adds
+    ``router_aux_loss_coef x`` its load-balancing loss, exactly as per-branch training would.
     """
-    if objective != "sft" or objective_options:
+    from treelit.loss.router import router_aux
+
+    with router_aux(model, router_normalizer) as aux:
+        loss, found = _objective_tree_loss(model, batch, aggregation, attention, normalizer, chunk_rows, objective,
+                                           objective_options)
+        if aux is not None:
+            loss = loss + aux.loss()
+            found.update(aux.metrics())
+    if metrics is not None:
+        metrics.update(found)
+    return loss
+
+
+def _objective_tree_loss(model, batch, aggregation, attention, normalizer, chunk_rows, objective, options):
+    if objective != "sft" or options:
         from treelit.objectives import make_objective
 
-        obj = make_objective(objective, **objective_options)
-        return obj.tree_loss(model, batch if isinstance(batch, TreeBatch) else batch.to_batch(),
-                             aggregation=aggregation, normalizer=normalizer, attention=attention, chunk_rows=chunk_rows)[0]
+        obj = make_objective(objective, **options)
+        loss, m = obj.tree_loss(model, batch if isinstance(batch, TreeBatch) else batch.to_batch(),
+                                aggregation=aggregation, normalizer=normalizer, attention=attention, chunk_rows=chunk_rows)
+        return loss, dict(m)
+    return sft_tree_loss(model, batch, aggregation, attention, normalizer=normalizer, chunk_rows=chunk_rows), {}
+
+
+def sft_tree_loss(model, batch, aggregation: str = "token-mean", attention="auto", *, normalizer=None,
+                  chunk_rows=None) -> torch.Tensor:
+    """The SFT loss of one tree row (no router loss; see :func:`tree_loss`)."""
     batch = prepare_batch(model, batch)
     W = batch.token_weights(aggregation)
     Z = global_normalizer([batch], aggregation) if normalizer is None else float(normalizer)

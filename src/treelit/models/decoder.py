@@ -39,7 +39,7 @@ from torchtune.modules import (
 )
 
 from treelit.models.config import DecoderConfig
-from treelit.models.moe import MoEFeedForward
+from treelit.models.moe import MoEFeedForward, record_pass
 from treelit.models.rope import TreeRoPE
 
 __all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "in_forward", "output_weight", "rope_style_of"]
@@ -281,6 +281,7 @@ def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_
     for i, layer in enumerate(model.layers):
         body = functools.partial(_layer_forward, layer, i, position_ids, ctx)
         h = call_block(layer, body, h, checkpoint=ckpt, oom_guard=guard)
+    record_pass(model, ctx)  # router logits to an open router-loss collection, if any
     return rms_norm(model.norm, h)
 
 

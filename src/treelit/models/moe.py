@@ -21,13 +21,15 @@ Hugging Face names: ``mlp.gate.weight`` and ``mlp.experts.{e}.{gate,up,down}_pro
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoEFeedForward", "route"]
+__all__ = ["MoEFeedForward", "route", "collecting", "is_collecting", "record_pass"]
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -106,3 +108,35 @@ def expert_load(logits: torch.Tensor, top_k: int, counts: Optional[torch.Tensor]
         w = w * counts.to(torch.float64).unsqueeze(-1)
     return torch.zeros(logits.shape[-1], dtype=torch.float64, device=logits.device).index_add(
         0, experts.reshape(-1), w.reshape(-1))
+
+
+# A collection of router logits (the router loss, :mod:`treelit.loss.router`) registers here for
+# a model; the decoder reports each forward pass that computed gradients through ``record_pass``.
+_collections = threading.local()
+
+
+@contextlib.contextmanager
+def collecting(model, collector):
+    """Within the block, ``collector.record(ctx)`` receives every forward pass of ``model``
+    (with gradient enabled) whose MoE layers recorded router logits in ``ctx``."""
+    stack = getattr(_collections, "stack", None)
+    if stack is None:
+        stack = _collections.stack = []
+    stack.append((model, collector))
+    try:
+        yield collector
+    finally:
+        stack.remove((model, collector))
+
+
+def is_collecting(model) -> bool:
+    return any(owner is model for owner, _ in getattr(_collections, "stack", []))
+
+
+def record_pass(model, ctx) -> None:
+    if not getattr(ctx, "router_logits", None) or not torch.is_grad_enabled():
+        return
+    for owner, collector in reversed(getattr(_collections, "stack", [])):
+        if owner is model:
+            collector.record(ctx)
+            return
