@@ -16,7 +16,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -237,22 +237,89 @@ def _permute_out(t: torch.Tensor, heads: int, hd: int) -> torch.Tensor:
     return t.reshape(heads, hd // 2, 2, *rest).transpose(1, 2).reshape(heads * hd, *rest)
 
 
-def _read_state_dict(path: Path) -> Dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
 
-    files = sorted(path.glob("*.safetensors"))
-    if files:
+
+def _load_file(f: Path) -> Dict[str, torch.Tensor]:
+    """One weights file, its errors naming it (a truncated or corrupt file is a user error)."""
+    try:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(f))
+        return torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors raises its own error types; torch.load various
+        raise CheckpointError(f"{f}: cannot read weights ({type(exc).__name__}: {exc})") from None
+
+
+def _read_state_dict(path: Path) -> Dict[str, torch.Tensor]:
+    """All weights of a checkpoint directory: the shards an index file lists (sharded
+    checkpoints), else ``model.safetensors``, else every ``*.safetensors`` / ``pytorch_model*.bin``."""
+    for index_name in (SAFE_INDEX, BIN_INDEX):
+        index = path / index_name
+        if not index.is_file():
+            continue
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid index file ({exc})") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard files {', '.join(missing[:4])} are missing")
         sd: Dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
+        for shard in shards:
+            sd.update(_load_file(path / shard))
+        absent = sorted(set(weight_map) - set(sd))
+        if absent:
+            raise CheckpointError(f"{index}: weights {', '.join(absent[:8])} are not in their shards")
         return sd
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if bins:
-        sd = {}
-        for f in bins:
-            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
-        return sd
-    raise CheckpointError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
+    if (path / "model.safetensors").is_file():
+        return _load_file(path / "model.safetensors")
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
+    sd = {}
+    for f in files:
+        sd.update(_load_file(f))
+    return sd
+
+
+def _write_shards(sd: Dict[str, torch.Tensor], path: Path, max_shard_bytes: Optional[int]) -> None:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards of at most
+    ``max_shard_bytes`` each plus ``model.safetensors.index.json`` (the Hugging Face layout).
+    Weights files of an earlier save in the directory are removed first."""
+    from safetensors.torch import save_file
+
+    for old in list(path.glob("model*.safetensors")) + [path / SAFE_INDEX]:
+        if old.is_file():
+            old.unlink()
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in sd.items():
+        n = value.numel() * value.element_size()
+        if max_shard_bytes and shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += n
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    mode = 0o666 & ~_umask()
+    for name, shard in zip(names, shards):
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        os.chmod(path / name, mode)  # safetensors writes 0600; a checkpoint is meant to be shared
+    if len(shards) > 1:
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, sh in zip(names, shards) for k in sh}}
+        (path / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def _stack_experts(sd: Dict[str, torch.Tensor], c: DecoderConfig, where: str) -> Dict[str, torch.Tensor]:
@@ -405,9 +472,11 @@ def save_hf_checkpoint(
     dtype: Optional[torch.dtype] = None,
     state_dict: Optional[Dict[str, torch.Tensor]] = None,
     native_fallback: bool = False,
+    max_shard_bytes: Optional[int] = 5 * 2**30,
 ) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory loadable by ``transformers``
-    (``state_dict``: an already gathered one, see :func:`full_state_dict`).
+    (``state_dict``: an already gathered one, see :func:`full_state_dict`). Weights larger
+    than ``max_shard_bytes`` are written as shards with a ``model.safetensors.index.json``.
 
     A model with no Hugging Face format (a hybrid mixing Mamba2 with other layers) raises
     :class:`CheckpointError`, or with ``native_fallback=True`` is written in the same
@@ -416,8 +485,6 @@ def save_hf_checkpoint(
     :func:`load_hf_checkpoint` (and ``model.hf_checkpoint=DIR``) read back, but
     ``transformers`` does not.
     """
-    from safetensors.torch import save_file
-
     if not hasattr(model, "config"):
         raise TypeError("save_hf_checkpoint needs a treelit TreeDecoder (it carries the model config)")
     path = Path(path)
@@ -443,6 +510,6 @@ def save_hf_checkpoint(
             hf_sd = tune_to_hf_recurrent(sd, c)
         else:
             hf_sd = tune_to_hf_state_dict(sd, c)
-    save_file(hf_sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _write_shards(hf_sd, path, max_shard_bytes)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     return path
