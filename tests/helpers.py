@@ -16,7 +16,7 @@ import treelit  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: OpenMP overhead dominates with more threads
 
-FAMILIES = ["llama3_2_tiny", "qwen2_tiny", "qwen2_5_tiny", "mistral_tiny"]
+FAMILIES = ["llama3_2_tiny", "qwen2_tiny", "qwen2_5_tiny", "mistral_tiny", "qwen3_tiny", "qwen3_moe_tiny"]
 RECURRENT = ["gdn_tiny", "mamba2_tiny", "hybrid_tiny"]
 TEST_VOCAB = 11
 

@@ -109,7 +109,24 @@ def hf_branch_loss(hf_model, branches: Sequence[Sequence[int]], masks: Sequence[
 
 
 def hf_grads(hf_model, tied: bool) -> Dict[str, torch.Tensor]:
-    out = {n: p.grad for n, p in hf_model.named_parameters() if p.grad is not None}
+    """Parameter gradients under the checkpoint's names (transformers 5 keeps MoE experts fused
+    in memory, ``mlp.experts.gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``; checkpoints
+    name each expert's projections)."""
+    out = {}
+    for n, p in hf_model.named_parameters():
+        if p.grad is None:
+            continue
+        if n.endswith("mlp.experts.gate_up_proj"):
+            base, inter = n[: -len("gate_up_proj")], p.grad.shape[1] // 2
+            for e in range(p.grad.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = p.grad[e, :inter]
+                out[f"{base}{e}.up_proj.weight"] = p.grad[e, inter:]
+        elif n.endswith("mlp.experts.down_proj"):
+            base = n[: -len("down_proj")]
+            for e in range(p.grad.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = p.grad[e]
+        else:
+            out[n] = p.grad
     if tied:
         out.pop("lm_head.weight", None)
     return out

@@ -38,9 +38,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from treelit.models.moe import collecting, is_collecting
+from treelit.models.moe import collecting, is_collecting, router_dtype
 
 __all__ = ["RouterAux", "router_aux", "moe_options", "router_normalizer_contribution"]
+
+
+def _param_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
 
 
 def moe_options(model) -> Optional[Dict]:
@@ -96,7 +100,7 @@ class RouterAux:
         self.layer_ids = sorted(ctx.router_logits)
         logits = [ctx.router_logits[k] for k in self.layer_ids]
         self.layers = len(logits)
-        dt = logits[0].dtype if logits[0].dtype in (torch.float32, torch.float64) else torch.float32
+        dt = router_dtype(logits[0].dtype)  # as the routing itself (see models.moe.route)
         probs, counts = None, None
         loads = []
         for x in logits:
@@ -167,7 +171,8 @@ class RouterAux:
         if not self.passes:
             return torch.zeros(())
         G = self.weights()
-        return sum((g.to(p.probs.dtype) * p.probs).sum() for g, p in zip(G, self.passes))
+        total = sum((g.to(p.probs.dtype) * p.probs).sum() for g, p in zip(G, self.passes))
+        return total.to(self.passes[0].probs.dtype if self.model is None else _param_dtype(self.model))
 
     def loss(self) -> torch.Tensor:
         """``coef * aux``, divided by the step normaliser relative to this micro-batch's own."""

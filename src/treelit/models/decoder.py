@@ -95,9 +95,25 @@ class TreeDecoder(TransformerDecoder):
     def forward(self, tokens=None, *, treelit_fn=None, **kwargs):
         """torchtune's forward, or - with ``treelit_fn`` - ``treelit_fn(self)`` run *inside* this
         module's forward. treelit's tree and per-branch passes go through here so that wrappers
-        hooked on the forward (FSDP2's unshard/reshard and gradient reduction) see them."""
+        hooked on the forward (FSDP2's unshard/reshard and gradient reduction) see them.
+
+        torchtune's arithmetic does not cover every model treelit builds (it normalises q/k
+        after RoPE where Qwen3 does before, and knows no sliding window): those models compute
+        ``tokens [B, L]`` -> logits with treelit's own causal forward, and refuse torchtune's
+        extra arguments (masks, KV-cache positions)."""
         if treelit_fn is not None:
             return treelit_fn(self)
+        c = self.config
+        if c.qk_norm or c.sliding_window is not None:
+            if kwargs:
+                raise NotImplementedError(
+                    f"torchtune's forward arguments {sorted(kwargs)} are not supported for this model "
+                    "(q/k norms or sliding windows); call it with token ids only")
+            from treelit.models.context import CausalContext
+
+            B, L = tokens.shape
+            pos = torch.arange(L, device=tokens.device).expand(B, L)
+            return self.output(decoder_hidden(self, tokens, pos, CausalContext()))
         return super().forward(tokens, **kwargs)
 
 

@@ -34,13 +34,18 @@ __all__ = ["MoEFeedForward", "route", "collecting", "is_collecting", "record_pas
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k], experts [T, k])`` of each token from router ``logits [T, E]``:
-    softmax over experts (in float32 for half-precision inputs), top-k, optionally renormalised."""
-    dt = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-    probs = torch.softmax(logits.to(dt), dim=-1)
+    softmax over experts, top-k, optionally renormalised. The softmax runs one precision up
+    (float64 for float32 logits, float32 for half types): the router's gradient is a small
+    difference of large terms, and ``[T, E]`` costs nothing next to the experts."""
+    probs = torch.softmax(logits.to(router_dtype(logits.dtype)), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def router_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class MoEFeedForward(nn.Module):
