@@ -29,7 +29,19 @@ def _qwen_tokenizer() -> str:
     return qwen_tokenizer_dir()
 
 
+def new_run_name() -> str:
+    """A run name unique among concurrent runs: the start time to the second, then six
+    random hex digits (``2025-01-31_12-00-00-3fa2c1``)."""
+    import secrets
+    from datetime import datetime
+
+    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{secrets.token_hex(3)}"
+
+
 def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("treelit.run_name"):
+        # cached per composed config: output_dir and the MLflow run name share one value
+        OmegaConf.register_new_resolver("treelit.run_name", new_run_name, use_cache=True)
     if not OmegaConf.has_resolver("treelit.bundled"):
         OmegaConf.register_new_resolver("treelit.bundled", bundled_path)
     if not OmegaConf.has_resolver("treelit.qwen_tokenizer"):

@@ -1,36 +1,147 @@
-"""``treelit``: small utilities. ``treelit list`` shows every registered component and its origin."""
+"""``treelit``: small utilities.
+
+    treelit list                          # every component, and the config option that selects it
+    treelit stats DATA                    # flat/tree tokens, POR, ideal speedup of a data file
+    treelit stats tau_bench_airline/gpt-4o-airline.json.gz --group-key task_id   # a bundled file, chat data
+
+``treelit list`` prints names as they are used in ``treelit-train`` options: a kind that
+is a config group (``model``, ``attention``, ...) lists its config options, each
+registered component with its origin and the presets that only exist as config files;
+a name that cannot be selected as ``group=NAME`` (a plugin without a config file) is
+shown with the override that selects it. ``treelit stats`` reads token records and
+chat records alike (the builder is detected from the first record; chat data is
+tokenized with ``--tokenizer``, by default the bundled Qwen2 BPE). Errors in the input
+print one line, no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+__all__ = ["main", "config_options", "SELECT"]
+
+# how each registry kind is selected in treelit-train's config ("" = a config group of that name)
+SELECT: Dict[str, str] = {
+    "model": "",
+    "tree_builder": "",
+    "attention": "",
+    "ssm": "",
+    "partition": "",
+    "objective": "",
+    "advantage": "tree_builder.advantage",
+}
+# the key naming the component inside a group's config files
+NAME_KEY = {"model": "preset"}
+
+
+def config_options(group: str) -> List[str]:
+    """The options of config group ``group`` (treelit's and plugins' config files)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from treelit.cli.config import CONF_DIR, register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+def _list() -> int:
+    from treelit.registry import all_registries
+
+    for kind, reg in all_registries().items():
+        how = SELECT.get(kind)
+        group = kind if how == "" else None
+        options = config_options(group) if group else []
+        choose = f"{kind}=NAME" if group else (f"{how}=NAME" if how else "library use")
+        print(f"{kind}  (select with {choose})")
+        names = set()
+        for e in reg.entries():
+            names.add(e.name)
+            hint = "" if not group or e.name in options else f"  [no config file: {group}.{NAME_KEY.get(kind, 'name')}={e.name}]"
+            print(f"  {e.name:<26} {e.source}{hint}")
+        presets = [o for o in options if o not in names]
+        if presets:
+            print(f"  config presets: {', '.join(presets)}")
+    return 0
+
+
+def _detect_builder(path: str) -> str:
+    from treelit.data.records import DataError, iter_file
+
+    for item in iter_file(path):
+        if isinstance(item, DataError):
+            raise item
+        rec = item.data
+        branches = rec.get("branches") if isinstance(rec, dict) else None
+        chat = isinstance(rec, dict) and ("messages" in rec or "traj" in rec or (
+            isinstance(branches, list) and any(isinstance(b, dict) and "messages" in b for b in branches)))
+        return "chat" if chat else "sequences"
+    return "sequences"
+
+
+def _resolve_data_path(path: str) -> str:
+    """``path``, or the bundled data file of that name (``synthetic_agentic.jsonl.gz``)."""
+    if Path(path).exists():
+        return path
+    from treelit.cli.config import ConfigError, bundled_path
+
+    try:
+        return bundled_path(path)
+    except ConfigError:
+        raise FileNotFoundError(2, "no such data file (nor a bundled one of that name)", path) from None
+
+
+def _stats(path: str, builder: str, tokenizer: Optional[str], group_key: Optional[str]) -> int:
+    from treelit.builders.base import make_tree_builder
+    from treelit.lightning.data import TreeDataModule
+
+    path = _resolve_data_path(path)
+    name = _detect_builder(path) if builder == "auto" else builder
+    options = {}
+    if name == "chat":
+        from treelit.data.tokenizers import qwen_tokenizer_dir
+
+        options["tokenizer_path"] = tokenizer or qwen_tokenizer_dir()
+    if group_key:
+        options["group_key" if name == "chat" else "key"] = group_key
+    dm = TreeDataModule(path, tree_builder=make_tree_builder(name, **options))
+    print(f"{'file':>16}: {path}")
+    print(f"{'builder':>16}: {name}" + (f" (tokenizer {options['tokenizer_path']})" if name == "chat" else ""))
+    for k, v in dm.stats().items():
+        print(f"{k:>16}: {v:.4f}" if isinstance(v, float) else f"{k:>16}: {v:,}")
+    return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="treelit", description="treelit utilities")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="list registered components (built-in and plugins)")
-    st = sub.add_parser("stats", help="tree statistics of a data file")
-    st.add_argument("path")
-    st.add_argument("--builder", default="sequences")
+    sub.add_parser("list", help="list registered components (built-in and plugins) and how to select them")
+    st = sub.add_parser("stats", help="tree statistics of a data file (or of a bundled one, by name)")
+    st.add_argument("path", help="a .jsonl/.json/.parquet file (.gz for JSON), or a bundled file's name")
+    st.add_argument("--builder", default="auto", help="auto (chat for conversations, else sequences), "
+                    "sequences, groups, chat, or a plugin's tree builder")
+    st.add_argument("--tokenizer", default=None, help="chat data: a Hugging Face tokenizer directory "
+                    "(default: the bundled Qwen2 BPE)")
+    st.add_argument("--group-key", default=None, help="records sharing this field form one tree "
+                    "(chat and groups builders; e.g. task_id for tau-bench)")
     args = p.parse_args(argv)
-    if args.cmd == "list":
-        from treelit.registry import all_registries
+    try:
+        if args.cmd == "list":
+            return _list()
+        return _stats(args.path, args.builder, args.tokenizer, args.group_key)
+    except Exception as exc:
+        from treelit.cli.console import full_error_requested, user_error_message
 
-        for kind, reg in all_registries().items():
-            print(f"{kind}:")
-            for e in reg.entries():
-                print(f"  {e.name:<24} {e.source}")
-        return 0
-    if args.cmd == "stats":
-        from treelit.builders.base import make_tree_builder
-        from treelit.lightning.data import TreeDataModule
-
-        dm = TreeDataModule(args.path, tree_builder=make_tree_builder(args.builder))
-        for k, v in dm.stats().items():
-            print(f"{k:>16}: {v}")
-        return 0
-    return 1
+        msg = user_error_message(exc)
+        if msg is None or full_error_requested():
+            raise
+        print(f"treelit {args.cmd}: error: {msg}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

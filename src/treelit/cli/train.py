@@ -5,8 +5,11 @@
     treelit-train experiment=tau_bench_sft          # real tau-bench trajectories, chat builder
     treelit-train --help                            # all groups and options
 
-Reads top to bottom: validate options, build model, data (trees checked against the
-model), objective, module, callbacks, loggers, trainer; fit; export.
+Reads top to bottom: validate options, check the output directory, read the checkpoint
+to resume from, build model, data (trees checked against the model), objective,
+module, callbacks, loggers, trainer; fit; export; summary. Errors in the user's
+input (data, config, checkpoints, output directory) print one line, no traceback
+(``HYDRA_FULL_ERROR=1`` shows it).
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from treelit.cli.config import CONF_DIR, register_resolvers, validate_config
+from treelit.cli.console import SetupError, full_error_requested, tidy_library_logging, user_error_message
+from treelit.cli.preflight import check_space, check_writable
 
 log = logging.getLogger("treelit.train")
 
@@ -59,74 +67,182 @@ def _flat_params(cfg: DictConfig) -> Dict[str, Any]:
     return {k: v for k, v in flat.items() if not k.startswith("hydra")}
 
 
-def run(cfg: DictConfig) -> Dict[str, Any]:
-    import lightning.pytorch as pl
+def read_resume_checkpoint(path: str) -> Dict[str, Any]:
+    """What ``resume_from`` needs to know before Lightning restores the checkpoint: its step
+    and the MLflow run it belongs to. A file that is not a readable Lightning checkpoint is a
+    :class:`~treelit.models.hf.CheckpointError` naming it (the tensors are memory-mapped,
+    not read)."""
+    import torch
 
-    from treelit.lightning.module import TreeLitModule
+    from treelit.lightning.mlflow_logger import CHECKPOINT_KEY
+    from treelit.models.hf import CheckpointError
 
-    validate_config(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    p = Path(path)
+    info: Dict[str, Any] = {"path": str(p), "global_step": None, "mlflow": None}
+    if p.is_dir():  # a sharded checkpoint: its metadata file, when there is one
+        p = p / "meta.pt"
+        if not p.is_file():
+            return info
+    try:
+        ckpt = torch.load(p, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(
+            f"resume_from: {p} is not a readable Lightning checkpoint ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(ckpt, dict) or "global_step" not in ckpt:
+        raise CheckpointError(f"resume_from: {p} is not a Lightning checkpoint (it has no global_step)")
+    info["global_step"] = int(ckpt["global_step"])
+    info["mlflow"] = ckpt.get(CHECKPOINT_KEY)
+    return info
 
-    model = build(cfg.model)
-    from treelit.ssm import set_ssm_backend
 
-    set_ssm_backend(model, cfg.ssm.name, cfg.ssm.get("chunk_size", 64))
-    builder = build(cfg.tree_builder)
-    datamodule = build(cfg.data, tree_builder=builder)
-    objective = build(cfg.objective)
-    datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None), objective=objective)
-    data_stats = datamodule.stats()
-    log.info("data: %s", data_stats)
+@contextmanager
+def _setup_errors() -> Iterator[None]:
+    """Invalid option values found while building the run are user errors (see console.py)."""
+    try:
+        yield
+    except (ValueError, KeyError) as exc:
+        if user_error_message(exc) is not None:
+            raise
+        raise SetupError(str(exc).strip("'\"")) from exc
 
-    module = TreeLitModule(
-        model=model,
-        objective=objective,
-        optimizer=build(cfg.optimizer),
-        scheduler=build(cfg.scheduler) if cfg.get("scheduler") else None,
-        attention=build(cfg.attention),
-        aggregation=cfg.aggregation,
-        mode=cfg.mode,
-        grad_clip=cfg.grad_clip,
-        verify_every=cfg.verify_every,
-        chunk_rows=cfg.chunk_rows,
-        ppo_epochs=cfg.ppo_epochs,
-        ppo_minibatches=cfg.ppo_minibatches,
-        old_logprobs=cfg.old_logprobs,
-        partition=cfg.partition.name,
-        budget_tokens=cfg.partition.get("budget_tokens"),
-    )
-    callbacks = _instantiate_all(cfg.get("callbacks"))
-    loggers = _instantiate_all(cfg.get("logger"))
-    trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+
+def _build_loggers(group: Any, resume: Optional[Dict[str, Any]]) -> List[Any]:
+    """The configured loggers; an MLflow logger on the store a resumed checkpoint came from
+    reopens the checkpoint's run."""
+    from treelit.utils.mlflow_store import DEFAULT_TRACKING_URI, resolve_tracking_uri
+
+    loggers = []
+    for node in (group or {}).values():
+        if not node:
+            continue
+        if "MLFlow" in str(node.get("_target_", "")):
+            import mlflow  # noqa: F401  (installs MLflow's log handlers, which the next line removes)
+
+            tidy_library_logging()
+        kwargs: Dict[str, Any] = {}
+        link = (resume or {}).get("mlflow")
+        if link and str(node.get("_target_", "")).endswith("TreeMLFlowLogger"):
+            uri = node.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+            if resolve_tracking_uri(str(uri)) == link.get("tracking_uri"):
+                kwargs["run_id"] = link["run_id"]
+            else:
+                log.info("resume_from: the checkpoint's MLflow run is in %s, this run logs to %s: starting a new run",
+                         link.get("tracking_uri"), uri)
+        loggers.append(build(node, **kwargs))
+    return loggers
+
+
+def _start_tracking(loggers: List[Any], cfg: DictConfig, data_stats: Dict[str, Any], out: Path,
+                    resume: Optional[Dict[str, Any]]) -> None:
     for lg in loggers:
         lg.log_hyperparams(_flat_params(cfg))
-        if type(lg).__name__ == "MLFlowLogger":
+        if type(lg).__name__.endswith("MLFlowLogger"):
             lg.log_metrics({f"data/{k}": float(v) for k, v in data_stats.items()}, step=0)
-            lg.experiment.log_artifact(lg.run_id, str(out / "config.yaml"))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from)
-    summary = {
-        "output_dir": str(out),
-        "global_step": trainer.global_step,
-        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-        "data": data_stats,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            name = "config.yaml" if not resume else f"config-resumed-at-step-{resume['global_step']}.yaml"
+            if resume:
+                (out / name).write_text((out / "config.yaml").read_text())
+                lg.experiment.set_tag(lg.run_id, "treelit.resumed_from", resume["path"])
+            lg.experiment.log_artifact(lg.run_id, str(out / name))
+            lg.experiment.set_tag(lg.run_id, "treelit.output_dir", str(out.resolve()))
+
+
+def _log_artifacts(loggers: List[Any], out: Path, summary: Dict[str, Any]) -> None:
     for lg in loggers:
-        if type(lg).__name__ == "MLFlowLogger":
+        if type(lg).__name__.endswith("MLFlowLogger"):
             lg.experiment.log_artifact(lg.run_id, str(out / "summary.json"))
-            ckpt_dir = out / "checkpoints"
-            last = ckpt_dir / "last.ckpt"
-            if last.is_file():
+            last = summary.get("checkpoint")
+            if last and Path(last).is_file():
                 lg.experiment.log_artifact(lg.run_id, str(last), artifact_path="checkpoints")
+
+
+def run(cfg: DictConfig) -> Dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from treelit.lightning.callbacks import HFExport
+    from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
+    from treelit.lightning.module import TreeLitModule
+
+    started = time.monotonic()
+    validate_config(cfg)
+    out = Path(cfg.output_dir)
+    check_writable(out)
+    resume = read_resume_checkpoint(str(cfg.resume_from)) if cfg.get("resume_from") else None
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    with _setup_errors():
+        model = build(cfg.model)
+        from treelit.ssm import set_ssm_backend
+
+        set_ssm_backend(model, cfg.ssm.name, cfg.ssm.get("chunk_size", 64))
+        builder = build(cfg.tree_builder)
+        datamodule = build(cfg.data, tree_builder=builder)
+        objective = build(cfg.objective)
+        datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
+                                 objective=objective)
+        data_stats = datamodule.stats()
+        log.info("data: %d trees, %d branches, %s tree tokens (%s flat, POR %.2f)%s", data_stats["trees"],
+                 data_stats["branches"], f"{data_stats['tree_tokens']:,}", f"{data_stats['flat_tokens']:,}",
+                 data_stats["por"], f"; {data_stats['records_skipped']} records skipped"
+                 if data_stats.get("records_skipped") else "")
+
+        module = TreeLitModule(
+            model=model,
+            objective=objective,
+            optimizer=build(cfg.optimizer),
+            scheduler=build(cfg.scheduler) if cfg.get("scheduler") else None,
+            attention=build(cfg.attention),
+            aggregation=cfg.aggregation,
+            mode=cfg.mode,
+            grad_clip=cfg.grad_clip,
+            verify_every=cfg.verify_every,
+            chunk_rows=cfg.chunk_rows,
+            ppo_epochs=cfg.ppo_epochs,
+            ppo_minibatches=cfg.ppo_minibatches,
+            old_logprobs=cfg.old_logprobs,
+            partition=cfg.partition.name,
+            budget_tokens=cfg.partition.get("budget_tokens"),
+        )
+        callbacks = _instantiate_all(cfg.get("callbacks"))
+        loggers = _build_loggers(cfg.get("logger"), resume)
+    tidy_library_logging()
+    if loggers:
+        callbacks.append(MLflowRunInCheckpoint())
+    check_space(out, model, next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None),
+                int(cfg.trainer.max_steps), any(isinstance(c, HFExport) for c in callbacks), bool(loggers))
+    trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    try:
+        _start_tracking(loggers, cfg, data_stats, out, resume)
+    except BaseException:
+        for lg in loggers:
+            lg.finalize("failed")
+        raise
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from)
+
+    from treelit.cli.summary import build_summary, format_summary
+
+    summary = build_summary(out=out, trainer=trainer, data_stats=data_stats,
+                            wall_seconds=time.monotonic() - started, resume=resume)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _log_artifacts(loggers, out, summary)
+    if trainer.is_global_zero:
+        log.info("%s", format_summary(summary))
     return summary
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as exc:
+        msg = user_error_message(exc)
+        if msg is None or full_error_requested():
+            raise
+        log.error("%s", msg)
+        print("(set HYDRA_FULL_ERROR=1 to see the Python traceback)", file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:

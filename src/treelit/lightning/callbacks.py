@@ -1,27 +1,50 @@
-"""Callbacks: a progress bar that knows the step budget, and the Hugging Face export."""
+"""Callbacks: a progress bar over optimizer steps, checkpoints, step-metric logging and the
+Hugging Face export."""
 
 from __future__ import annotations
 
+import json
 import logging
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, List, Optional, Tuple
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.loggers import MLFlowLogger
 
 log = logging.getLogger(__name__)
 
 
 class TreeProgressBar(TQDMProgressBar):
-    """TQDM bar over optimizer steps (the data stream is endless, so the total is ``max_steps``);
-    shows loss, tree tokens/s and effective (flat) tokens/s."""
+    """TQDM bar over optimizer steps: the data stream is endless, so the total is
+    ``max_steps`` and the position ``trainer.global_step`` (right after a resume too, and
+    with several optimizer updates per step batch); shows loss, tree tokens/s and effective
+    (flat) tokens/s."""
+
+    def _over_steps(self, trainer: pl.Trainer) -> None:
+        bar = self.train_progress_bar
+        if bar is None or not trainer.max_steps or trainer.max_steps <= 0:
+            return
+        bar.reset(total=trainer.max_steps)
+        bar.initial = bar.n = trainer.global_step
+        bar.set_description("steps")
+        bar.refresh()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._over_steps(trainer)  # a resumed run starts mid-epoch: no on_train_epoch_start
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
-        if trainer.max_steps and trainer.max_steps > 0:
-            self.train_progress_bar.reset(total=trainer.max_steps)
-            self.train_progress_bar.n = trainer.global_step
-            self.train_progress_bar.refresh()
+        self._over_steps(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bar = self.train_progress_bar
+        n = trainer.global_step
+        if bar is not None and self.is_enabled and (n % self.refresh_rate == 0 or n == bar.total):
+            bar.n = n
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
 
     def get_metrics(self, trainer, pl_module):
         items = super().get_metrics(trainer, pl_module)
@@ -29,13 +52,81 @@ class TreeProgressBar(TQDMProgressBar):
         return items
 
 
+class TreeCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` for treelit's manual optimization.
+
+    treelit runs a step's optimizer update(s) inside ``training_step``, so a checkpoint
+    written at the end of step k holds the weights and optimizer state *after* update k
+    together with the data position and loop counters of step k: resuming from it continues
+    exactly as the uninterrupted run would (tested bit for bit, also after ``kill -9``).
+    Lightning warns about manual optimization because for other modules the post-update
+    state may be unintended; here it is the intended state, so that warning is not shown.
+    Lightning writes each file through a temporary file and a rename, so a killed run never
+    leaves a half-written checkpoint. A resumed run writes to its own ``output_dir``.
+    """
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+            super().on_train_batch_end(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        # a resumed run writes its checkpoints to its own output_dir, by design
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The dirpath has changed from")
+            super().load_state_dict(state_dict)
+
+
+class StepMetrics(pl.Callback):
+    """Logs the metrics of the first and of the last optimizer step whatever
+    ``trainer.log_every_n_steps`` says (so a 3-step run still logs its loss, and every run
+    logs where it started and ended), and keeps ``(global_step, loss)`` of every step for
+    the end-of-run summary (``losses``)."""
+
+    def __init__(self) -> None:
+        self.losses: List[Tuple[int, float]] = []
+        self._every: Optional[int] = None
+        self._first = True
+
+    def _restore(self, trainer: pl.Trainer) -> None:
+        if self._every is not None:
+            trainer.log_every_n_steps = self._every
+            self._every = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._restore(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.losses.append((int(trainer.global_step), float(loss)))
+        last = bool(trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
+        if (self._first or last) and trainer.log_every_n_steps != 1:
+            # Lightning decides right after this hook, from this attribute, whether to log
+            self._every = trainer.log_every_n_steps
+            trainer.log_every_n_steps = 1
+        self._first = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore(trainer)
+
+
 class HFExport(pl.Callback):
-    """Write the model as a Hugging Face checkpoint at the end of training (and log it to MLflow)."""
+    """Write the model as a Hugging Face checkpoint at the end of training (and log it to
+    MLflow). A model no Hugging Face format holds (a hybrid mixing Mamba2 with other layers)
+    is written in treelit's own format instead (``native`` is then true), and said so."""
 
     def __init__(self, dirpath: str, log_to_mlflow: bool = True) -> None:
         self.dirpath = dirpath
         self.log_to_mlflow = log_to_mlflow
         self.saved: Optional[Path] = None
+        self.native = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from treelit.models.hf import full_state_dict, save_hf_checkpoint
@@ -43,11 +134,19 @@ class HFExport(pl.Callback):
         sd = full_state_dict(pl_module.model)  # a collective under FSDP2: every rank gathers
         if not trainer.is_global_zero:
             return
+        from treelit.models.hf import NATIVE_MODEL_TYPE
+
         self.saved = save_hf_checkpoint(pl_module.model, self.dirpath, state_dict=sd, native_fallback=True)
-        log.info("wrote Hugging Face checkpoint to %s", self.saved)
+        self.native = json.loads((self.saved / "config.json").read_text()).get("model_type") == NATIVE_MODEL_TYPE
+        if self.native:
+            log.info("wrote the model to %s in treelit's own checkpoint format, not a Hugging Face checkpoint "
+                     "(no Hugging Face model holds this layer mix): treelit.load_hf_checkpoint and "
+                     "model.hf_checkpoint=DIR read it, transformers does not", self.saved)
+        else:
+            log.info("wrote Hugging Face checkpoint to %s", self.saved)
         if self.log_to_mlflow:
             for lg in trainer.loggers:
-                if type(lg).__name__ == "MLFlowLogger":
+                if isinstance(lg, MLFlowLogger):
                     lg.experiment.log_artifacts(lg.run_id, str(self.saved), artifact_path="hf_checkpoint")
 
 
@@ -139,5 +238,5 @@ class RewardMargin(pl.Callback):
         plt.close(fig)
         log.info("saved %s", self.plot_path)
         for lg in trainer.loggers:
-            if type(lg).__name__ == "MLFlowLogger":
+            if isinstance(lg, MLFlowLogger):
                 lg.experiment.log_artifact(lg.run_id, self.plot_path)

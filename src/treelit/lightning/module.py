@@ -305,13 +305,14 @@ class TreeLitModule(pl.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
 
         def run(mode):
+            t0 = time.perf_counter()
             loss, _ = self.micro_loss(mb, Z, mode)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
-            return float(loss.detach()), float(norm), grads
+            return float(loss.detach()), float(norm), grads, time.perf_counter() - t0
 
-        lt, nt, gt = run("tree")
-        ll, nl, gl = run("linear")
+        lt, nt, gt, tt = run("tree")
+        ll, nl, gl, tl = run("linear")
         diff = torch.sqrt(
             sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(gt, gl) if a is not None and b is not None)
         )
@@ -319,6 +320,7 @@ class TreeLitModule(pl.LightningModule):
             "verify/loss_rel_diff": abs(lt - ll) / max(abs(ll), 1e-30),
             "verify/grad_norm_rel_diff": abs(nt - nl) / max(nl, 1e-30),
             "verify/grad_rel_diff": float(diff) / max(nl, 1e-30),
+            "verify/speedup": tl / max(tt, 1e-9),  # measured: linear / tree forward+backward time
         }
         log.info("self-verification at step %d: %s", self.global_step, out)
         return out

@@ -1,0 +1,120 @@
+"""Checks that fail fast, before anything is trained: can the run write its outputs?
+
+A run that trains for an hour and then cannot write its checkpoint has wasted the
+hour. Two checks run before training: the output directory must be creatable and
+writable (a probe file is written, synced and removed - this also catches a full or
+read-only filesystem), and its filesystem must have room for at least the first
+checkpoint and the final export (estimated from the model's parameter bytes; a run
+whose later checkpoints may not fit gets a warning with the numbers). Under
+``treelit-train`` the first check also runs as a Hydra callback, before Hydra itself
+creates the directory, so the user sees one clear line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+
+from treelit.cli.config import ConfigError
+
+__all__ = ["check_writable", "check_space", "free_bytes", "OutputDirCheck"]
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 64 * 1024
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem holding ``path`` (or its nearest existing ancestor)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return int(shutil.disk_usage(p).free)
+
+
+def check_writable(out: Path) -> None:
+    """Create ``out`` and write, sync and remove a probe file there; :class:`ConfigError`
+    (naming ``output_dir``) if any of it fails."""
+    out = Path(out)
+    probe = out / f".treelit-write-probe-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(probe) else ""
+        raise ConfigError(
+            f"output_dir {str(out)!r}: cannot write there: {reason}{where}; "
+            "free some space or choose another directory with output_dir=DIR"
+        ) from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
+def check_space(out: Path, model: Any, checkpoint: Optional[Any], max_steps: int, export: bool, tracked: bool) -> None:
+    """Fail if ``out``'s filesystem cannot hold the first checkpoint and the export; warn if
+    every checkpoint the run keeps may not fit.
+
+    Estimate: a Lightning checkpoint holds the weights and about two optimizer moments per
+    weight (3x the parameter bytes); the export 1x; an MLflow store on the same machine gets
+    copies of the last checkpoint and the export.
+    """
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ckpt_bytes = 3 * param_bytes
+    n_ckpt = 0
+    if checkpoint is not None:
+        every = getattr(checkpoint, "_every_n_train_steps", 0) or 0
+        top_k = getattr(checkpoint, "save_top_k", 1)
+        periodic = max_steps // every if every else 0
+        n_ckpt = (periodic if top_k < 0 else min(periodic, max(top_k, 0))) + (1 if checkpoint.save_last else 0)
+        n_ckpt = max(n_ckpt, 1)
+    first = (ckpt_bytes if n_ckpt else 0) + (param_bytes if export else 0)
+    total = n_ckpt * ckpt_bytes + (param_bytes if export else 0)
+    if tracked:
+        total += (ckpt_bytes if n_ckpt else 0) + (param_bytes if export else 0)
+    free = free_bytes(out)
+    if free < first:
+        raise ConfigError(
+            f"output_dir {str(out)!r}: {_fmt(free)} free on its filesystem, but the first checkpoint and "
+            f"the model export need about {_fmt(first)} (parameters: {_fmt(param_bytes)}); "
+            "free some space or choose another directory with output_dir=DIR"
+        )
+    if free < total:
+        log.warning("output_dir %s: %s free, this run may write about %s (%d checkpoints of ~%s%s); "
+                    "later checkpoints may fail", out, _fmt(free), _fmt(total), n_ckpt, _fmt(ckpt_bytes),
+                    ", the export and MLflow copies" if tracked else " and the export")
+
+
+class OutputDirCheck(Callback):
+    """Hydra callback: :func:`check_writable` on ``hydra.run.dir`` before Hydra creates it
+    and writes its own files there; a failure prints ``error: ...`` and exits with status 1
+    (the traceback only with ``HYDRA_FULL_ERROR=1``)."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            check_writable(Path(str(config.hydra.run.dir)))
+        except ConfigError as exc:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(1)

@@ -1,0 +1,162 @@
+"""Lightning's MLflow logger, safe for concurrent runs and honest about how a run ended.
+
+:class:`TreeMLFlowLogger` is Lightning's ``MLFlowLogger`` plus the run lifecycle a
+training framework owes its users:
+
+* opening the store, getting or creating the experiment and creating (or reopening)
+  the run happen under the store's file lock (:mod:`treelit.utils.mlflow_store`), so
+  any number of runs may start at once on one fresh ``mlflow.db``;
+* every run carries liveness tags, and opening the store marks ``KILLED`` the runs of
+  this machine whose process died without closing them;
+* ``run_id=`` (set by ``treelit-train`` from a ``resume_from`` checkpoint) reopens that
+  run: its status goes back to ``RUNNING``, metrics continue at the checkpoint's step,
+  parameters already logged keep their first values;
+* a run stopped by Ctrl+C or SIGTERM ends ``KILLED``, one stopped by an error
+  ``FAILED`` with the error in the tag ``treelit.end``;
+* artifacts of a local sqlite store go to ``mlruns/`` beside the database.
+
+:class:`MLflowRunInCheckpoint` writes the run's id and store into every Lightning
+checkpoint, which is how ``resume_from`` finds the run to continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Dict, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
+
+from treelit.utils.mlflow_store import (
+    DEFAULT_TRACKING_URI,
+    TAG_END,
+    default_artifact_location,
+    mark_dead_runs_killed,
+    process_tags,
+    resolve_tracking_uri,
+    store_lock,
+)
+
+__all__ = ["TreeMLFlowLogger", "MLflowRunInCheckpoint", "CHECKPOINT_KEY"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "treelit_mlflow"
+
+
+def _interrupted(exc: Optional[BaseException]) -> bool:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    return isinstance(exc, (KeyboardInterrupt, SIGTERMException))
+
+
+class TreeMLFlowLogger(MLFlowLogger):
+    """``MLFlowLogger`` with a locked store, liveness tags and run resumption.
+
+    Args:
+        experiment_name: the MLflow experiment (created if missing).
+        run_name: the run's display name.
+        tracking_uri: the store; default ``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``.
+        tags: extra run tags.
+        artifact_location: where a *new* experiment keeps artifacts; default ``mlruns/``
+            beside a sqlite database.
+        run_id: an existing run to reopen and continue (resumed training).
+        **kwargs: passed to ``MLFlowLogger`` (``log_model``, ``prefix``, ``synchronous``).
+    """
+
+    def __init__(
+        self,
+        experiment_name: str = "treelit",
+        run_name: Optional[str] = None,
+        tracking_uri: Optional[str] = None,
+        tags: Optional[Dict[str, Any]] = None,
+        artifact_location: Optional[str] = None,
+        run_id: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
+        uri = resolve_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+        if artifact_location is None:
+            artifact_location = default_artifact_location(uri)
+        self.reopened = run_id is not None
+        with store_lock(uri):
+            super().__init__(
+                experiment_name=experiment_name,
+                run_name=run_name,
+                tracking_uri=uri,
+                tags={**dict(tags or {}), **process_tags()},
+                artifact_location=artifact_location,
+                run_id=run_id,
+                **kwargs,
+            )
+            # creating the client opens the store; make sure a fresh database is created
+            # and migrated here, under the lock, whatever the client does lazily
+            self._mlflow_client.search_experiments(max_results=1)
+
+    @property
+    def tracking_uri(self) -> str:
+        return self._tracking_uri
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        if self._initialized:
+            return self._mlflow_client
+        with store_lock(self._tracking_uri):
+            client = MLFlowLogger.experiment.fget(self)  # get/create experiment, create run
+            killed = mark_dead_runs_killed(client, self._experiment_id, keep=self._run_id)
+            if killed:
+                log.info("MLflow: marked %d run(s) of dead processes KILLED: %s", len(killed), ", ".join(killed))
+            if self.reopened:
+                client.update_run(self._run_id, status="RUNNING")
+                for k, v in process_tags().items():
+                    client.set_tag(self._run_id, k, v)
+                client.set_tag(self._run_id, TAG_END, "")
+        return client
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        """Log ``params``; a reopened run keeps the values logged first (MLflow refuses to
+        change a parameter) and logs only the new keys."""
+        if not self.reopened or not isinstance(params, dict):
+            return super().log_hyperparams(params)
+        old = self.experiment.get_run(self.run_id).data.params
+        new = {k: v for k, v in params.items() if k not in old}
+        changed = sorted(k for k, v in params.items() if k in old and old[k] != str(v)[:250])
+        if changed:
+            log.info("MLflow: resumed run keeps the first values of %s (this run's config.yaml has the new ones)",
+                     ", ".join(changed))
+        if new:
+            super().log_hyperparams(new)
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        if not self._initialized:
+            return
+        exc = sys.exc_info()[1]  # Lightning finalizes inside its exception handler
+        if status == "failed" and exc is not None:
+            if _interrupted(exc):
+                status = "KILLED"
+                reason = f"interrupted ({type(exc).__name__})"
+            else:
+                reason = f"failed: {type(exc).__name__}: {exc}"
+            self.experiment.set_tag(self.run_id, TAG_END, reason[:4000])
+        super().finalize(status)
+
+
+class MLflowRunInCheckpoint(pl.Callback):
+    """Stores the MLflow run (id, store, experiment) in every Lightning checkpoint under
+    ``checkpoint["treelit_mlflow"]``, so resuming from it continues the same run."""
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Dict[str, Any]) -> None:
+        for lg in trainer.loggers:
+            if isinstance(lg, MLFlowLogger) and lg.run_id:
+                checkpoint[CHECKPOINT_KEY] = {
+                    "run_id": lg.run_id,
+                    "tracking_uri": resolve_tracking_uri(lg._tracking_uri),
+                    "experiment_id": lg.experiment_id,
+                }
+                return
