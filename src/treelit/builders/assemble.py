@@ -100,11 +100,13 @@ class Assembler:
             many records (None: at :meth:`flush` only, i.e. in memory).
         limits: :class:`Limits` (model and objective); default: none.
         stats: a :class:`~treelit.data.records.ReadStats` the skips are counted in.
+        name: the data's name in messages about the whole data (e.g. its path).
     """
 
     def __init__(self, builder: TreeBuilder, *, on_error: str = "raise", window: Optional[int] = None,
-                 limits: Optional[Limits] = None, stats: Optional[ReadStats] = None) -> None:
+                 limits: Optional[Limits] = None, stats: Optional[ReadStats] = None, name: str = "data") -> None:
         self.b = builder
+        self.name = name
         self.on_error = on_error
         self.window = window
         self.limits = limits or Limits()
@@ -182,16 +184,22 @@ class Assembler:
             return
         key = self.b.group_field
         if self.singletons == self.groups:
+            if hasattr(self.b, "group_key") and self.b.group_key is None:
+                raise DataError(
+                    f"{self.name}: advantage estimator {self.estimator!r}: tree_builder.group_key is not set, so every "
+                    "record is a group of one and every advantage would be 0; set tree_builder.group_key to the field "
+                    "naming the prompt or task, or use tree_builder.advantage=reinforce_pp (normalised over the batch)"
+                )
             raise DataError(
-                f"advantage estimator {self.estimator!r}: all {self.groups} groups (samples sharing '{key}') have a "
+                f"{self.name}: advantage estimator {self.estimator!r}: all {self.groups} groups (samples sharing '{key}') have a "
                 "single sample, so every advantage would be 0 and training would have no signal; give the rollouts "
                 f"of one prompt the same '{key}' value, or use tree_builder.advantage=reinforce_pp (normalised over "
                 "the batch)"
             )
         if self.singletons and not self._warned:
             self._warned = True
-            log.warning("advantage estimator %r: %d of %d groups (samples sharing '%s') have a single sample; their "
-                        "advantage is 0", self.estimator, self.singletons, self.groups, key)
+            log.warning("%s: advantage estimator %r: %d of %d groups (samples sharing '%s') have a single sample; "
+                        "their advantage is 0", self.name, self.estimator, self.singletons, self.groups, key)
 
     # per record ------------------------------------------------------------------------------
     def _encode(self, rec: Record, index: int) -> _Enc:

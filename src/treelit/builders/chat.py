@@ -50,10 +50,11 @@ def _strings(x: Any, where: str) -> None:
 def _check_tool_call(call: Any, where: str) -> None:
     if not isinstance(call, dict):
         raise DataError(f"{where}: a tool call must be an object, got {type(call).__name__}")
-    fn = call.get("function", call)
-    if "function" in call and not isinstance(fn, dict):
+    nested = call.get("function") is not None  # (a null 'function' is absent, as Parquet writes it)
+    fn = call["function"] if nested else call
+    if nested and not isinstance(fn, dict):
         raise DataError(f"{where}.function: must be an object with 'name' and 'arguments', got {type(fn).__name__}")
-    fwhere = f"{where}.function" if "function" in call else where
+    fwhere = f"{where}.function" if nested else where
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise DataError(f"{fwhere}.name: a tool call needs a non-empty string name, got {fn.get('name')!r}")
     args = fn.get("arguments")
@@ -109,6 +110,8 @@ def _conversations(rec: Dict[str, Any], source: str) -> List[Tuple[str, Any]]:
 def _normalise(m: Dict[str, Any], keep_thinking: bool) -> Dict[str, Any]:
     """A message as the template should see it (thinking folded into content or dropped)."""
     out = {k: v for k, v in m.items() if k not in ("reasoning_content", "thinking", "compaction")}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [{k: v for k, v in c.items() if not (k == "function" and v is None)} for c in out["tool_calls"]]
     thinking = m.get("reasoning_content") or m.get("thinking")
     if out.get("content") is None:
         out["content"] = ""

@@ -99,7 +99,7 @@ def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", lim
         raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
     if type(builder).__call__ is not TreeBuilder.__call__:
         return _legacy_build(path, builder, on_error, limits, stats)
-    asm = Assembler(builder, on_error=on_error, limits=limits, stats=stats)
+    asm = Assembler(builder, on_error=on_error, limits=limits, stats=stats, name=str(path))
     trees: List[BuiltTree] = []
     for item in iter_file(path):
         if isinstance(item, DataError):
