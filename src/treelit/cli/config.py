@@ -77,23 +77,21 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")
     strategy = (tr.get("strategy") or {})
     target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy)
-    if "ModelParallelStrategy" in target and (cfg.get("partition") or {}).get("name", "none") != "none":
-        raise ConfigError("partition=redundancy_free cannot run under FSDP2 (trainer strategy ModelParallelStrategy): "
-                          "its partition passes differ between ranks; use trainer=ddp or partition=none")
+    fsdp = "ModelParallelStrategy" in target or target.endswith("strategies.FSDP2")
+    if fsdp and (cfg.get("mode") != "tree" or cfg.get("verify_every")):
+        raise ConfigError("mode=linear and verify_every run per-branch passes whose number differs between ranks, "
+                          "which FSDP2 (every pass gathers and reduces) cannot align; use trainer=ddp_cpu/ddp or trainer=cpu")
     part = cfg.get("partition") or {}
     if part.get("name", "none") != "none":
         from treelit.partition import PARTITIONS
 
         PARTITIONS.get(part["name"])  # unknown names list the known ones
-        obj = (cfg.get("objective") or {}).get("name")
-        if obj != "sft":
-            raise ConfigError(f"partition={part['name']} runs objective=sft only (got objective={obj}); use partition=none")
     ckpt = (cfg.get("model") or {}).get("hf_checkpoint")
     if ckpt and not os.path.isdir(str(ckpt)):
         raise ConfigError(f"model.hf_checkpoint: directory {str(ckpt)!r} does not exist")
     resume = cfg.get("resume_from")
-    if resume and not os.path.isfile(str(resume)):
-        raise ConfigError(f"resume_from: checkpoint file {str(resume)!r} does not exist")
+    if resume and not os.path.exists(str(resume)):  # a file, or a sharded (FSDP2) checkpoint directory
+        raise ConfigError(f"resume_from: checkpoint {str(resume)!r} does not exist")
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "train") -> DictConfig:

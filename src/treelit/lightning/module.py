@@ -7,6 +7,15 @@ gradient accumulation gives exactly the gradient of the whole step. ``mode=linea
 runs the same objective per branch (the baseline); ``verify_every=N`` checks on one
 micro-batch every N steps that tree mode and linear mode agree (loss and gradient
 norm) and logs the relative differences.
+
+Several processes: under DDP the passes issue no collectives and treelit sums the
+gradients once per update; under FSDP2 (``ModelParallelStrategy``) the decoder is
+sharded per block (:func:`~treelit.utils.distributed.shard_model`) and every pass
+gathers and reduces, so every rank runs the same sequence of passes (partitioned
+micro-batches are aligned with empty passes, see :mod:`treelit.partition.engine`). An
+out-of-memory error on one rank is agreed on by all ranks after the update's passes,
+and all retry it with the smaller budget the planner picks. A collective that fails or
+times out is reported with the step it happened in.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 
 from treelit.lightning.data import StepBatch
 from treelit.objectives.base import Objective
+from treelit.utils.distributed import Collectives, is_sharded, shard_model
 from treelit.tree.batch import check_aggregation
 
 __all__ = ["TreeLitModule"]
@@ -33,6 +43,16 @@ def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak RSS (Linux: KiB)
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(k in text for k in ("timed out", "timeout", "gloo", "nccl",
+                                                                      "connection closed", "connection reset"))
 
 
 class TreeLitModule(pl.LightningModule):
@@ -101,10 +121,10 @@ class TreeLitModule(pl.LightningModule):
         self.old_logprobs = old_logprobs
         if partition not in ("none", "redundancy_free"):
             raise ValueError(f"partition must be 'none' or 'redundancy_free', got {partition!r}")
-        if partition != "none" and objective.name != "sft":
-            raise ValueError(
-                f"partition={partition} runs the sft objective only (objective={objective.name}); use partition=none"
-            )
+        if partition != "none":
+            from treelit.objectives.folding import fold_spec
+
+            fold_spec(objective)  # an objective that cannot run partitioned fails here, before training
         self.partition = partition
         self.budget_tokens = budget_tokens
         self.max_oom_retries = int(max_oom_retries)
@@ -113,23 +133,30 @@ class TreeLitModule(pl.LightningModule):
 
     # multi-process -----------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """FSDP2 (``ModelParallelStrategy``): shard the decoder over the data-parallel mesh. The
-        whole decoder is one FSDP unit because treelit's passes run inside its forward
-        (:func:`~treelit.models.decoder.in_forward`). FSDP2 averages gradients over ranks while
-        the loss is already divided by the step-global normaliser, so each backward is scaled
-        by the number of ranks: the reduced gradient is the sum, i.e. the single-process one."""
+        """FSDP2 (``ModelParallelStrategy``): shard the decoder per block over the data-parallel
+        mesh (:func:`~treelit.utils.distributed.shard_model`; gradients are summed over ranks,
+        which with the step-global normaliser is the single-process gradient). A frozen
+        reference model (``reference=initial``) is copied before sharding and sharded too."""
         mesh = getattr(self, "_device_mesh", None)
-        if mesh is None or getattr(self.model, "_treelit_sharded", False):
+        if mesh is None or is_sharded(self.model):
             return
-        from torch.distributed.fsdp import fully_shard
-
+        if self.mode != "tree" or self.verify_every:
+            raise ValueError("under FSDP2 every rank must run the same passes: mode=linear and verify_every "
+                             "(per-branch passes whose number differs between ranks) need trainer=cpu or trainer=ddp_cpu/ddp")
         dp = mesh["data_parallel"]
-        fully_shard(self.model, mesh=dp)
-        self.model._treelit_sharded = True
-        self._grad_scale = float(dp.size())  # FSDP2 averages over ranks; treelit needs the sum
+        policy = getattr(self.trainer.strategy, "treelit_mp_policy", None) if self._trainer is not None else None
+        if hasattr(self.objective, "_reference_model") and getattr(self.objective, "reference", None) == "initial":
+            shard_model(self.objective._reference_model(self.model), dp, mp_policy=policy)
+        shard_model(self.model, dp, mp_policy=policy)
 
     def _fsdp(self) -> bool:
-        return bool(getattr(self.model, "_treelit_sharded", False))
+        return is_sharded(self.model)
+
+    def _comm(self) -> Collectives:
+        """The data-parallel ranks (the trainer's; without one, the initialised process group)."""
+        if self._trainer is not None:
+            return Collectives(self.trainer.world_size, self.device)
+        return Collectives(device=self.device)
 
     def on_train_start(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -152,40 +179,49 @@ class TreeLitModule(pl.LightningModule):
     def step_normalizer(self, micro_batches) -> float:
         if self.aggregation == "sum":
             return 1.0
-        Z = float(sum(self.objective.norm_contribution(b, self.aggregation) for b in micro_batches))
-        if self.aggregation != "sum" and self.trainer is not None and self.trainer.world_size > 1:
-            z = torch.tensor(Z, dtype=torch.float64, device=self.device)
-            Z = float(self.trainer.strategy.reduce(z, reduce_op="sum"))
-        return Z
+        # padding micro-batches (no targets) contribute nothing, whatever fields an objective reads
+        Z = float(sum(self.objective.norm_contribution(b, self.aggregation) for b in micro_batches if b.num_targets))
+        return self._comm().sum(Z)
 
     def micro_loss(self, mb, Z: float, mode: Optional[str] = None):
         kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
+        if not mb.num_targets and (mode or self.mode) == "tree":
+            # a padding micro-batch: one pass through the model (the other ranks' collectives), loss 0
+            from treelit.loss.tree import tree_loss
+
+            return tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0), {}
         if (mode or self.mode) == "tree":
             return self.objective.tree_loss(self.model, mb, attention=self.attention, **kw)
         return self.objective.linear_loss(self.model, mb, **kw)
 
     @torch.no_grad()
     def record_rollout_logprobs(self, micro_batches) -> None:
-        """Set each micro-batch's old log-probs to the current policy's (tree mode, no grad)."""
+        """Set each micro-batch's old log-probs to the current policy's (tree mode, no grad;
+        partitioned like training when ``partition`` is on)."""
         from treelit.loss.tree import tree_token_logprobs
+        from treelit.partition.engine import policy_logprobs
 
         for mb in micro_batches:
-            sel, logp, _ = tree_token_logprobs(self.model, mb, self.attention, chunk_rows=self.chunk_rows)
-            old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64, device=mb.device)
-            old[sel] = logp.double()
+            if self.partition != "none":
+                old = policy_logprobs(self.model, mb, budget_tokens=self.budget_tokens, attention=self.attention,
+                                      chunk_rows=self.chunk_rows, comm=self._comm())
+            else:
+                sel, logp, _ = tree_token_logprobs(self.model, mb, self.attention, chunk_rows=self.chunk_rows)
+                old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64, device=mb.device)
+                old[sel] = logp.double()
             mb.token_old_logp = old
             mb.branch_old_logp = old[mb.branch_tokens]
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._fsdp():
-            (loss * getattr(self, "_grad_scale", 1.0)).backward()
-        elif self._distributed():
+            loss.backward()  # FSDP2 sums the gradients over ranks (divide factor 1)
+        elif self._distributed() or self._trainer is None:
             loss.backward()  # gradients are summed across ranks once per update (sync_gradients)
         else:
             self.manual_backward(loss)
 
     def _distributed(self) -> bool:
-        return self.trainer is not None and self.trainer.world_size > 1
+        return self._comm().distributed
 
     def sync_gradients(self) -> None:
         """Sum gradients over ranks, once per update. The loss is already divided by the
@@ -208,47 +244,13 @@ class TreeLitModule(pl.LightningModule):
             off += n
 
     def _update(self, micro_batches) -> Dict[str, float]:
-        """Forward and backward every micro-batch with the shared normaliser, then one step.
-        On an out-of-memory error the gradients are cleared and the update is retried with a
-        smaller partition budget: the result is that of an undisturbed update."""
+        """Forward and backward every micro-batch with the shared normaliser, then one step."""
         from treelit.lightning.planner import MemoryPlanner
 
-        planner = next((c for c in (self.trainer.callbacks if self.trainer else []) if isinstance(c, MemoryPlanner)), None)
-        for attempt in range(self.max_oom_retries + 1):
-            try:
-                return self._update_once(micro_batches)
-            except torch.OutOfMemoryError:
-                self.optimizers().zero_grad(set_to_none=True)
-                if attempt == self.max_oom_retries or planner is None:
-                    raise
-                self.budget_tokens = planner.shrink(self, micro_batches)
-                log.warning("out of memory: retrying the update with a budget of %s tokens", self.budget_tokens)
-        raise AssertionError("unreachable")
-
-    def _update_once(self, micro_batches) -> Dict[str, float]:
-        from treelit.partition import PartitionStats, tree_backward
-
+        planner = next((c for c in (self.trainer.callbacks if self._trainer is not None else [])
+                        if isinstance(c, MemoryPlanner)), None)
+        out = self.compute_gradients(micro_batches, planner)
         opt = self.optimizers()
-        Z = self.step_normalizer(micro_batches)
-        total = 0.0
-        metrics: Dict[str, float] = {}
-        stats = PartitionStats()
-        for mb in micro_batches:
-            if self.partition != "none" and self.mode == "tree":
-                total += tree_backward(
-                    self.model, mb, self.aggregation, self.partition, self.budget_tokens, normalizer=Z,
-                    attention=self.attention, chunk_rows=self.chunk_rows, stats=stats,
-                )
-                continue
-            loss, m = self.micro_loss(mb, Z)
-            self._backward(loss)
-            total += float(loss.detach())
-            stats.partitions += 1
-            stats.token_forwards += mb.num_tokens
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro_batches)
-        self.last_partition_stats = stats
-        self.sync_gradients()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
@@ -258,12 +260,77 @@ class TreeLitModule(pl.LightningModule):
         sch = self.lr_schedulers()
         if sch is not None:
             sch.step()
-        extra = {"partitions": float(stats.partitions), "token_forwards": float(stats.token_forwards)}
+        return {**out, "grad_norm": grad_norm}
+
+    def compute_gradients(self, micro_batches, planner=None) -> Dict[str, float]:
+        """The update's gradients in ``.grad`` (summed over ranks; sharded under FSDP2) and its
+        loss and metrics. On an out-of-memory error (on any rank: the ranks agree after the
+        passes) the gradients are cleared and every rank retries with the smaller partition
+        budget the ``planner`` picks: the result is that of an undisturbed update."""
+        Z = self.step_normalizer(micro_batches)
+        comm = self._comm()
+        for attempt in range(self.max_oom_retries + 1):
+            out = self._accumulate(micro_batches, Z, comm)
+            if out is not None:
+                return out
+            self.model.zero_grad(set_to_none=True)
+            if attempt == self.max_oom_retries or planner is None:
+                raise torch.OutOfMemoryError(
+                    f"out of memory at step {self.global_step} with a partition budget of {self.budget_tokens} tokens"
+                    + ("" if planner is None else f" after {attempt} retries") + " (callbacks=planner retries with smaller budgets)"
+                )
+            self.budget_tokens = planner.shrink(self, micro_batches)
+            log.warning("out of memory: retrying the update with a budget of %s tokens", self.budget_tokens)
+        raise AssertionError("unreachable")
+
+    def _accumulate(self, micro_batches, Z: float, comm: Collectives) -> Optional[Dict[str, float]]:
+        """One attempt; None when some rank ran out of memory (gradients then unusable)."""
+        from treelit.partition import PartitionStats, run_micro_batch
+
+        total = 0.0
+        metrics: Dict[str, float] = {}
+        stats = PartitionStats()
+        failed = False
+        for mb in micro_batches:
+            if self.partition != "none" and self.mode == "tree":
+                res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
+                                      budget_tokens=self.budget_tokens, attention=self.attention,
+                                      chunk_rows=self.chunk_rows, stats=stats, comm=comm, failed=failed)
+                failed = failed or res.failed
+                loss_value, m = res.loss, res.metrics
+            else:
+                loss, m = self.micro_loss(mb, Z)
+                self._backward(loss)
+                loss_value = float(loss.detach())
+                stats.partitions += 1
+                stats.token_forwards += mb.num_tokens
+            total += loss_value
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro_batches)
+        if self.partition != "none" and comm.max(float(failed)) > 0:
+            return None
+        self.last_partition_stats = stats
+        self.sync_gradients()
+        extra = {"partitions": float(stats.partitions), "token_forwards": float(stats.token_forwards),
+                 "extra_forwards": float(stats.extra_forwards), "empty_passes": float(stats.empty_passes)}
         if self.budget_tokens is not None:
             extra["budget_tokens"] = float(self.budget_tokens)
-        return {"loss": total, "grad_norm": grad_norm, **extra, **metrics}
+        return {"loss": total, **extra, **metrics}
 
     def training_step(self, batch: StepBatch, batch_idx: int):
+        try:
+            return self._training_step(batch)
+        except Exception as exc:  # name the step when a collective fails or times out
+            if not self._distributed() or not _is_collective_error(exc):
+                raise
+            rank = self.trainer.global_rank
+            raise RuntimeError(
+                f"step {self.global_step} (data step {batch.index}), rank {rank} of {self.trainer.world_size}: a "
+                f"collective failed or timed out - the ranks issued different collectives, or one rank stopped "
+                f"(see the other ranks' errors). {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _training_step(self, batch: StepBatch):
         t0 = time.perf_counter()
         micro = batch.micro_batches
         if self.old_logprobs == "rollout":

@@ -1,13 +1,17 @@
 """``MemoryPlanner``: pick the partition budget before each step from the memory available.
 
-Memory available: on CUDA the free device memory (``torch.cuda.mem_get_info``) times
-``fraction``, *min-reduced across ranks* so every rank follows the same plan and issues
-the same collectives; on CPU a configured ``memory_limit_bytes``. The cost model is
-linear in the tokens alive along a chain of partitions, ``peak = bytes_per_token *
-chain_tokens``; ``bytes_per_token`` starts from ``initial_bytes_per_token`` and is
-calibrated from the peaks observed in earlier steps (the largest ratio seen, with a
-safety margin). The chosen budget and the observed peak are logged. On an
-out-of-memory error the module asks :meth:`shrink` for a smaller budget and retries.
+Memory available, per rank: on CUDA the free device memory (``torch.cuda.mem_get_info``,
+measured before the step, so after sharding: under FSDP2 each rank holds its shards of
+the parameters, gradients and optimizer state) times ``fraction``; on CPU a configured
+``memory_limit_bytes`` (one number, or one per rank). The cost model is linear in the
+tokens alive along a chain of partitions, ``peak = bytes_per_token * chain_tokens``;
+``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on each
+rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
+margin). Each rank's budget is ``available / (bytes_per_token * margin)``; the budget
+used is the **minimum over ranks**, so every rank plans with the same budget and (under
+FSDP2) runs aligned passes. On an out-of-memory error on any rank, every rank asks
+:meth:`shrink` for a smaller budget and retries the update. The chosen budget and the
+observed peak are logged.
 """
 
 from __future__ import annotations
@@ -53,34 +57,47 @@ class MemoryPlanner(pl.Callback):
         self.measure_cpu = measure_cpu
         self.history: list = []
         self._tracker: Optional[LiveBytes] = None
+        self._shrunk = False
 
     # memory available ------------------------------------------------------------------------
+    def _limit(self, pl_module) -> Optional[float]:
+        lim = self.memory_limit_bytes
+        if lim is None:
+            return None
+        if isinstance(lim, (list, tuple)) or hasattr(lim, "__getitem__") and not isinstance(lim, (int, float, str)):
+            rank = pl_module._comm().rank
+            lims = list(lim)
+            if len(lims) <= rank:
+                raise ValueError(f"callbacks.memory_planner.memory_limit_bytes lists {len(lims)} limits; rank {rank} has none")
+            return float(lims[rank])
+        return float(lim)
+
     def available_bytes(self, pl_module) -> float:
+        """This rank's memory for a step (not reduced over ranks)."""
         dev = pl_module.device
+        limit = self._limit(pl_module)
         if dev.type == "cuda":
             free, _ = torch.cuda.mem_get_info(dev)
-            avail = float(free)
-            if self.memory_limit_bytes is not None:
-                avail = min(avail, float(self.memory_limit_bytes))
+            avail = float(free) if limit is None else min(float(free), limit)
         else:
-            if self.memory_limit_bytes is None:
+            if limit is None:
                 raise ValueError("MemoryPlanner on CPU needs callbacks.memory_planner.memory_limit_bytes")
-            avail = float(self.memory_limit_bytes)
-        avail *= self.fraction
-        trainer = pl_module.trainer
-        if trainer is not None and trainer.world_size > 1:  # every rank follows the same plan
-            t = torch.tensor(avail, dtype=torch.float64, device=dev)
-            avail = float(trainer.strategy.reduce(t, reduce_op="min"))
-        return avail
+            avail = limit
+        return avail * self.fraction
 
     def budget_for(self, pl_module, micro_batches) -> int:
+        """The step's budget: the minimum over ranks of each rank's own (a collective)."""
+        comm = pl_module._comm()
         longest = max(int(mb.position_ids.max()) + 1 for mb in micro_batches)
-        budget = int(self.available_bytes(pl_module) / (self.bytes_per_token * self.margin))
+        avail = self.available_bytes(pl_module)
+        local = int(avail / (self.bytes_per_token * self.margin))
+        budget = int(comm.min(local))
+        longest = int(comm.max(longest))
         if budget < longest:
             raise RuntimeError(
-                f"the memory available ({self.available_bytes(pl_module) / 2**20:.0f} MiB at about "
-                f"{self.bytes_per_token * self.margin / 1024:.1f} KiB per token) holds {budget} tokens, "
-                f"less than the longest branch ({longest} tokens)"
+                f"the memory available holds {budget} tokens per chain of partitions (the smallest over ranks; this "
+                f"rank: {avail / 2**20:.0f} MiB at about {self.bytes_per_token * self.margin / 1024:.1f} KiB per "
+                f"token), less than the longest branch ({longest} tokens)"
             )
         return budget
 
@@ -104,7 +121,9 @@ class MemoryPlanner(pl.Callback):
             return
         stats = pl_module.last_partition_stats
         chain = max(1, stats.max_chain_tokens if stats is not None and stats.max_chain_tokens else 1)
-        self.bytes_per_token = max(self.bytes_per_token if self.history else 0.0, peak / chain)
+        # the initial guess gives way to the first measurement, unless an out-of-memory error raised it
+        keep = self.history or self._shrunk
+        self.bytes_per_token = max(self.bytes_per_token if keep else 0.0, peak / chain)
         row = {"step": trainer.global_step, "budget": pl_module.budget_tokens, "peak": peak, "chain_tokens": chain}
         self.history.append(row)
         pl_module.log_dict({"planner/budget_tokens": float(row["budget"]), "planner/peak_bytes": peak,
@@ -113,6 +132,7 @@ class MemoryPlanner(pl.Callback):
     def shrink(self, pl_module, micro_batches) -> int:
         """A smaller budget after an out-of-memory error (the cost model is raised to match)."""
         self.bytes_per_token /= self.shrink_factor
+        self._shrunk = True
         if self._tracker is not None:
             self._tracker.peak = self._tracker.current
         return self.budget_for(pl_module, micro_batches)

@@ -1,0 +1,374 @@
+"""One micro-batch's forward and backward, partitioned, for any objective, on any number of ranks.
+
+Phases, each over the same partition plan (the whole row when it fits the budget):
+
+1. *reference* (objectives with a frozen reference model): no-gradient log-probs of the
+   targets under the reference model;
+2. *log-probs* (sequence-level objectives, see :mod:`treelit.objectives.folding`):
+   no-gradient log-probs (and entropies) of every target under the policy, from which the
+   loss value and ``dL/dlogp`` are computed. Its forwards are reported apart
+   (``PartitionStats.extra_forwards``);
+3. *gradient*: the partitions forwarded depth first, each folding its own targets'
+   loss terms (token-separable objectives) or the surrogate ``sum g_t logp_t``, and
+   backwarded deepest first with the gradients of their K/V and states relayed.
+
+Under FSDP2 every pass issues collectives, so ranks exchange their pass words and run
+one aligned schedule with empty passes in the gaps (:mod:`treelit.partition.schedule`);
+forward-only phases run the largest count of forwards. Under DDP and on one process
+the passes issue no collectives and run as planned.
+
+Out of memory: a block that runs out of memory marks the pass failed (see
+:mod:`treelit.utils.blocks`); the rest of the micro-batch still issues every collective
+with empty passes, and :attr:`MicroBatchResult.failed` tells the caller, who agrees with
+the other ranks and retries the update with a smaller budget. Without FSDP an
+out-of-memory error anywhere in a pass is caught the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from treelit.loss.logprobs import token_logprobs, weighted_nll
+from treelit.models.decoder import in_forward, output_weight
+from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
+from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
+from treelit.partition.plan import plan_partitions
+from treelit.partition.schedule import BACKWARD, FORWARD, align, decode, dfs_word, encode
+from treelit.tree.batch import TreeBatch
+from treelit.utils.blocks import OOMGuard
+from treelit.utils.distributed import Collectives, is_sharded
+
+__all__ = ["PartitionStats", "MicroBatchResult", "run_micro_batch", "policy_logprobs"]
+
+
+@dataclass
+class PartitionStats:
+    partitions: int = 0  # gradient passes with work (empty passes not counted)
+    token_forwards: int = 0  # tokens through the model with gradients (== tree tokens: redundancy-free)
+    extra_forwards: int = 0  # tokens through the model without gradients (log-prob / reference passes)
+    empty_passes: int = 0  # passes run only to take part in the other ranks' collectives
+    tree_tokens: int = 0
+    budget: Optional[int] = None
+    max_chain_tokens: int = 0
+    per_partition: List[int] = field(default_factory=list)
+
+
+@dataclass
+class MicroBatchResult:
+    loss: float
+    metrics: Dict[str, float]
+    failed: bool = False  # an out-of-memory error: the gradients are not usable
+
+
+@dataclass
+class _Live:
+    index: int  # partition index (-1: an empty pass)
+    loss: torch.Tensor
+    produced: List[torch.Tensor]
+    leaves: List[torch.Tensor]
+
+
+class _Run:
+    """Shared state of one micro-batch: model, batch, plan, heads, buffers, failure."""
+
+    def __init__(self, model, objective, batch: TreeBatch, plan, spec: FoldSpec, aggregation, Z, attention,
+                 chunk_rows, stats: PartitionStats, comm: Collectives, failed: bool) -> None:
+        self.model, self.objective, self.batch, self.spec = model, objective, batch, spec
+        self.rp = RowPlan(batch, plan)
+        self.aggregation, self.Z, self.attention, self.chunk_rows = aggregation, Z, attention, chunk_rows
+        self.stats, self.comm = stats, comm
+        self.sharded = is_sharded(model)
+        self.aligned = self.sharded and comm.distributed
+        self.failed = failed
+        self.N = batch.num_tokens
+        self.sel = target_selection(batch)
+        self.ref: Optional[torch.Tensor] = None  # [N] reference log-probs (reference-model objectives)
+        self.collected: List[Any] = []
+        self._empty: Optional[TreeBatch] = None
+
+    def empty(self) -> TreeBatch:
+        if self._empty is None:
+            self._empty = empty_row(self.batch.device)
+        return self._empty
+
+    def guard(self) -> Optional[OOMGuard]:
+        return OOMGuard()
+
+    # forward-only phases ----------------------------------------------------------------
+    def collect(self, model, with_entropy: bool):
+        """No-gradient log-probs (and entropies) ``[N]`` of every target token under ``model``."""
+        N, dev = self.N, self.batch.device
+        lp = torch.full((N,), float("nan"), dtype=torch.float64, device=dev)
+        en = torch.full((N,), float("nan"), dtype=torch.float64, device=dev) if with_entropy else None
+        rp = self.rp
+        order = list(range(len(rp.parts)))
+        n_fwd = len(order) if not self.failed else 0
+        total = max(c[0] for c in self.comm.gather_lists([n_fwd])) if self.aligned else n_fwd
+        captured: Dict[int, Captures] = {}
+        chain: List[int] = []
+        with torch.no_grad():
+            for step in range(total):
+                if self.failed and not self.aligned:
+                    break
+                if step >= n_fwd or self.failed:
+                    self._empty_forward(model, grad=False)
+                    continue
+                i = order[step]
+                while chain and chain[-1] != rp.parts[i].parent:
+                    captured.pop(chain.pop(), None)
+                sub, tokens = rp.row(i)
+                guard = self.guard()
+
+                def run(m, i=i, sub=sub, tokens=tokens, guard=guard):
+                    h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
+                                               rp.boundary[i], oom_guard=guard)
+                    rows, tok = rp.targets(i, sub, tokens)
+                    keep = self.batch.target_count[tok] > 0
+                    logp, ent = token_logprobs(h[rows[keep]], output_weight(m), self.batch.input_ids[tok[keep]],
+                                               chunk_rows=self.chunk_rows, with_entropy=with_entropy)
+                    return tok[keep], logp, ent, ctx
+
+                try:
+                    tok, logp, ent, ctx = in_forward(model, run)
+                except torch.OutOfMemoryError:
+                    if self.sharded:
+                        raise
+                    self.failed = True
+                    continue
+                if guard.failed:
+                    self.failed = True
+                    continue
+                lp[tok] = logp.double()
+                if en is not None:
+                    en[tok] = ent.double()
+                captured[i] = captures_of(ctx, grad=False)[0]
+                chain.append(i)
+                self.stats.extra_forwards += rp.parts[i].size
+        return lp, en
+
+    def _empty_forward(self, model, grad: bool):
+        row = self.empty()
+
+        def run(m):
+            h, _ = forward_partition(m, row, self.attention, None, False, None)
+            return (h.sum() + output_weight(m).sum()) * 0
+
+        loss = in_forward(model, run)
+        self.stats.empty_passes += 1
+        return loss
+
+    # the gradient phase -------------------------------------------------------------------
+    def head_loss(self, m, h, rows, tok, emb_buf, out_buf, grads):
+        """This partition's share of the loss (a tensor to backward) and its detached log-probs."""
+        b = self.batch
+        if not self.sel.numel():  # no targets in this micro-batch (a padding one): a zero loss
+            return (h.sum() + output_weight(m).sum()) * 0, None
+        if self.spec.fused_sft:
+            w = b.token_weights(self.aggregation)[tok]
+            keep = w != 0
+            coef = (w[keep] / self.Z if self.Z > 0 else torch.zeros_like(w[keep])).to(h.dtype)
+            return weighted_nll(h[rows[keep]], output_weight(m), b.input_ids[tok[keep]], coef,
+                                chunk_rows=self.chunk_rows, weight_grad_accumulator=out_buf), None
+        keep = b.target_count[tok] > 0
+        tok = tok[keep]
+        logp, ent = token_logprobs(h[rows[keep]], output_weight(m), b.input_ids[tok], chunk_rows=self.chunk_rows,
+                                   with_entropy=self.spec.needs_entropy)
+        if grads is not None:  # the surrogate of a sequence-level loss
+            g_lp, g_ent = grads
+            loss = (g_lp[tok].to(logp.dtype) * logp).sum()
+            if g_ent is not None:
+                loss = loss + (g_ent[tok].to(ent.dtype) * ent).sum()
+        else:
+            loss, _ = loss_from_logprobs(self.objective, b, tok, logp, ent, aggregation=self.aggregation,
+                                         normalizer=self.Z, ref=self.ref)
+        return loss, (tok, logp.detach(), None if ent is None else ent.detach())
+
+    def gradient_phase(self, grads) -> float:
+        rp, model = self.rp, self.model
+        word = dfs_word(rp.parents)
+        if self.aligned:
+            words = [decode(w) for w in self.comm.gather_lists(encode(word))]
+            ops = align(words)[self.comm.rank]
+        else:
+            ops = word
+        emb, W_out = model.tok_embeddings.weight, None
+        use_buffers = not self.sharded
+        emb_buf = torch.zeros_like(emb) if use_buffers and emb.requires_grad else None
+        out_buf = None
+        if use_buffers and self.spec.fused_sft:
+            W_out = output_weight(model)
+            out_buf = emb_buf if W_out is emb else (torch.zeros_like(W_out) if W_out.requires_grad else None)
+        captured: Dict[int, Captures] = {}
+        chain: List[_Live] = []
+        empties: List[_Live] = []
+        total = 0.0
+        for kind, i in ops:
+            if self.failed and not self.aligned:
+                break  # no collectives to keep company: drop the rest
+            if kind == FORWARD:
+                if i < 0 or self.failed:
+                    live = _Live(-1 if i < 0 else i, self._empty_forward(model, grad=True), [], [])
+                    (empties if i < 0 else chain).append(live)
+                    continue
+                live, value = self._forward_real(i, captured, emb_buf, out_buf, grads)
+                if live is None:  # out of memory (caught): the rest runs empty
+                    chain.append(_Live(i, self._empty_forward(model, grad=True), [], []))
+                    continue
+                chain.append(live)
+                total += value
+            else:
+                live = empties.pop() if i < 0 else chain.pop()
+                if i >= 0 and live.index != i:
+                    raise AssertionError(f"pass schedule out of order: backward of {i}, chain top {live.index}")
+                self._finish(live)
+                captured.pop(i, None)
+        for param, buf in ((emb, emb_buf), (W_out, out_buf if out_buf is not emb_buf else None)):
+            if buf is not None and param is not None and not self.failed:
+                param.grad = buf if param.grad is None else param.grad.add_(buf)
+        return total
+
+    def _forward_real(self, i, captured, emb_buf, out_buf, grads):
+        rp = self.rp
+        sub, tokens = rp.row(i)
+        guard = self.guard()
+
+        def run(m):
+            h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
+                                       rp.boundary[i], embedding_grad_accumulator=emb_buf, oom_guard=guard)
+            if guard.failed:
+                return (h.sum() + output_weight(m).sum()) * 0, None, ctx
+            rows, tok = rp.targets(i, sub, tokens)
+            loss, got = self.head_loss(m, h, rows, tok, emb_buf, out_buf, grads)
+            return loss, got, ctx
+
+        try:
+            loss, got, ctx = in_forward(self.model, run)
+        except torch.OutOfMemoryError:
+            if self.sharded:
+                raise
+            self.failed = True
+            return None, 0.0
+        if guard.failed:
+            self.failed = True
+            return _Live(i, loss, [], []), 0.0
+        if got is not None:
+            self.collected.append(got)
+        cap, produced, leaves = captures_of(ctx, grad=True) if rp.children[i] else (Captures({}, {}), [], [])
+        captured[i] = cap
+        size = rp.parts[i].size
+        self.stats.partitions += 1
+        self.stats.token_forwards += size
+        self.stats.per_partition.append(size)
+        return _Live(i, loss, produced, leaves), float(loss.detach())
+
+    def _finish(self, live: _Live) -> None:
+        tensors, grads = [live.loss], [torch.ones_like(live.loss)]
+        for t, leaf in zip(live.produced, live.leaves):
+            if leaf.grad is not None:
+                tensors.append(t)
+                grads.append(leaf.grad)
+        try:
+            torch.autograd.backward(tensors, grads)
+        except torch.OutOfMemoryError:
+            if self.sharded:
+                raise
+            self.failed = True
+
+
+def run_micro_batch(
+    model,
+    objective,
+    batch: TreeBatch,
+    *,
+    aggregation: str,
+    normalizer: float,
+    budget_tokens: Optional[int] = None,
+    attention: Any = "auto",
+    chunk_rows: Optional[int] = None,
+    stats: Optional[PartitionStats] = None,
+    comm: Optional[Collectives] = None,
+    failed: bool = False,
+) -> MicroBatchResult:
+    """Forward and backward ``batch`` (accumulating ``.grad``) under ``budget_tokens`` tokens
+    per chain of partitions (None: one pass). ``normalizer``: the step-global Z.
+    ``failed``: an earlier micro-batch of this update ran out of memory (this one then runs
+    empty passes only, keeping the collectives of the other ranks company)."""
+    stats = stats if stats is not None else PartitionStats()
+    comm = comm if comm is not None else Collectives(1)
+    spec = fold_spec(objective)
+    N = batch.num_tokens
+    stats.tree_tokens += N
+    stats.budget = budget_tokens
+    plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
+    stats.max_chain_tokens = max(stats.max_chain_tokens, plan.max_chain_tokens)
+    run = _Run(model, objective, batch, plan, spec, aggregation, float(normalizer), attention, chunk_rows, stats, comm, failed)
+    if spec.reference_model:
+        run.ref, _ = run.collect(objective._reference_model(model), with_entropy=False)
+    grads = None
+    metrics: Dict[str, float] = {}
+    value = None
+    if not spec.token_separable:
+        lp, en = run.collect(model, with_entropy=spec.needs_entropy)
+        if not run.sel.numel():  # nothing to train (a padding micro-batch)
+            grads, value = (torch.zeros(N, dtype=torch.float64, device=batch.device), None), 0.0
+        elif not run.failed:
+            sel = run.sel
+            leaf_lp = lp[sel].to(_dtype(model)).requires_grad_()
+            leaf_en = en[sel].to(_dtype(model)).requires_grad_() if en is not None else None
+            with torch.enable_grad():
+                loss, metrics = loss_from_logprobs(objective, batch, sel, leaf_lp, leaf_en, aggregation=aggregation,
+                                                   normalizer=normalizer, ref=run.ref)
+                inputs = [leaf_lp] + ([leaf_en] if leaf_en is not None else [])
+                g = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+            g_lp = torch.zeros(N, dtype=torch.float64, device=batch.device)
+            if g[0] is not None:
+                g_lp[sel] = g[0].double()
+            g_en = None
+            if leaf_en is not None:
+                g_en = torch.zeros(N, dtype=torch.float64, device=batch.device)
+                if g[1] is not None:
+                    g_en[sel] = g[1].double()
+            grads = (g_lp, g_en)
+            value = float(loss.detach())
+        else:
+            grads = (torch.zeros(N, dtype=torch.float64, device=batch.device), None)
+    total = run.gradient_phase(grads)
+    if value is None:
+        value = total
+        if not spec.fused_sft and run.collected and not run.failed and run.sel.numel():
+            # the value and metrics from all targets at once (the same arithmetic as tree mode)
+            tok = torch.cat([c[0] for c in run.collected])
+            logp = torch.cat([c[1] for c in run.collected])
+            ent = torch.cat([c[2] for c in run.collected]) if spec.needs_entropy else None
+            with torch.no_grad():
+                loss, metrics = loss_from_logprobs(objective, batch, tok, logp, ent, aggregation=aggregation,
+                                                   normalizer=normalizer, ref=run.ref)
+            value = float(loss)
+    return MicroBatchResult(value, metrics, run.failed)
+
+
+def _dtype(model) -> torch.dtype:
+    p = next(model.parameters())
+    dt = p.dtype
+    return dt if dt in (torch.float32, torch.float64) else torch.float32
+
+
+@torch.no_grad()
+def policy_logprobs(model, batch: TreeBatch, *, budget_tokens: Optional[int] = None, attention: Any = "auto",
+                    chunk_rows: Optional[int] = None, comm: Optional[Collectives] = None,
+                    stats: Optional[PartitionStats] = None) -> torch.Tensor:
+    """``[N]`` float64 log-probs of every target token under ``model`` (NaN elsewhere), from a
+    no-gradient pass over the partitions of ``budget_tokens`` (rollout log-probs)."""
+    comm = comm if comm is not None else Collectives(1)
+    stats = stats if stats is not None else PartitionStats()
+    N = batch.num_tokens
+    plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
+    spec = FoldSpec(False, False, False, False)
+    run = _Run(model, None, batch, plan, spec, "sum", 1.0, attention, chunk_rows, stats, comm, False)
+    lp, _ = run.collect(model, with_entropy=False)
+    if comm.max(float(run.failed)) > 0:
+        raise torch.OutOfMemoryError(f"out of memory computing rollout log-probs (budget {budget_tokens} tokens)")
+    return lp

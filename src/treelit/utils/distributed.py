@@ -1,0 +1,154 @@
+"""Data parallelism helpers: FSDP2 sharding per block, and the few collectives treelit issues.
+
+**Sharding.** :func:`shard_model` applies ``fully_shard`` to every entry of
+``model.layers`` (whatever its class: attention, recurrent, MoE), to the token
+embeddings when the head does not share their weight, and then to the root (which
+keeps the final norm and the head). At rest each rank holds 1/world of every
+parameter, its gradient and its optimizer state; a block's parameters are gathered
+only while that block runs (forward, and again in its backward) because treelit's
+passes call every block through its module call (:mod:`treelit.utils.blocks`).
+Gradients are *summed* over ranks (divide factor 1): treelit's losses are already
+divided by the step-global normaliser, so the sum is the single-process gradient.
+Parameters a rank's passes did not reach are reduced as zeros
+(``reduce_scatter_unused_params``), so ranks never disagree on which collectives to
+run (an MoE expert no token of this rank was routed to, a pass that failed).
+
+**Collectives.** :class:`Collectives` wraps the process group (or nothing, on one
+process) for the step-level agreements: normaliser sums, budget minimums, the
+partition schedules of :mod:`treelit.partition.schedule`, out-of-memory flags.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["shard_model", "is_sharded", "Collectives", "mixed_precision_policy"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` is an FSDP2 module (its parameters are sharded DTensors)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def mixed_precision_policy(param_dtype: Optional[str] = None, reduce_dtype: Optional[str] = None):
+    """An FSDP2 ``MixedPrecisionPolicy`` from dtype names (None: no policy)."""
+    if param_dtype is None and reduce_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def parse(name):
+        if name is None:
+            return None
+        if name not in _DTYPES:
+            raise ValueError(f"FSDP mixed precision dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+        return _DTYPES[name]
+
+    return MixedPrecisionPolicy(param_dtype=parse(param_dtype), reduce_dtype=parse(reduce_dtype))
+
+
+def _head_shares_embedding(model: nn.Module) -> bool:
+    from treelit.models.decoder import output_weight
+
+    try:
+        return output_weight(model) is model.tok_embeddings.weight
+    except (TypeError, NotImplementedError):
+        return True  # an unknown head: keep it with the embeddings in the root
+
+
+def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
+    """FSDP2 per block: ``fully_shard`` each of ``model.layers``, the embeddings (untied
+    heads only) and the root. Returns ``model`` (now an ``FSDPModule``)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if is_sharded(model):
+        return model
+    kw: dict = {"mesh": mesh}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no `layers`: cannot shard it per block")
+    for layer in layers:
+        fully_shard(layer, **kw)
+    if not _head_shares_embedding(model):
+        fully_shard(model.tok_embeddings, **kw)
+    fully_shard(model, **kw)
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            mod.set_gradient_divide_factor(1.0)
+            mod.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+            mod.set_reduce_scatter_unused_params(True)
+    return model
+
+
+class Collectives:
+    """The step-level collectives over the default process group; no-ops on one process."""
+
+    def __init__(self, world_size: Optional[int] = None, device: Optional[torch.device] = None) -> None:
+        import torch.distributed as dist
+
+        active = dist.is_available() and dist.is_initialized()
+        self.world = int(world_size) if world_size is not None else (dist.get_world_size() if active else 1)
+        self.rank = dist.get_rank() if active and self.world > 1 else 0
+        self.device = device if device is not None else torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def _reduce(self, value: float, op) -> float:
+        if not self.distributed:
+            return float(value)
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return float(t[0])
+
+    def sum(self, value: float) -> float:
+        import torch.distributed as dist
+
+        return self._reduce(value, dist.ReduceOp.SUM if self.distributed else None)
+
+    def min(self, value: float) -> float:
+        import torch.distributed as dist
+
+        return self._reduce(value, dist.ReduceOp.MIN if self.distributed else None)
+
+    def max(self, value: float) -> float:
+        import torch.distributed as dist
+
+        return self._reduce(value, dist.ReduceOp.MAX if self.distributed else None)
+
+    def gather_lists(self, values: List[int]) -> List[List[int]]:
+        """Every rank's list of small ints (all ranks receive all lists)."""
+        if not self.distributed:
+            return [list(values)]
+        import torch.distributed as dist
+
+        n = torch.tensor([len(values)], dtype=torch.long, device=self.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        dist.all_gather(sizes, n)
+        width = max(int(s[0]) for s in sizes)
+        buf = torch.full((max(width, 1),), -1, dtype=torch.long, device=self.device)
+        if values:
+            buf[: len(values)] = torch.tensor(values, dtype=torch.long)
+        out = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(out, buf)
+        return [o[: int(s[0])].tolist() for o, s in zip(out, sizes)]
+
+    def __repr__(self) -> str:
+        return f"Collectives(rank={self.rank}, world={self.world})"
+
+
+def gather_full(t: Any) -> torch.Tensor:
+    """A sharded (DTensor) tensor gathered to a full local tensor; plain tensors unchanged.
+    A collective under FSDP2: every rank must call it."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

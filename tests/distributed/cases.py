@@ -1,0 +1,151 @@
+"""Worker functions for the multi-process tests (run on every rank by harness.launch).
+
+:func:`exact_step` trains nothing: it computes one update's loss and gradients the way
+``TreeLitModule`` does on several ranks (FSDP2 per block or DDP, partitions, the memory
+planner with a memory limit per rank, activation checkpointing) and, on rank 0, the
+same step on one process with the plain unpartitioned tree loss of the objective on an
+unsharded copy of the model, and returns the differences.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+import treelit
+from helpers import grad_floor, max_rel_grad_diff, negligible_grad, tiny_model
+from treelit.objectives import make_objective
+
+EMPTY = treelit.TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]])
+
+
+def make_trees(kind: str, n_trees: int = 6, seed: int = 0) -> List[treelit.TokenTree]:
+    """Trees of very different sizes (ranks get different shares and partition counts).
+    ``kind``: ``sft``, ``rl`` (advantages; old log-probs near the tiny models' own), ``dpo``."""
+    rng = np.random.default_rng(seed)
+    trees = []
+    for t in range(n_trees):
+        prefix = [int(x) for x in rng.integers(1, 11, 3 + 3 * t)]
+        nb = 2 * (1 + t // 2) if kind == "dpo" else 2 + t
+        branches = [prefix + [int(x) for x in rng.integers(1, 11, 3 + (3 * b + t) % 8)] for b in range(nb)]
+        masks = [[0] * len(prefix) + [1] * (len(b) - len(prefix)) for b in branches]
+        weights = [1.0 + 0.5 * (b % 3) for b in range(nb)]
+        if kind == "dpo":
+            ref = [[None] + [float(-2.4 + 0.3 * np.sin(hash(tuple(b[: i + 1])) % 97)) for i in range(1, len(b))]
+                   for b in branches]
+            fields = {"pair": [b // 2 for b in range(nb)], "chosen": [b % 2 == 0 for b in range(nb)]}
+            trees.append(treelit.TokenTree.from_branches(branches, masks, weights, ref_logprobs=ref, branch_fields=fields))
+        elif kind == "rl":
+            adv = [float(a) for a in rng.normal(0, 1, nb)]
+            old = [[None] + [float(-2.4 + 0.05 * np.sin(hash(tuple(b[: i + 1])) % 89)) for i in range(1, len(b))]
+                   for b in branches]
+            trees.append(treelit.TokenTree.from_branches(branches, masks, weights, advantages=adv, old_logprobs=old))
+        else:
+            trees.append(treelit.TokenTree.from_branches(branches, masks, weights))
+    return trees
+
+
+def rank_micro_batches(trees, rank: int, world: int, micro_tokens: int):
+    """Largest tree first onto the least loaded rank; pack; pad with empty micro-batches."""
+    sizes = [t.to_batch().num_tokens for t in trees]
+    shares: List[List[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(len(trees)), key=lambda i: -sizes[i]):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += sizes[i]
+    packed = [treelit.pack_trees([trees[i] for i in sorted(s)], micro_tokens) if s else [] for s in shares]
+    n = max(len(p) for p in packed)
+    return packed[rank] + [EMPTY.to_batch() for _ in range(n - len(packed[rank]))]
+
+
+def exact_steps(rank: int, world: int, specs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """:func:`exact_step` for each spec, in one launch (process start-up dominates)."""
+    return [exact_step(rank, world, spec) for spec in specs]
+
+
+def exact_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from treelit.lightning.module import TreeLitModule
+
+    dtype = spec.get("dtype", torch.float64)
+    family, name, agg = spec["family"], spec["objective"], spec.get("aggregation", "token-mean")
+    opts = dict(spec.get("options", {}))
+    trees = make_trees(spec.get("data", "sft"), spec.get("n_trees", 6), spec.get("seed", 0))
+    micro_tokens = spec.get("micro_tokens", 150)
+    model = tiny_model(family, dtype)
+    model.activation_checkpointing = bool(spec.get("checkpointing", False))
+    module = TreeLitModule(model, make_objective(name, **opts), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                           aggregation=agg, attention="segment", partition="redundancy_free",
+                           old_logprobs="rollout" if spec.get("rollout") else "data")
+    if spec.get("sharded", True):
+        module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        module.configure_model()
+    micro = rank_micro_batches(trees, rank, world, micro_tokens)
+    oom_above = spec.get("oom_rank_above")  # (rank, tokens): that rank's blocks run out of memory on larger rows
+    if oom_above is not None and oom_above[0] == rank:
+        import treelit.models.decoder as dec
+
+        real = dec._layer_forward
+
+        def flaky(layer, i, pos, ctx, h):
+            if h.shape[1] > oom_above[1]:
+                raise torch.OutOfMemoryError("simulated")
+            return real(layer, i, pos, ctx, h)
+
+        dec._layer_forward = flaky
+    try:
+        return _exact_step(rank, world, spec, module, model, trees, micro, micro_tokens, dtype, family, name, agg, opts)
+    finally:
+        if oom_above is not None and oom_above[0] == rank:
+            dec._layer_forward = real
+
+
+def _exact_step(rank, world, spec, module, model, trees, micro, micro_tokens, dtype, family, name, agg, opts):
+    from treelit.lightning.planner import MemoryPlanner
+    from treelit.utils.distributed import Collectives, gather_full
+
+    planner = MemoryPlanner(memory_limit_bytes=spec["limits"], initial_bytes_per_token=1000.0, margin=1.0,
+                            fraction=1.0, measure_cpu=False)
+    module.budget_tokens = planner.budget_for(module, micro)
+    if spec.get("rollout"):
+        module.record_rollout_logprobs(micro)
+    out = module.compute_gradients(micro, planner)
+    comm = Collectives()
+    loss = comm.sum(out["loss"])
+    grads = {n: gather_full(p.grad).detach().clone() if p.grad is not None else None for n, p in model.named_parameters()}
+    per_rank = comm.gather_lists([int(out["partitions"]), int(out["token_forwards"]), int(out["empty_passes"]),
+                                  int(module.budget_tokens), sum(mb.num_tokens for mb in micro)])
+    if rank != 0:
+        return None
+    ref_model = tiny_model(family, dtype)
+    obj = make_objective(name, **opts)
+    ref_micro = treelit.pack_trees(trees, micro_tokens)
+    Z = treelit.global_normalizer(ref_micro, agg, objective=obj)
+    ref_loss = 0.0
+    for mb in ref_micro:
+        if spec.get("rollout"):
+            from treelit.loss.tree import tree_token_logprobs
+
+            with torch.no_grad():
+                sel, lp, _ = tree_token_logprobs(ref_model, mb, "sdpa_dense")
+            old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64)
+            old[sel] = lp.double()
+            mb.token_old_logp, mb.branch_old_logp = old, old[mb.branch_tokens]
+        loss_mb = obj.tree_loss(ref_model, mb, aggregation=agg, normalizer=Z, attention="sdpa_dense")[0]
+        loss_mb.backward()
+        ref_loss += float(loss_mb.detach())
+    ref_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref_model.named_parameters()}
+    got = {n: (g if g is not None else torch.zeros_like(ref_grads[n])) for n, g in grads.items()}
+    return {
+        "loss": loss, "ref_loss": ref_loss,
+        "grad_err": max_rel_grad_diff(got, ref_grads, grad_floor(dtype), negligible_grad(dtype)),
+        "grad_scale": max(float(g.norm()) for g in ref_grads.values()),
+        "partitions": [r[0] for r in per_rank], "token_forwards": [r[1] for r in per_rank],
+        "empty_passes": [r[2] for r in per_rank], "budget": [r[3] for r in per_rank],
+        "rank_tokens": [r[4] for r in per_rank], "tree_tokens": sum(mb.num_tokens for mb in ref_micro),
+        "longest": max(int(mb.position_ids.max()) + 1 for mb in ref_micro),
+    }

@@ -1,0 +1,97 @@
+"""Two and four CPU processes (gloo): FSDP2 per block with partitioning and the memory planner
+gives one process's loss and gradients, for sft, grpo, gspo and dpo, on attention and hybrid
+models, with ranks that hold different trees (different numbers of partitions, empty passes)
+and different memory limits; DDP likewise; an out-of-memory error on one rank makes every
+rank retry with a smaller budget. One launch runs several cases (process start-up dominates).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases import exact_steps
+from harness import launch
+from helpers import tol
+
+
+def check(res, spec, world):
+    dtype = spec.get("dtype", torch.float64)
+    what = f"{spec['objective']}/{spec['family']}/{dtype}/{world} ranks"
+    rel = abs(res["loss"] - res["ref_loss"]) / max(abs(res["ref_loss"]), 1e-30)
+    assert rel <= tol(dtype), f"{what}: loss {res['loss']} vs one process {res['ref_loss']}"
+    assert res["grad_err"] <= tol(dtype), f"{what}: gradient differs by {res['grad_err']:.2e} (relative)"
+    assert res["grad_scale"] > 0, f"{what}: nothing trained"
+    assert sum(res["token_forwards"]) == res["tree_tokens"], f"{what}: every tree token forwarded once"
+    assert len(set(res["budget"])) == 1, f"{what}: ranks planned with different budgets {res['budget']}"
+    if "oom_rank_above" not in spec:
+        expected = int(min(spec["limits"]) / 1000)  # the planner's budget: the smallest rank's
+        assert res["budget"][0] == expected, f"{what}: budget {res['budget'][0]}, expected {expected}"
+
+
+TWO = [
+    dict(family="qwen2_tiny", objective="sft", limits=[60000, 600000], checkpointing=True),
+    dict(family="hybrid_tiny", objective="grpo", data="rl", rollout=True, limits=[500000, 45000],
+         aggregation="seq-mean-token-mean"),
+    dict(family="qwen2_tiny", objective="gspo", data="rl", options=dict(clip_low=0.5, clip_high=0.5),
+         limits=[40000, 90000]),
+    dict(family="hybrid_tiny", objective="dpo", data="dpo", options=dict(beta=0.5), limits=[70000, 50000],
+         checkpointing=True),
+    dict(family="hybrid_tiny", objective="sft", dtype=torch.float32, limits=[50000, 50000],
+         aggregation="seq-mean-token-sum"),
+    dict(family="qwen2_tiny", objective="grpo", data="rl", dtype=torch.float32, limits=[45000, 80000],
+         checkpointing=True, options=dict(kl_coef=0.1, reference="initial", entropy_coef=0.01)),
+    dict(family="hybrid_tiny", objective="gspo", data="rl", sharded=False, options=dict(clip_low=0.5, clip_high=0.5),
+         limits=[45000, 60000]),
+    dict(family="qwen2_tiny", objective="sft", limits=[120000, 120000], oom_rank_above=(1, 60)),
+]
+
+FOUR = [
+    dict(family="hybrid_tiny", objective="sft", limits=[90000, 40000, 70000, 300000], n_trees=8, micro_tokens=120),
+    dict(family="qwen2_tiny", objective="gspo", data="rl", options=dict(clip_low=0.5, clip_high=0.5), n_trees=8,
+         limits=[50000, 50000, 35000, 80000], checkpointing=True),
+    dict(family="hybrid_tiny", objective="dpo", data="dpo", options=dict(beta=0.3, loss="ipo"), n_trees=8,
+         limits=[45000, 90000, 60000, 45000]),
+    dict(family="qwen2_tiny", objective="grpo", data="rl", rollout=True, dtype=torch.float32, n_trees=8,
+         limits=[60000, 36000, 36000, 200000]),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(exact_steps, 2, TWO, deadline=600)
+
+
+@pytest.mark.parametrize("i", range(len(TWO)), ids=[f"{s['objective']}-{s['family']}-{i}" for i, s in enumerate(TWO)])
+def test_two_ranks_equal_one_process(two_ranks, i):
+    check(two_ranks[i], TWO[i], 2)
+
+
+def test_ranks_ran_different_numbers_of_partitions(two_ranks):
+    res = two_ranks[0]
+    assert res["partitions"][0] != res["partitions"][1], res
+    assert max(res["empty_passes"]) > 0, "the rank with fewer passes ran empty ones"
+    assert res["budget"][0] < res["longest"] * 3, "the budget is tight enough to cut trees"
+
+
+def test_out_of_memory_on_one_rank_retries_on_every_rank(two_ranks):
+    res = two_ranks[-1]
+    assert res["budget"] == [60, 60], f"both ranks retried with the halved budget: {res['budget']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(FOUR)), ids=[f"{s['objective']}-{s['family']}-{i}" for i, s in enumerate(FOUR)])
+def test_four_ranks_equal_one_process_all(four_ranks_all, i):
+    check(four_ranks_all[i], FOUR[i], 4)
+
+
+@pytest.fixture(scope="module")
+def four_ranks_all():
+    return launch(exact_steps, 4, FOUR, deadline=900)
+
+
+def test_four_ranks_equal_one_process():
+    """The default suite's four-process case (the others are marked slow)."""
+    res = launch(exact_steps, 4, FOUR[:1], deadline=600)
+    check(res[0], FOUR[0], 4)
+    assert len(set(res[0]["partitions"])) > 1, res[0]
