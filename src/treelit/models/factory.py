@@ -30,13 +30,17 @@ def make_model(
     max_seq_len: Optional[int] = None,
     router_aux_loss_coef: Optional[float] = None,
     router_aux_loss: Optional[str] = None,
+    activation_checkpointing: bool = False,
 ):
     """Load ``hf_checkpoint`` if given, else build the registered ``preset`` (random init,
     ``config`` overriding its fields). ``max_seq_len`` overrides the context length.
 
     ``router_aux_loss_coef`` / ``router_aux_loss`` override a mixture-of-experts model's
     router load-balancing loss (coefficient; ``micro_batch`` or ``sequence`` definition);
-    by default a checkpoint's own setting applies (on when it has ``output_router_logits``)."""
+    by default a checkpoint's own setting applies (on when it has ``output_router_logits``).
+
+    ``activation_checkpointing``: recompute each decoder layer in the backward pass instead of
+    keeping its activations (tree mode, partitioned or not, any number of processes; exact)."""
     dt = parse_dtype(dtype)
     if hf_checkpoint:
         model = load_hf_checkpoint(hf_checkpoint, dtype=dt, max_seq_len=max_seq_len)
@@ -46,6 +50,7 @@ def make_model(
             overrides["max_seq_len"] = max_seq_len
         model = build_model(preset, **overrides).to(dt)
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
+    model.activation_checkpointing = bool(activation_checkpointing)
     return model
 
 

@@ -63,8 +63,10 @@ def _head_shares_embedding(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
-    """FSDP2 per block: ``fully_shard`` each of ``model.layers``, the embeddings (untied
-    heads only) and the root. Returns ``model`` (now an ``FSDPModule``)."""
+    """FSDP2 per block: ``fully_shard`` each of ``model.layers`` (or the modules a model lists
+    in ``fsdp_blocks()``), the embeddings (untied heads only) and the root. Returns ``model``
+    (now an ``FSDPModule``). The blocks must be called through their module call in every
+    pass (they are in treelit's decoders)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if is_sharded(model):
@@ -72,12 +74,12 @@ def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
     kw: dict = {"mesh": mesh}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__} has no `layers`: cannot shard it per block")
-    for layer in layers:
-        fully_shard(layer, **kw)
-    if not _head_shares_embedding(model):
+    blocks = model.fsdp_blocks() if hasattr(model, "fsdp_blocks") else getattr(model, "layers", None)
+    if blocks is None:
+        raise TypeError(f"{type(model).__name__} has no `layers` (nor `fsdp_blocks()`): cannot shard it per block")
+    for block in blocks:
+        fully_shard(block, **kw)
+    if hasattr(model, "tok_embeddings") and not _head_shares_embedding(model):
         fully_shard(model.tok_embeddings, **kw)
     fully_shard(model, **kw)
     for mod in model.modules():
