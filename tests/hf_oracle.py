@@ -27,16 +27,12 @@ def _rms_forward_exact(self, x):
     return self.weight.to(x.dtype) * y
 
 
-def _rope_forward_exact(self, x, position_ids, *args, **kwargs):
-    inv = getattr(self, "inv_freq")
-    if args or kwargs:  # Gemma 3 passes the layer type: inv_freq of that type
-        layer_type = args[0] if args else kwargs.get("layer_type")
-        if layer_type is not None and hasattr(self, f"{layer_type}_inv_freq"):
-            inv = getattr(self, f"{layer_type}_inv_freq")
-            scaling = getattr(self, f"{layer_type}_attention_scaling", 1.0)
-        else:
-            scaling = getattr(self, "attention_scaling", 1.0)
+def _rope_forward_exact(self, x, position_ids, layer_type=None, **kwargs):
+    if layer_type is not None and hasattr(self, f"{layer_type}_inv_freq"):  # Gemma 3: one RoPE per layer type
+        inv = getattr(self, f"{layer_type}_inv_freq")
+        scaling = getattr(self, f"{layer_type}_attention_scaling", 1.0)
     else:
+        inv = self.inv_freq
         scaling = getattr(self, "attention_scaling", 1.0)
     freqs = position_ids[..., None].to(torch.float64) * inv.to(device=x.device, dtype=torch.float64)
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -6,6 +6,7 @@ the loss and every gradient equal those of training each branch on its own.
 
 from treelit.loss import linear_backward, linear_loss, token_logprobs, tree_loss
 from treelit.models import DecoderConfig, TreeDecoder, build_decoder, build_model, load_hf_checkpoint, save_hf_checkpoint
+from treelit.models.hf_adapter import HFTreeModel, load_hf_model
 from treelit.objectives import make_objective
 from treelit.partition import tree_backward
 from treelit.tree import AGGREGATIONS, TokenTree, TreeBatch, TreeInputError, global_normalizer, pack_trees
@@ -26,6 +27,8 @@ __all__ = [
     "linear_loss",
     "make_objective",
     "load_hf_checkpoint",
+    "load_hf_model",
+    "HFTreeModel",
     "pack_trees",
     "save_hf_checkpoint",
     "token_logprobs",

@@ -119,7 +119,8 @@ class TreeDecoder(TransformerDecoder):
 
 def in_forward(model, fn):
     """Run ``fn(model)`` inside ``model``'s forward when it supports that (see TreeDecoder.forward)."""
-    if isinstance(model, TreeDecoder) or hasattr(getattr(model, "module", None), "config"):
+    if (isinstance(model, TreeDecoder) or hasattr(model, "tree_hidden_states")
+            or hasattr(getattr(model, "module", None), "config")):
         return model(treelit_fn=fn)
     return fn(model)
 
@@ -287,8 +288,11 @@ def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_
     ``tree_forward(x, layer_index, ctx)`` (treelit's recurrent layers do).
     Each layer runs through its module call (:func:`~treelit.utils.blocks.call_block`), so
     hooks on it (FSDP2's per-block unshard/reshard and gradient reduction) see the pass;
-    ``model.activation_checkpointing`` recomputes each layer in the backward.
+    ``model.activation_checkpointing`` recomputes each layer in the backward. A model that
+    runs its own layers (the transformers adapter) provides ``tree_hidden_states``.
     """
+    if hasattr(model, "tree_hidden_states"):
+        return model.tree_hidden_states(input_ids, position_ids, ctx)
     from treelit.utils.blocks import call_block
 
     ckpt = bool(getattr(model, "activation_checkpointing", False))

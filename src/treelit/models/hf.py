@@ -489,6 +489,11 @@ def save_hf_checkpoint(
         raise TypeError("save_hf_checkpoint needs a treelit TreeDecoder (it carries the model config)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "tree_hidden_states"):  # an adapted transformers model: its own format and names
+        sd = state_dict if state_dict is not None else full_state_dict(model)
+        if dtype is not None:
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        return model.save_pretrained(path, state_dict=sd, max_shard_size=max_shard_bytes or "5GB")
     sd = state_dict if state_dict is not None else full_state_dict(model)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}

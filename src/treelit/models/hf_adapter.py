@@ -1,0 +1,289 @@
+"""Any attention-only ``transformers`` causal LM in tree mode, without copying its modelling code.
+
+transformers lets a library register an attention function (``AttentionInterface``); a
+model loaded with ``attn_implementation="treelit"`` calls it in every attention layer with
+the layer's post-RoPE queries and un-expanded keys/values ``[B, H, S, D]``, its scaling,
+its sliding window, and any extra keyword handed to the model's forward. The adapter
+hands the tree context through that keyword (``treelit_ctx``), so the registered function
+simply asks the context to attend (:meth:`TreeContext.attention`): the same backends,
+windows in depth units, external ancestor K/V and K/V capture for partitioning, GQA
+without expanding K/V. Everything else - norms, RoPE, MLPs, MoE routing - is the family's
+own code, run on depth positions. The forward always passes an explicit 4D placeholder
+mask, so transformers never builds a mask or infers packed sequences from the position
+resets a tree has; the attention function ignores it.
+
+:class:`HFTreeModel` wraps the model so that treelit's entry points (``tree_loss``,
+``linear_loss``, ``tree_backward``, the objectives, the trainer) run it like a native
+decoder: the base model runs to its final hidden states and log-probs go through
+treelit's chunked head (never the full ``[N, V]`` logits). For MoE families the router
+logits come back from the base model and the router loss is treelit's tree-exact one
+(:mod:`treelit.loss.router`), never transformers' own function on the tree row.
+
+What cannot run exactly is refused at load time, naming the config key: recurrent or
+linear-attention layers (use the native decoders), sequence-length-dependent RoPE,
+attention sinks, logit soft-capping, dropout, encoder-decoder and multimodal models.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = ["ATTENTION_NAME", "HFTreeModel", "load_hf_model", "make_hf_model", "check_adapter_config"]
+
+ATTENTION_NAME = "treelit"
+_REGISTERED = False
+
+
+def _treelit_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       sliding_window=None, **kwargs):
+    """The attention function transformers calls in every layer (``[B, H, S, D]`` in, ``[B, S, H, D]`` out)."""
+    ctx = kwargs.get("treelit_ctx")
+    if ctx is None:
+        raise RuntimeError("a model loaded with attn_implementation='treelit' runs inside treelit's passes only "
+                           "(treelit.tree_loss, linear_loss, ...); load it with 'sdpa' for other uses")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} cannot run in tree mode")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attention logit soft-capping cannot run in tree mode")
+    D = query.shape[-1]
+    if scaling is not None and scaling != 1.0 / math.sqrt(D):
+        query = query * (scaling * math.sqrt(D))  # the backends scale by 1/sqrt(D)
+    out = ctx.attention(module.layer_idx, query, key, value, window=sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, _treelit_attention)
+        _REGISTERED = True
+
+
+# -- what the adapter refuses ----------------------------------------------------------------------
+_RECURRENT_TYPES = {"linear_attention", "mamba", "mamba2", "gated_deltanet", "recurrent", "conv", "hybrid"}
+
+
+def check_adapter_config(cfg, where: str = "config.json") -> None:
+    """Raise :class:`~treelit.models.hf.CheckpointError` naming the key for what the adapter
+    cannot run exactly."""
+    from treelit.models.config import LENGTH_DEPENDENT_ROPE
+    from treelit.models.hf import CheckpointError
+
+    def refuse(key, why):
+        raise CheckpointError(f"{where}: config key {key!r} = {getattr(cfg, key, None)!r}: {why}")
+
+    if getattr(cfg, "is_encoder_decoder", False):
+        refuse("is_encoder_decoder", "encoder-decoder models are not supported (decoder-only causal LMs)")
+    for key in ("vision_config", "audio_config", "text_config"):
+        if getattr(cfg, key, None) is not None:
+            refuse(key, "multimodal models are not supported; load the text model's checkpoint")
+    mt = getattr(cfg, "model_type", "")
+    if mt in ("mamba", "mamba2", "gated_deltanet", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2",
+              "bamba", "falcon_h1", "granitemoehybrid", "qwen3_next", "lfm2", "recurrent_gemma", "xlstm"):
+        refuse("model_type", "recurrent / linear-attention layers need treelit's native decoders "
+                             "(treelit.load_hf_checkpoint: Gated DeltaNet, Mamba2 and hybrids)")
+    types = set(getattr(cfg, "layer_types", None) or [])
+    if types & _RECURRENT_TYPES:
+        refuse("layer_types", "recurrent / linear-attention layers need treelit's native decoders")
+    unknown = types - {"full_attention", "sliding_attention"}
+    if unknown:
+        refuse("layer_types", f"layer types {sorted(unknown)} are not supported")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    params = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    for p in params:
+        kind = p.get("rope_type", p.get("type"))
+        if kind in LENGTH_DEPENDENT_ROPE:
+            refuse("rope_parameters", f"rope type {kind!r} depends on the sequence length: a tree and its branches "
+                                      "would get different frequencies")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None):
+            refuse(key, "logit soft-capping is not implemented by treelit's attention backends / chunked head")
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+        if float(getattr(cfg, key, 0.0) or 0.0) > 0:
+            refuse(key, "dropout draws one mask per tree token where per-branch training draws one per branch")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        refuse("use_bidirectional_attention", "bidirectional attention is not causal")
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True) is False:
+        pass  # the model ignores the window itself
+    if mt in ("gpt_oss",) or getattr(cfg, "attention_sinks", None):
+        refuse("model_type", "attention sinks are not implemented by treelit's attention backends")
+
+
+@dataclass
+class AdapterConfig:
+    """What treelit's code reads of a model's config, for an adapted transformers model."""
+
+    model_type: str
+    vocab_size: int
+    max_seq_len: int
+    tie_word_embeddings: bool
+    moe: Dict[str, Any] = field(default_factory=dict)
+    family: str = "hf_auto"
+    qk_norm: bool = False
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list] = None
+
+    def window(self, i: int) -> Optional[int]:  # windows are the model's own (its attention modules)
+        return None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _moe_options(cfg) -> Dict[str, Any]:
+    k = getattr(cfg, "num_experts_per_tok", None)
+    E = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not k or not E:
+        return {}
+    coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+    return {"num_experts": int(E), "top_k": int(k),
+            "router_aux_loss_coef": coef if getattr(cfg, "output_router_logits", False) else 0.0,
+            "router_aux_loss": "micro_batch"}
+
+
+class HFTreeModel(nn.Module):
+    """A transformers causal LM (``attn_implementation="treelit"``) that treelit's passes run.
+
+    ``hf`` is the wrapped ``*ForCausalLM``; its parameters keep transformers' names under
+    the ``hf.`` prefix. ``tok_embeddings``, ``layers``, ``output`` and ``max_seq_len`` are
+    what treelit's code reads of a decoder.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        cfg = hf_model.config
+        self.config = AdapterConfig(
+            model_type=cfg.model_type, vocab_size=int(cfg.vocab_size),
+            max_seq_len=int(getattr(cfg, "max_position_embeddings", 0) or 2**31),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), moe=_moe_options(cfg))
+        self.activation_checkpointing = False
+        self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+    @property
+    def base(self) -> nn.Module:
+        return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
+
+    @property
+    def tok_embeddings(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    @property
+    def output(self) -> nn.Module:
+        return self.hf.get_output_embeddings()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.base.layers
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def tree_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """Final-norm hidden states ``[B, L, D]`` (see :func:`treelit.models.decoder.decoder_hidden`)."""
+        from treelit.models.moe import record_pass
+
+        if self.activation_checkpointing != bool(getattr(self.hf, "is_gradient_checkpointing", False)):
+            if self.activation_checkpointing:
+                self.hf.gradient_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.hf.gradient_checkpointing_disable()
+        kw = {"output_router_logits": True} if self.config.moe else {}
+        out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                        attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)
+        logits = getattr(out, "router_logits", None)
+        if self.config.moe and logits:
+            for i, x in enumerate(logits):
+                ctx.record_router(i, x)
+            record_pass(self, ctx)
+        return out.last_hidden_state
+
+    def forward(self, tokens=None, *, treelit_fn=None, **kwargs):
+        """``treelit_fn(self)`` run inside this module's forward (treelit's passes; hooks on the
+        module see them), or logits ``[B, L, V]`` of causal rows ``tokens [B, L]``."""
+        if treelit_fn is not None:
+            return treelit_fn(self)
+        from treelit.models.context import CausalContext
+
+        B, L = tokens.shape
+        pos = torch.arange(L, device=tokens.device).expand(B, L)
+        return self.output(self.tree_hidden_states(tokens, pos, CausalContext()))
+
+    def save_pretrained(self, path: Union[str, os.PathLike], state_dict: Optional[Dict[str, torch.Tensor]] = None,
+                        max_shard_size: Union[int, str] = "5GB") -> Path:
+        """The wrapped model's checkpoint (transformers' own format and names)."""
+        if state_dict is not None:
+            state_dict = {k[len("hf."):] if k.startswith("hf.") else k: v for k, v in state_dict.items()}
+        self.hf.save_pretrained(str(path), state_dict=state_dict, max_shard_size=max_shard_size)
+        for f in Path(path).glob("*.safetensors"):
+            os.chmod(f, 0o666 & ~_umask())
+        return Path(path)
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = torch.float32,
+                  device: Union[str, torch.device] = "cpu") -> HFTreeModel:
+    """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
+    ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`."""
+    import json
+
+    import transformers
+
+    from treelit.models.hf import CheckpointError
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing config.json")
+    try:
+        json.loads(cfg_file.read_text())
+        cfg = transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{cfg_file}: {exc}") from None
+    check_adapter_config(cfg, str(cfg_file))
+    register_attention()
+    kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME}
+    if _moe_options(cfg):
+        kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{path}: transformers cannot load it as a causal LM ({exc})") from None
+    if getattr(hf.get_output_embeddings(), "bias", None) is not None:
+        raise CheckpointError(f"{path}: a language-model head with a bias is not supported")
+    if dtype is not None:
+        hf = hf.to(dtype)  # parameters some families keep in float32 follow the requested dtype
+    return HFTreeModel(hf).to(device)
+
+
+def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
+                  router_aux_loss: Optional[str] = None, **_: Any) -> HFTreeModel:
+    """The ``model=hf_auto`` config option."""
+    from treelit.models.factory import parse_dtype, set_router_aux_loss
+
+    if not hf_checkpoint:
+        raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
+    model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype))
+    set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
+    return model
