@@ -97,9 +97,7 @@ def test_adapter_tree_equals_transformers_branch_by_branch(family, aggregation, 
             loss = treelit.tree_loss(ours, batch, aggregation, backend)
             loss.backward()
             value = loss.item()
-        else:
-            if coef:
-                continue  # the router loss needs every token's routing before a partition's backward
+        else:  # (the router loss takes every token's routing in a no-gradient pass first)
             value = treelit.tree_backward(ours, batch, aggregation, "redundancy_free", budget, attention=backend)
         mine = _grads(ours, strip="hf.")
         what = f"{family}/{aggregation}/{attention}/budget={budget}"

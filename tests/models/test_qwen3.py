@@ -68,6 +68,28 @@ def test_tree_equals_per_branch(variant, aggregation, dtype, attention, data):
     )
 
 
+@pytest.mark.parametrize("objective", ["sft", "grpo", "gspo"])
+@pytest.mark.parametrize("variant", ["moe_micro_batch", "moe_sequence_window3"])
+@settings(max_examples=examples(4))
+@given(data=forests(max_len=9))
+def test_partitioned_router_loss_equals_per_branch(variant, objective, data):
+    """Cut into partitions at the tightest budget: every token's routing is taken in a no-gradient
+    pass first, then each partition adds its own tokens' share of the router loss."""
+    branches, masks, weights = data
+    model = model_for(variant, torch.float64)
+    rl = {} if objective == "sft" else {"advantages": [0.5 - (i % 3) for i in range(len(branches))]}
+    tree = treelit.TokenTree.from_branches(branches, masks, weights, **rl)
+    longest = max(len(b) for b in branches)
+    assert_equivalent(
+        model,
+        lambda: torch.tensor(treelit.tree_backward(model, tree, "token-mean", "redundancy_free", longest,
+                                                   objective=objective), dtype=torch.float64),
+        lambda: treelit.linear_loss(model, branches, masks, weights, "token-mean", objective=objective,
+                                    **({} if objective == "sft" else {"advantages": rl["advantages"]})),
+        torch.float64, f"{variant}/{objective}/partitioned", forest=data,
+    )
+
+
 def test_router_loss_is_reported_and_changes_the_gradient():
     model = model_for("moe_micro_batch", torch.float64)
     tree = treelit.TokenTree.from_branches([[1, 2, 3, 4], [1, 2, 5], [1, 6]])

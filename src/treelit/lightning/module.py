@@ -183,16 +183,33 @@ class TreeLitModule(pl.LightningModule):
         Z = float(sum(self.objective.norm_contribution(b, self.aggregation) for b in micro_batches if b.num_targets))
         return self._comm().sum(Z)
 
-    def micro_loss(self, mb, Z: float, mode: Optional[str] = None):
+    def router_normalizer(self, micro_batches) -> float:
+        """The step's router-loss normaliser for a mixture-of-experts model (see
+        :mod:`treelit.loss.router`): micro-batches (``micro_batch``) or branches (``sequence``)
+        over the step's micro-batches with targets, summed over ranks."""
+        from treelit.loss.router import router_normalizer_contribution
+
+        R = float(sum(router_normalizer_contribution(self.model, b) for b in micro_batches if b.num_targets))
+        return self._comm().sum(R)
+
+    def micro_loss(self, mb, Z: float, mode: Optional[str] = None, R: Optional[float] = None):
+        from treelit.loss.router import router_aux
+
         kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
         if not mb.num_targets and (mode or self.mode) == "tree":
             # a padding micro-batch: one pass through the model (the other ranks' collectives), loss 0
-            from treelit.loss.tree import tree_loss
+            from treelit.loss.tree import sft_tree_loss
 
-            return tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0), {}
-        if (mode or self.mode) == "tree":
-            return self.objective.tree_loss(self.model, mb, attention=self.attention, **kw)
-        return self.objective.linear_loss(self.model, mb, **kw)
+            return sft_tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0), {}
+        with router_aux(self.model, R) as aux:  # MoE models: + coef x router loss (both modes alike)
+            if (mode or self.mode) == "tree":
+                loss, metrics = self.objective.tree_loss(self.model, mb, attention=self.attention, **kw)
+            else:
+                loss, metrics = self.objective.linear_loss(self.model, mb, **kw)
+            if aux is not None:
+                loss = loss + aux.loss()
+                metrics = {**metrics, **aux.metrics()}
+        return loss, metrics
 
     @torch.no_grad()
     def record_rollout_logprobs(self, micro_batches) -> None:
@@ -268,9 +285,10 @@ class TreeLitModule(pl.LightningModule):
         passes) the gradients are cleared and every rank retries with the smaller partition
         budget the ``planner`` picks: the result is that of an undisturbed update."""
         Z = self.step_normalizer(micro_batches)
+        R = self.router_normalizer(micro_batches)
         comm = self._comm()
         for attempt in range(self.max_oom_retries + 1):
-            out = self._accumulate(micro_batches, Z, comm)
+            out = self._accumulate(micro_batches, Z, comm, R)
             if out is not None:
                 return out
             self.model.zero_grad(set_to_none=True)
@@ -283,7 +301,8 @@ class TreeLitModule(pl.LightningModule):
             log.warning("out of memory: retrying the update with a budget of %s tokens", self.budget_tokens)
         raise AssertionError("unreachable")
 
-    def _accumulate(self, micro_batches, Z: float, comm: Collectives) -> Optional[Dict[str, float]]:
+    def _accumulate(self, micro_batches, Z: float, comm: Collectives, R: Optional[float] = None
+                    ) -> Optional[Dict[str, float]]:
         """One attempt; None when some rank ran out of memory (gradients then unusable)."""
         from treelit.partition import PartitionStats, run_micro_batch
 
@@ -295,11 +314,12 @@ class TreeLitModule(pl.LightningModule):
             if self.partition != "none" and self.mode == "tree":
                 res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
                                       budget_tokens=self.budget_tokens, attention=self.attention,
-                                      chunk_rows=self.chunk_rows, stats=stats, comm=comm, failed=failed)
+                                      chunk_rows=self.chunk_rows, stats=stats, comm=comm, failed=failed,
+                                      router_normalizer=R)
                 failed = failed or res.failed
                 loss_value, m = res.loss, res.metrics
             else:
-                loss, m = self.micro_loss(mb, Z)
+                loss, m = self.micro_loss(mb, Z, R=R)
                 self._backward(loss)
                 loss_value = float(loss.detach())
                 stats.partitions += 1
@@ -360,11 +380,11 @@ class TreeLitModule(pl.LightningModule):
         )
         self.log_dict({"tree_tok/s": tree_tok / dt, "flat_tok/s": flat_tok / dt}, prog_bar=True)
         if self.verify_every and (self.global_step % self.verify_every == 0):
-            self.log_dict(self.verify(micro[0], self.step_normalizer(micro)))
+            self.log_dict(self.verify(micro[0], self.step_normalizer(micro), self.router_normalizer(micro)))
         return torch.tensor(loss)
 
     # self-verification ------------------------------------------------------------------------
-    def verify(self, mb, Z: float) -> Dict[str, float]:
+    def verify(self, mb, Z: float, R: Optional[float] = None) -> Dict[str, float]:
         """Tree vs linear on one micro-batch: relative difference of loss and gradient norm.
 
         Gradients are taken with ``torch.autograd.grad`` so that ``.grad`` is untouched.
@@ -373,7 +393,7 @@ class TreeLitModule(pl.LightningModule):
 
         def run(mode):
             t0 = time.perf_counter()
-            loss, _ = self.micro_loss(mb, Z, mode)
+            loss, _ = self.micro_loss(mb, Z, mode, R)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
             return float(loss.detach()), float(norm), grads, time.perf_counter() - t0

@@ -40,7 +40,7 @@ import torch
 
 from treelit.models.moe import collecting, is_collecting, router_dtype
 
-__all__ = ["RouterAux", "router_aux", "moe_options", "router_normalizer_contribution"]
+__all__ = ["RouterAux", "RouterTerms", "router_aux", "moe_options", "router_normalizer_contribution", "token_weights"]
 
 
 def _param_dtype(model) -> torch.dtype:
@@ -77,6 +77,44 @@ class _Pass:
     branch: torch.Tensor  # [F]: ... and its branch (numbered within the collection)
 
 
+def token_weights(passes: List[_Pass], definition: str, E: int, L: int, B: int) -> List[torch.Tensor]:
+    """The per-token weights G ``[T, E]`` of each pass (no gradient) from the routing counts of
+    all of them (see the module docstring); ``B`` branches in all, ``L`` MoE layers."""
+    if definition == "micro_batch":
+        F = sum((p.counts * p.c[:, None]).sum(0) for p in passes)
+        C = L * float(sum(p.c.sum() for p in passes))
+        return [(E * F[None, :] * p.c[:, None] / (C * C)) for p in passes]
+    # sequence: each branch's counts along its own tokens, then G(t) = sum over branches through t
+    dev = passes[0].counts.device
+    F = torch.zeros(B, E, dtype=torch.float64, device=dev)
+    n = torch.zeros(B, dtype=torch.float64, device=dev)
+    for p in passes:
+        F.index_add_(0, p.branch, p.counts[p.tokens])
+        n.index_add_(0, p.branch, torch.ones(p.branch.shape, dtype=torch.float64, device=dev))
+    w = F * (E / ((L * n).clamp(min=1) ** 2 * max(B, 1)))[:, None]  # [B, E]
+    return [torch.zeros_like(p.counts).index_add_(0, p.tokens, w[p.branch]) for p in passes]
+
+
+def _routing(ctx, top_k: int, rows=None):
+    """(probabilities [T, E] summed over the recorded MoE layers (with gradient), top-k
+    indicators [T, E] summed likewise (float64), per-layer indicators [layers, T, E] summed
+    over tokens are left to the caller) for the recorded router logits of ``ctx``."""
+    ids = sorted(ctx.router_logits)
+    probs = counts = None
+    per_layer = []
+    for k in ids:
+        x = ctx.router_logits[k]
+        p = torch.softmax(x.to(router_dtype(x.dtype)), dim=-1)
+        if rows is not None:
+            p = p.index_select(0, rows)
+        _, idx = torch.topk(p.detach(), top_k, dim=-1)
+        m = torch.zeros(p.shape, dtype=torch.float64, device=p.device).scatter_(1, idx, 1.0)
+        per_layer.append(m)
+        probs = p if probs is None else probs + p
+        counts = m if counts is None else counts + m
+    return ids, probs, counts, per_layer
+
+
 @dataclass
 class RouterAux:
     """Router logits of a micro-batch's forward passes, and the loss they give."""
@@ -97,22 +135,9 @@ class RouterAux:
     def _stack(self, ctx, rows: Optional[torch.Tensor], c: torch.Tensor):
         """Probabilities and top-k indicators of the recorded layers, summed over the layers, at
         ``rows`` (None: all); per-layer loads (weighted by ``c``) go to the metrics."""
-        self.layer_ids = sorted(ctx.router_logits)
-        logits = [ctx.router_logits[k] for k in self.layer_ids]
-        self.layers = len(logits)
-        dt = router_dtype(logits[0].dtype)  # as the routing itself (see models.moe.route)
-        probs, counts = None, None
-        loads = []
-        for x in logits:
-            p = torch.softmax(x.to(dt), dim=-1)
-            if rows is not None:
-                p = p.index_select(0, rows)
-            _, idx = torch.topk(p.detach(), self.top_k, dim=-1)
-            m = torch.zeros(p.shape, dtype=torch.float64, device=p.device).scatter_(1, idx, 1.0)
-            loads.append((m * c[:, None]).sum(0))
-            probs = p if probs is None else probs + p
-            counts = m if counts is None else counts + m
-        load = torch.stack(loads)
+        self.layer_ids, probs, counts, per_layer = _routing(ctx, self.top_k, rows)
+        self.layers = len(self.layer_ids)
+        load = torch.stack([(m * c[:, None]).sum(0) for m in per_layer])
         self.layer_load = load if self.layer_load is None else self.layer_load + load
         return probs, counts
 
@@ -149,21 +174,7 @@ class RouterAux:
     # the loss ------------------------------------------------------------------------------
     def weights(self) -> List[torch.Tensor]:
         """G per pass ``[T, E]`` (no gradient): the loss is ``sum over passes of (G * probs).sum()``."""
-        E, L = self.num_experts, max(self.layers, 1)
-        if self.definition == "micro_batch":
-            F = sum((p.counts * p.c[:, None]).sum(0) for p in self.passes)
-            C = L * float(sum(p.c.sum() for p in self.passes))
-            return [(E * F[None, :] * p.c[:, None] / (C * C)) for p in self.passes]
-        # sequence: each branch's counts along its own tokens, then G(t) = sum over branches through t
-        B = self._branches
-        dev = self.passes[0].counts.device
-        F = torch.zeros(B, E, dtype=torch.float64, device=dev)
-        n = torch.zeros(B, dtype=torch.float64, device=dev)
-        for p in self.passes:
-            F.index_add_(0, p.branch, p.counts[p.tokens])
-            n.index_add_(0, p.branch, torch.ones(p.branch.shape, dtype=torch.float64, device=dev))
-        w = F * (E / ((L * n).clamp(min=1) ** 2 * max(B, 1)))[:, None]  # [B, E]
-        return [torch.zeros_like(p.counts).index_add_(0, p.tokens, w[p.branch]) for p in self.passes]
+        return token_weights(self.passes, self.definition, self.num_experts, max(self.layers, 1), self._branches)
 
     def aux(self) -> torch.Tensor:
         """The balance loss (``micro_batch``: of the collected branches; ``sequence``: the mean
@@ -187,13 +198,7 @@ class RouterAux:
         busiest expert's share of the assignments over the mean share (1 = balanced)."""
         if self.layer_load is None:
             return {}
-        out = {"router_aux_loss": float(self.aux().detach())}
-        share = self.layer_load / self.layer_load.sum(-1, keepdim=True).clamp(min=1e-30)
-        ratio = share.max(-1).values / share.mean(-1)
-        for i, r in zip(self.layer_ids, ratio.tolist()):
-            out[f"moe/layer{i}_load_max_over_mean"] = r
-        out["moe/load_max_over_mean"] = float(ratio.max())
-        return out
+        return _metrics(float(self.aux().detach()), self.layer_ids, self.layer_load)
 
 
     def record(self, ctx) -> None:
@@ -202,6 +207,75 @@ class RouterAux:
             self.add_tree(ctx, ctx.batch)
         else:
             self.add_causal(ctx, ctx.lengths)
+
+
+def _metrics(aux: float, layer_ids: List[int], layer_load: torch.Tensor) -> Dict[str, float]:
+    out = {"router_aux_loss": aux}
+    share = layer_load / layer_load.sum(-1, keepdim=True).clamp(min=1e-30)
+    ratio = share.max(-1).values / share.mean(-1)
+    for i, r in zip(layer_ids, ratio.tolist()):
+        out[f"moe/layer{i}_load_max_over_mean"] = r
+    out["moe/load_max_over_mean"] = float(ratio.max())
+    return out
+
+
+class RouterTerms:
+    """The router loss of one tree row run as several passes (partitions).
+
+    Every pass adds ``coef * (G * probs).sum()`` over its own tokens. G needs the routing of
+    every token of the row, so a row cut into several passes first records the routing
+    counts of each pass in a no-gradient pass (:meth:`add_counts`); a row run as one pass
+    takes them from that pass itself."""
+
+    def __init__(self, model, batch, normalizer: Optional[float] = None) -> None:
+        moe = moe_options(model)
+        self.coef, self.definition = float(moe["router_aux_loss_coef"]), moe["router_aux_loss"]
+        self.E, self.top_k = int(moe["num_experts"]), int(moe["top_k"])
+        self.batch = batch
+        own = 1.0 if self.definition == "micro_batch" else float(batch.num_branches)
+        self.scale = 1.0 if normalizer is None else own / float(normalizer)
+        self.counts = torch.zeros(batch.num_tokens, self.E, dtype=torch.float64, device=batch.device)
+        self.layer_ids: List[int] = []
+        self.layer_load: Optional[torch.Tensor] = None
+        self._G: Optional[torch.Tensor] = None
+        self.value = 0.0  # the balance loss accumulated over the passes (before coef and scale)
+
+    @staticmethod
+    def enabled(model) -> bool:
+        return moe_options(model) is not None
+
+    def add_counts(self, ctx, tokens: torch.Tensor) -> None:
+        """Routing of a pass over row tokens ``tokens`` (no gradient needed)."""
+        c = torch.bincount(self.batch.branch_tokens, minlength=self.batch.num_tokens).to(torch.float64)[tokens]
+        self.layer_ids, _, counts, per_layer = _routing(ctx, self.top_k)
+        self.counts[tokens] = counts
+        load = torch.stack([(m * c[:, None]).sum(0) for m in per_layer])
+        self.layer_load = load if self.layer_load is None else self.layer_load + load
+
+    def _weights(self) -> torch.Tensor:
+        if self._G is None:
+            b = self.batch
+            ptr = b.branch_ptr
+            branch = torch.repeat_interleave(torch.arange(b.num_branches, device=ptr.device), ptr[1:] - ptr[:-1])
+            c = torch.bincount(b.branch_tokens, minlength=b.num_tokens).to(torch.float64)
+            row = _Pass(torch.empty(0), self.counts, c, b.branch_tokens, branch)
+            self._G = token_weights([row], self.definition, self.E, max(len(self.layer_ids), 1), b.num_branches)[0]
+        return self._G
+
+    def pass_loss(self, ctx, tokens: torch.Tensor, whole_row: bool = False) -> torch.Tensor:
+        """``coef * scale * (G * probs).sum()`` over the pass's tokens (a tensor with gradient).
+        ``whole_row``: the pass is the entire row, so its own routing gives the counts."""
+        if whole_row:
+            self.add_counts(ctx, tokens)
+        _, probs, _, _ = _routing(ctx, self.top_k)
+        term = (self._weights()[tokens].to(probs.dtype) * probs).sum()
+        self.value += float(term.detach())
+        return (self.coef * self.scale) * term
+
+    def metrics(self) -> Dict[str, float]:
+        if self.layer_load is None:
+            return {}
+        return _metrics(self.value, self.layer_ids, self.layer_load)
 
 
 @contextlib.contextmanager

@@ -167,7 +167,9 @@ class HFTreeModel(nn.Module):
             max_seq_len=int(getattr(cfg, "max_position_embeddings", 0) or 2**31),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), moe=_moe_options(cfg))
         self.activation_checkpointing = False
+        self._checkpointing_on = False
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+        self.hf.train()  # from_pretrained returns eval mode; dropout is refused, so the mode changes nothing
 
     @property
     def base(self) -> nn.Module:
@@ -197,11 +199,12 @@ class HFTreeModel(nn.Module):
         """Final-norm hidden states ``[B, L, D]`` (see :func:`treelit.models.decoder.decoder_hidden`)."""
         from treelit.models.moe import record_pass
 
-        if self.activation_checkpointing != bool(getattr(self.hf, "is_gradient_checkpointing", False)):
+        if self.activation_checkpointing != self._checkpointing_on:  # transformers' own, per layer
             if self.activation_checkpointing:
                 self.hf.gradient_checkpointing_enable({"use_reentrant": False})
             else:
                 self.hf.gradient_checkpointing_disable()
+            self._checkpointing_on = self.activation_checkpointing
         kw = {"output_router_logits": True} if self.config.moe else {}
         out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                         attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)

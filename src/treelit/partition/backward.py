@@ -47,6 +47,7 @@ def tree_backward(
     chunk_rows: Optional[int] = None,
     stats: Optional[PartitionStats] = None,
     objective: Any = "sft",
+    router_normalizer: Optional[float] = None,
     **objective_options: Any,
 ) -> float:
     """Forward and backward the loss of ``batch`` (accumulating ``.grad``); return its value.
@@ -59,6 +60,8 @@ def tree_backward(
         stats: filled with partition counts and token-forward counts when given.
         objective: ``sft`` (default), any registered objective name (with its options as
             keyword arguments) or an objective instance.
+        router_normalizer: a mixture-of-experts model's router-loss step normaliser (see
+            :func:`treelit.tree_loss`; default: this batch's own).
     """
     if partition not in ("none", "redundancy_free"):
         raise ValueError(f"unknown partition strategy {partition!r}; known: none, redundancy_free")
@@ -76,7 +79,8 @@ def tree_backward(
     stats = stats if stats is not None else PartitionStats()
     budget = None if partition == "none" else budget_tokens
     result = run_micro_batch(model, objective, batch, aggregation=aggregation, normalizer=Z, budget_tokens=budget,
-                             attention=attention, chunk_rows=chunk_rows, stats=stats)
+                             attention=attention, chunk_rows=chunk_rows, stats=stats,
+                             router_normalizer=router_normalizer)
     if result.failed:
         import torch
 

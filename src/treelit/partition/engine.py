@@ -88,6 +88,7 @@ class _Run:
         self.ref: Optional[torch.Tensor] = None  # [N] reference log-probs (reference-model objectives)
         self.collected: List[Any] = []
         self._empty: Optional[TreeBatch] = None
+        self.router = None  # RouterTerms: the router loss of an MoE model, folded per pass
 
     def empty(self) -> TreeBatch:
         if self._empty is None:
@@ -98,8 +99,10 @@ class _Run:
         return OOMGuard()
 
     # forward-only phases ----------------------------------------------------------------
-    def collect(self, model, with_entropy: bool):
-        """No-gradient log-probs (and entropies) ``[N]`` of every target token under ``model``."""
+    def collect(self, model, with_entropy: bool, routing=None, logprobs: bool = True):
+        """No-gradient log-probs (and entropies) ``[N]`` of every target token under ``model``;
+        with ``routing`` (a RouterTerms), every pass's router counts too (``logprobs=False``:
+        the routing only)."""
         N, dev = self.N, self.batch.device
         lp = torch.full((N,), float("nan"), dtype=torch.float64, device=dev)
         en = torch.full((N,), float("nan"), dtype=torch.float64, device=dev) if with_entropy else None
@@ -125,6 +128,10 @@ class _Run:
                 def run(m, i=i, sub=sub, tokens=tokens, guard=guard):
                     h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
                                                rp.boundary[i], oom_guard=guard)
+                    if routing is not None:
+                        routing.add_counts(ctx, tokens)
+                    if not logprobs:
+                        return tokens[:0], h[:0, 0], None, ctx
                     rows, tok = rp.targets(i, sub, tokens)
                     keep = self.batch.target_count[tok] > 0
                     logp, ent = token_logprobs(h[rows[keep]], output_weight(m), self.batch.input_ids[tok[keep]],
@@ -242,6 +249,8 @@ class _Run:
                 return (h.sum() + output_weight(m).sum()) * 0, None, ctx
             rows, tok = rp.targets(i, sub, tokens)
             loss, got = self.head_loss(m, h, rows, tok, emb_buf, out_buf, grads)
+            if self.router is not None:  # this pass's tokens' share of the router loss
+                loss = loss + self.router.pass_loss(ctx, tokens, whole_row=len(rp.parts) == 1)
             return loss, got, ctx
 
         try:
@@ -291,11 +300,17 @@ def run_micro_batch(
     stats: Optional[PartitionStats] = None,
     comm: Optional[Collectives] = None,
     failed: bool = False,
+    router_normalizer: Optional[float] = None,
 ) -> MicroBatchResult:
     """Forward and backward ``batch`` (accumulating ``.grad``) under ``budget_tokens`` tokens
     per chain of partitions (None: one pass). ``normalizer``: the step-global Z.
     ``failed``: an earlier micro-batch of this update ran out of memory (this one then runs
-    empty passes only, keeping the collectives of the other ranks company)."""
+    empty passes only, keeping the collectives of the other ranks company).
+    A mixture-of-experts model whose router loss is on adds it (``router_normalizer``: its
+    step normaliser, see :mod:`treelit.loss.router`), folded per pass; a row cut into several
+    passes first takes every token's routing in a no-gradient pass (``extra_forwards``)."""
+    from treelit.loss.router import RouterTerms
+
     stats = stats if stats is not None else PartitionStats()
     comm = comm if comm is not None else Collectives(1)
     spec = fold_spec(objective)
@@ -305,13 +320,18 @@ def run_micro_batch(
     plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
     stats.max_chain_tokens = max(stats.max_chain_tokens, plan.max_chain_tokens)
     run = _Run(model, objective, batch, plan, spec, aggregation, float(normalizer), attention, chunk_rows, stats, comm, failed)
+    if RouterTerms.enabled(model) and run.sel.numel():
+        run.router = RouterTerms(model, batch, router_normalizer)
+    routing = run.router if run.router is not None and len(plan.partitions) > 1 else None
     if spec.reference_model:
         run.ref, _ = run.collect(objective._reference_model(model), with_entropy=False)
     grads = None
     metrics: Dict[str, float] = {}
     value = None
+    if routing is not None and spec.token_separable:
+        run.collect(model, with_entropy=False, routing=routing, logprobs=False)
     if not spec.token_separable:
-        lp, en = run.collect(model, with_entropy=spec.needs_entropy)
+        lp, en = run.collect(model, with_entropy=spec.needs_entropy, routing=routing)
         if not run.sel.numel():  # nothing to train (a padding micro-batch)
             grads, value = (torch.zeros(N, dtype=torch.float64, device=batch.device), None), 0.0
         elif not run.failed:
@@ -346,8 +366,17 @@ def run_micro_batch(
             with torch.no_grad():
                 loss, metrics = loss_from_logprobs(objective, batch, tok, logp, ent, aggregation=aggregation,
                                                    normalizer=normalizer, ref=run.ref)
-            value = float(loss)
+            value = float(loss) + _router_value(run)
+    elif not spec.token_separable:
+        value += _router_value(run)  # (the surrogate passes' router terms are in ``total`` only)
+    if run.router is not None:
+        metrics = {**metrics, **run.router.metrics()}
     return MicroBatchResult(value, metrics, run.failed)
+
+
+def _router_value(run: "_Run") -> float:
+    r = run.router
+    return 0.0 if r is None else r.coef * r.scale * r.value
 
 
 def _dtype(model) -> torch.dtype:
