@@ -102,7 +102,9 @@ class TreeBuilder:
         out: List[BuiltTree] = []
         for r in records:
             out += asm.add(r)
-        return out + asm.flush()
+        out += asm.flush()
+        asm.report()
+        return out
 
 
 def build_tree_from_branches(
