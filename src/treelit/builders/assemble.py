@@ -127,17 +127,20 @@ class Assembler:
         self.n = 0
         self.units: "OrderedDict[int, _Unit]" = OrderedDict()
         self.key_unit: Dict[Any, _Unit] = {}
-        self.closed: Dict[Any, str] = {}
+        self.closed: "OrderedDict[Any, str]" = OrderedDict()
+        self.max_closed = max(100_000, 4 * (window or 0))
         self.ids: "OrderedDict[Any, str]" = OrderedDict()
         self.groups = 0
         self.singletons = 0
         self._warned = False
 
     # public -------------------------------------------------------------------------------
-    def add(self, rec: Record) -> List[BuiltTree]:
-        """Take one record; return the trees of the units it completed."""
-        index = self.n
-        self.n += 1
+    def add(self, rec: Record, index: Optional[int] = None) -> List[BuiltTree]:
+        """Take one record; return the trees of the units it completed. ``index``: the record's
+        place in the stream (default: the next one; given when open units are restored)."""
+        if index is None:
+            index = self.n
+        self.n = max(self.n, index + 1)
         try:
             enc = self._encode(rec, index)
         except DataError as exc:
@@ -170,13 +173,52 @@ class Assembler:
         return self._close_stale(index)
 
     def flush(self) -> List[BuiltTree]:
-        """Complete every open unit (the end of the data, or of one rollout file)."""
+        """Complete every open unit (the end of the data, of a shard, or of one rollout file)."""
         out: List[BuiltTree] = []
         for unit in sorted(self.units.values(), key=lambda u: min(e.index for e in u.encs)):
+            if self.window is not None:
+                self._remember_closed(unit)
             out += self._close(unit)
         self.units.clear()
         self.key_unit.clear()
         return out
+
+    # resumable state (streams) ------------------------------------------------------------------
+    def state(self) -> Dict[str, Any]:
+        """What a stream checkpoint needs: counters, recently completed keys, recent ids and the
+        open units as the positions of their records (re-read on :meth:`load`)."""
+        return {
+            "n": self.n, "groups": self.groups, "singletons": self.singletons, "warned": self._warned,
+            "closed": [[k, v] for k, v in self.closed.items()],
+            "ids": [[k, v] for k, v in self.ids.items()],
+            "open": [[[e.index, e.rec.position] for e in sorted(u.encs, key=lambda e: e.index)]
+                     for u in self.units.values()],
+        }
+
+    def load(self, state: Dict[str, Any], record_at) -> None:
+        """Restore :meth:`state`; ``record_at(position)`` re-reads a record."""
+        self.units.clear()
+        self.key_unit.clear()
+        self.closed = OrderedDict((k, v) for k, v in state["closed"])
+        self.ids = OrderedDict((k, v) for k, v in state["ids"])
+        for unit in state["open"]:
+            for index, position in unit:
+                rec = record_at(position)
+                if isinstance(rec, DataError):
+                    raise rec
+                rec.position = position
+                self.add(rec, index)
+        self.n = int(state["n"])
+        self.groups, self.singletons, self._warned = int(state["groups"]), int(state["singletons"]), bool(state["warned"])
+
+    def _remember_closed(self, unit: "_Unit") -> None:
+        for k in unit.keys:
+            self.key_unit.pop(k, None)
+            if k is not _BATCH:
+                self.closed[k] = unit.encs[-1].rec.source
+                self.closed.move_to_end(k)
+        while len(self.closed) > self.max_closed:
+            self.closed.popitem(last=False)
 
     def report(self) -> None:
         """Warn (once) about singleton advantage groups; refuse when every group is one."""
@@ -223,9 +265,9 @@ class Assembler:
         for k in set(tk + ak):
             if not isinstance(k, _Own) and k in self.closed:
                 raise DataError(
-                    f"{src}: {b.group_field}: group {k!r} was already complete (its last record, {self.closed[k]}, is "
-                    f"more than data.group_window={self.window} records back); the records of one group must lie "
-                    "within the window (raise data.group_window, or sort the data by group)"
+                    f"{src}: {b.group_field}: group {k!r} was already complete (its last record was {self.closed[k]}); "
+                    f"on a stream the records of one group must be in one file and within data.group_window="
+                    f"{self.window} records of each other (raise data.group_window, or sort the data by group)"
                 )
         rid = rec.data.get("id")
         if rid is not None and b.uses_ids(rec, [None if isinstance(k, _Own) else k for k in tk],
@@ -302,9 +344,7 @@ class Assembler:
             if index - unit.last <= self.window:
                 break
             self.units.popitem(last=False)
-            for k in unit.keys:
-                self.key_unit.pop(k, None)
-                self.closed[k] = unit.encs[-1].rec.source
+            self._remember_closed(unit)
             out += self._close(unit)
         return out
 
@@ -361,6 +401,8 @@ class Assembler:
             recs = list(OrderedDict((id(e), e) for e, _ in members).values())
             built.positions = [e.rec.position for e in recs]
             built.sources = [e.rec.source for e in recs]
+            built.unit = [e.rec.position for e in encs]
+            built.unit_index = len(out)
             if (self.limits.needs or {}).get("pairs"):
                 _check_pairs(members, self.limits.objective)
             out.append(built)

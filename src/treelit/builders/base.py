@@ -46,6 +46,8 @@ class BuiltTree:
     source: str
     positions: List[Any] = field(default_factory=list)
     sources: List[str] = field(default_factory=list)
+    unit: List[Any] = field(default_factory=list)  # positions of the records its advantages were computed over
+    unit_index: int = 0  # its place among the trees of that unit
 
 
 class TreeBuilder:

@@ -56,11 +56,14 @@ class DataError(TreeInputError):
 @dataclass
 class Record:
     """One input record: its parsed ``data``, its ``source`` (for messages) and its ``position``
-    in the file (``(line, byte offset)`` for JSONL, ``row`` for Parquet, ``index`` for JSON)."""
+    in the file (``(line, byte offset)`` for JSONL, ``row`` for Parquet, ``index`` for JSON);
+    ``next`` is the position after it (None: the end of the file). A :class:`DataError`
+    yielded by a reader carries the same two attributes."""
 
     data: Dict[str, Any]
     source: str
     position: Any = None
+    next: Any = None  # the position right after this record (where a reader resumes)
 
     @property
     def id(self) -> str:
@@ -211,6 +214,11 @@ def _parse(raw: bytes, src: str) -> Union[Any, DataError]:
 _GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
 
 
+def _at(item, position, nxt):
+    item.position, item.next = position, nxt
+    return item
+
+
 def _iter_jsonl(path: Path, start: Optional[Tuple[int, int]] = None) -> Iterator[Union["Record", DataError]]:
     lineno, offset = start or (0, 0)
     opener = gzip.open if path.name.lower().endswith(".gz") else open
@@ -221,7 +229,8 @@ def _iter_jsonl(path: Path, start: Optional[Tuple[int, int]] = None) -> Iterator
             try:
                 raw = f.readline()
             except _GZIP_ERRORS as exc:
-                yield DataError(f"{path}:{lineno + 1}: truncated or corrupt gzip data after line {lineno} ({exc})")
+                yield _at(DataError(f"{path}:{lineno + 1}: truncated or corrupt gzip data after line {lineno} ({exc})"),
+                          (lineno, offset), None)
                 return
             if not raw:
                 return
@@ -234,10 +243,15 @@ def _iter_jsonl(path: Path, start: Optional[Tuple[int, int]] = None) -> Iterator
                 continue
             src = f"{path}:{lineno}"
             item = _parse(raw, src)
-            yield item if isinstance(item, DataError) else Record(item, src, pos)
+            yield _at(item if isinstance(item, DataError) else Record(item, src), pos, (lineno, offset))
 
 
 def _iter_json(path: Path, start: Optional[int] = None) -> Iterator[Union["Record", DataError]]:
+    for item in _iter_json_items(path, start):
+        yield item if isinstance(item, Record) else _at(item, 0, None)
+
+
+def _iter_json_items(path: Path, start: Optional[int]) -> Iterator[Union["Record", DataError]]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
@@ -268,7 +282,7 @@ def _iter_json(path: Path, start: Optional[int] = None) -> Iterator[Union["Recor
         yield DataError(f"{path}:1: a .json data file must hold a list of records, got {type(data).__name__}")
         return
     for i in range(start or 0, len(data)):
-        yield Record(data[i], f"{path}:record {i}", i)
+        yield Record(data[i], f"{path}:record {i}", i, i + 1 if i + 1 < len(data) else None)
 
 
 def _iter_parquet(path: Path, start: Optional[int] = None) -> Iterator[Union["Record", DataError]]:
@@ -278,8 +292,9 @@ def _iter_parquet(path: Path, start: Optional[int] = None) -> Iterator[Union["Re
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
-        yield DataError(f"{path}:row 0: not a readable Parquet file ({exc})")
+        yield _at(DataError(f"{path}:row 0: not a readable Parquet file ({exc})"), 0, None)
         return
+    total = pf.metadata.num_rows
     row = 0
     start = start or 0
     for g in range(pf.num_row_groups):
@@ -290,11 +305,12 @@ def _iter_parquet(path: Path, start: Optional[int] = None) -> Iterator[Union["Re
         try:
             rows = pf.read_row_group(g).to_pylist()
         except (pa.ArrowException, OSError) as exc:
-            yield DataError(f"{path}:row {row}: unreadable Parquet row group {g} ({exc})")
+            yield _at(DataError(f"{path}:row {row}: unreadable Parquet row group {g} ({exc})"), row, None)
             return
         for i, rec in enumerate(rows):
-            if row + i >= start:
-                yield Record(rec, f"{path}:row {row + i}", row + i)
+            r = row + i
+            if r >= start:
+                yield Record(rec, f"{path}:row {r}", r, r + 1 if r + 1 < total else None)
         row += n
 
 
