@@ -48,6 +48,7 @@ class BuiltTree:
     sources: List[str] = field(default_factory=list)
     unit: List[Any] = field(default_factory=list)  # positions of the records its advantages were computed over
     unit_index: int = 0  # its place among the trees of that unit
+    epoch: int = 0  # the data epoch a stream served it in
 
 
 class TreeBuilder:

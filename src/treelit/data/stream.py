@@ -126,6 +126,7 @@ class TreeStream:
                 else:
                     tree = self.buffer.pop(0)
                 self.served += 1
+                tree.epoch = self.epoch
                 return tree
             self.asm.report()
             if self.served == 0:

@@ -176,16 +176,18 @@ class StreamingTreeDataModule(pl.LightningDataModule):
     # steps ----------------------------------------------------------------------------------------
     def _micro_batches(self, r: int) -> List[TreeBatch]:
         """The next ``micro_batches_per_step`` micro-batches of reader ``r``, packed greedily: a
-        micro-batch closes when the next tree does not fit, and that tree starts the next one."""
+        micro-batch closes when the next tree does not fit, and that tree starts the next one.
+        The end of an epoch ends the step (as in memory: the last step of an epoch may be short)."""
         reader, rows, cur, size = self.readers[r], [], [], 0
         while True:
             t = self.pending[r] if self.pending[r] is not None else reader.next_tree()
             self.pending[r] = None
             n = t.tree.num_tokens
-            if cur and size + n > self.micro_batch_tokens:
+            new_epoch = bool(cur) and t.epoch != cur[-1].epoch
+            if cur and (size + n > self.micro_batch_tokens or new_epoch):
                 rows.append(cur)
                 self.pending[r] = t
-                if len(rows) == self.micro_batches_per_step:
+                if len(rows) == self.micro_batches_per_step or new_epoch:  # an epoch ends its last step
                     break
                 cur, size = [], 0
                 continue
@@ -234,7 +236,7 @@ class StreamingTreeDataModule(pl.LightningDataModule):
     # checkpointed state -----------------------------------------------------------------------------
     def _reader_state(self, r: int) -> Dict[str, Any]:
         p = self.pending[r]
-        return {"reader": self.readers[r].state(), "pending": None if p is None else [p.unit, p.unit_index]}
+        return {"reader": self.readers[r].state(), "pending": None if p is None else [p.unit, p.unit_index, p.epoch]}
 
     def state_dict(self) -> Dict[str, Any]:
         c = self.consumed_steps
@@ -262,7 +264,11 @@ class StreamingTreeDataModule(pl.LightningDataModule):
             s = state["readers"][str(r)]
             reader.load(s["reader"])
             p = s["pending"]
-            self.pending[r] = None if p is None else reader._rebuild(p[0])[p[1]]
+            if p is not None:
+                self.pending[r] = reader._rebuild(p[0])[p[1]]
+                self.pending[r].epoch = int(p[2])
+            else:
+                self.pending[r] = None
         self.consumed_steps = self.next_index = int(state["consumed_steps"])
         self._snaps, self._ready = OrderedDict(), {}
         self.trees = []
