@@ -174,3 +174,42 @@ def test_tokens_outside_the_model_vocabulary_fail_before_training(tmp_path, hf_d
 
     with pytest.raises(DataError, match=r"big_ids.jsonl:1: branches\[0\].input_ids\[2\]: token id 500 .*vocabulary \(size 11\)"):
         train(tmp_path, f"model.hf_checkpoint={hf_dir}", "data=jsonl", f"data.train_path={path}")
+
+
+def test_ten_percent_malformed_lines_under_skip_train_on_exactly_the_rest(tmp_path):
+    """A 50-line stream with 5 malformed lines of different kinds (bad JSON, a missing field,
+    no branches, a mask of the wrong length, a negative token id) under data.on_error=skip
+    trains exactly as the 45 good lines alone: same trees, same steps, same weights."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    good = []
+    for i in range(45):
+        prefix = rng.integers(0, 512, size=int(rng.integers(3, 12))).tolist()
+        good.append(json.dumps({"id": f"r{i}", "branches": [
+            {"input_ids": prefix + rng.integers(0, 512, size=int(rng.integers(1, 9))).tolist()} for _ in range(3)]}))
+    bad = ['{"id": "b0", "branches": [{"input_ids": [1, 2, 3]}',
+           json.dumps({"id": "b1", "branches": [{"tokens": [1, 2, 3]}]}),
+           json.dumps({"id": "b2", "branches": []}),
+           json.dumps({"id": "b3", "branches": [{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}]}),
+           json.dumps({"id": "b4", "branches": [{"input_ids": [1, -2, 3]}]})]
+    lines = list(good)
+    for k, b in enumerate(bad):
+        lines.insert(4 + 10 * k, b)
+    assert len(lines) == 50
+    mixed, clean = tmp_path / "mixed.jsonl", tmp_path / "clean.jsonl"
+    mixed.write_text("\n".join(lines) + "\n")
+    clean.write_text("\n".join(good) + "\n")
+    common = ["data=jsonl", "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_steps=3", "data.micro_batch_tokens=200"]
+    s_mixed, out_mixed = train(tmp_path, *common, f"data.train_path={mixed}", "data.on_error=skip", name="mixed")
+    s_clean, out_clean = train(tmp_path, *common, f"data.train_path={clean}", name="clean")
+    assert s_mixed["data"]["records_skipped"] == 5 and s_clean["data"]["records_skipped"] == 0
+    assert {k: v for k, v in s_mixed["data"].items() if k != "records_skipped"} == \
+        {k: v for k, v in s_clean["data"].items() if k != "records_skipped"}
+    assert s_mixed["data"]["trees"] == 45 and s_mixed["global_step"] == 3
+    a, b = state(out_mixed / "hf_checkpoint"), state(out_clean / "hf_checkpoint")
+    assert s_mixed["metrics"]["grad_norm"] > 0, "the steps must train something"
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    with pytest.raises(Exception, match=rf"{mixed}:5"):  # and without skip, the first bad line stops it
+        train(tmp_path, *common, f"data.train_path={mixed}", name="raise")

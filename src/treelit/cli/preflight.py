@@ -12,6 +12,7 @@ creates the directory, so the user sees one clear line instead of a traceback.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -59,10 +60,12 @@ def check_writable(out: Path) -> None:
             os.fsync(f.fileno())
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(probe) else ""
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in (str(probe), str(out)) else ""
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         raise ConfigError(
             f"output_dir {str(out)!r}: cannot write there: {reason}{where}; "
-            "free some space or choose another directory with output_dir=DIR"
+            + ("free some space or choose another directory" if full else "choose a writable directory")
+            + " with output_dir=DIR"
         ) from None
     finally:
         try:

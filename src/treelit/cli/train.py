@@ -85,10 +85,13 @@ def read_resume_checkpoint(path: str) -> Dict[str, Any]:
             return info
     try:
         ckpt = torch.load(p, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(
-            f"resume_from: {p} is not a readable Lightning checkpoint ({type(exc).__name__}: {exc})"
-        ) from None
+    except Exception:
+        try:  # not a zip archive (mmap needs one): a plain load says what is wrong
+            ckpt = torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"resume_from: {p} is not a readable Lightning checkpoint "
+                                  f"(truncated or not a checkpoint file: {why})") from None
     if not isinstance(ckpt, dict) or "global_step" not in ckpt:
         raise CheckpointError(f"resume_from: {p} is not a Lightning checkpoint (it has no global_step)")
     info["global_step"] = int(ckpt["global_step"])

@@ -1,0 +1,178 @@
+"""The MLflow run lifecycle and resumption: kill -9 mid-step then resume, signals, dead runs,
+the first and last step always logged, unique names, the progress bar after a resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import treelit
+from cli_helpers import TINY, cli_env, finish, runs, start
+from treelit.cli.config import compose
+from treelit.cli.train import run
+
+STALL = '''
+import os, time
+import lightning.pytorch as pl
+
+class Stall(pl.Callback):
+    """Stops inside optimizer step `at_step` + 1: after its backward, before its update."""
+    def __init__(self, at_step, marker):
+        self.at_step, self.marker = int(at_step), marker
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.at_step:
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
+'''
+
+
+def _in_process(tmp_path, name, *overrides):
+    cfg = compose([f"output_dir={tmp_path / name}", *TINY, *overrides])
+    return run(cfg), tmp_path / name
+
+
+def _one_thread(tmp_path, name, *overrides):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _in_process(tmp_path, name, *overrides)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sigkill_mid_step_then_resume_equals_the_uninterrupted_run(tmp_path, mlflow_db):
+    """kill -9 inside step 4 of 6 (after its backward, before its update), resume from the
+    last checkpoint (step 3): the weights equal an uninterrupted run's bit for bit, and the
+    resumed run continues the same MLflow run, its metrics at the right steps."""
+    db, uri = mlflow_db
+    (tmp_path / "stall.py").write_text(STALL)
+    marker = tmp_path / "stalled"
+    common = [*TINY, "trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=1",
+              "trainer.log_every_n_steps=1", "data.micro_batch_tokens=1200"]
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    victim = start(*common, f"logger.mlflow.tracking_uri={uri}", f"output_dir={tmp_path / 'killed'}",
+                   "+callbacks.stall._target_=stall.Stall", "+callbacks.stall.at_step=3",
+                   f"+callbacks.stall.marker={marker}", cwd=tmp_path, env=env)
+    # meanwhile, the uninterrupted run (in this process, on one thread like the subprocess)
+    full, full_dir = _one_thread(tmp_path, "full", *common[len(TINY):], "logger=none")
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert victim.poll() is None, finish(victim).stderr[-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 4"
+        time.sleep(0.2)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=60)
+    assert victim.returncode == -signal.SIGKILL
+
+    client, (killed,) = runs(uri)
+    assert killed.info.status == "RUNNING"  # nobody could close it
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
+
+    resumed, resumed_dir = _one_thread(tmp_path, "resumed", *common[len(TINY):], f"logger.mlflow.tracking_uri={uri}",
+                                       f"resume_from={last}")
+    a = treelit.load_hf_checkpoint(full_dir / "hf_checkpoint").state_dict()
+    b = treelit.load_hf_checkpoint(resumed_dir / "hf_checkpoint").state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    _, (again,) = runs(uri)  # the same run, continued
+    assert again.info.run_id == killed.info.run_id and again.info.status == "FINISHED"
+    assert resumed["mlflow"]["run_id"] == killed.info.run_id and resumed["mlflow"]["continued"]
+    history = client.get_metric_history(again.info.run_id, "loss")
+    steps = sorted(m.step for m in history)
+    assert steps == [0, 1, 2, 3, 4, 5], steps  # steps 1-3 before the kill, 4-6 after: each once
+    final = max(history, key=lambda m: m.step).value
+    assert final == pytest.approx(full["loss"]["last"][1], rel=1e-6)
+    assert again.data.tags["treelit.resumed_from"] == str(last)
+
+
+SIGTERM_AT_STEP_2 = '''
+import os, signal
+import lightning.pytorch as pl
+
+class SendSigterm(pl.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+'''
+
+
+def test_sigterm_ends_the_run_killed(tmp_path, mlflow_db, monkeypatch):
+    """SIGTERM: Lightning finishes the step and stops; the MLflow run ends KILLED (not FAILED,
+    not RUNNING) with the reason in the tag treelit.end."""
+    (tmp_path / "sigterm_cb.py").write_text(SIGTERM_AT_STEP_2)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, uri = mlflow_db
+    with pytest.raises(SystemExit):  # Lightning's SIGTERMException
+        _in_process(tmp_path, "out", "trainer.max_steps=50", f"logger.mlflow.tracking_uri={uri}",
+                    "+callbacks.sigterm._target_=sigterm_cb.SendSigterm")
+    _, (r,) = runs(uri)
+    assert r.info.status == "KILLED"
+    assert "interrupted" in r.data.tags["treelit.end"]
+    assert "loss" in r.data.metrics
+
+
+def test_runs_of_dead_processes_are_marked_killed_by_the_next_run(tmp_path, mlflow_db):
+    from mlflow.tracking import MlflowClient
+
+    from treelit.lightning.mlflow_logger import TreeMLFlowLogger
+    from treelit.utils.mlflow_store import process_tags
+
+    _, uri = mlflow_db
+    client = MlflowClient(uri)
+    exp = client.create_experiment("treelit", artifact_location=str(tmp_path / "mlruns"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = client.create_run(exp, tags={**process_tags(), "treelit.pid": str(dead.pid), "mlflow.runName": "gone"})
+    alive = client.create_run(exp, tags={**process_tags(), "mlflow.runName": "alive"})  # this process
+    elsewhere = client.create_run(exp, tags={**process_tags(), "treelit.pid": str(dead.pid),
+                                             "treelit.machine": "another-host|x|y", "mlflow.runName": "elsewhere"})
+    lg = TreeMLFlowLogger(tracking_uri=uri, run_name="next")
+    lg.log_metrics({"x": 1.0}, step=0)
+    status = {r.info.run_name: r.info.status for r in runs(uri)[1]}
+    assert status == {"gone": "KILLED", "alive": "RUNNING", "elsewhere": "RUNNING", "next": "RUNNING"}
+    assert "killed" in client.get_run(gone.info.run_id).data.tags["treelit.end"]
+    lg.finalize("success")
+    assert client.get_run(lg.run_id).info.status == "FINISHED"
+    del alive, elsewhere
+
+
+@pytest.mark.parametrize("steps,logged", [(3, [0, 2]), (7, [0, 4, 6])])
+def test_first_and_last_step_are_always_logged(tmp_path, mlflow_db, steps, logged):
+    """log_every_n_steps=5: a 3-step run still logs its loss (steps 1 and 3, Lightning's
+    0-based step index), a 7-step run logs steps 1, 5 and 7."""
+    _, uri = mlflow_db
+    _in_process(tmp_path, "out", f"trainer.max_steps={steps}", "trainer.log_every_n_steps=5",
+                f"logger.mlflow.tracking_uri={uri}", "callbacks.checkpoint=null", "callbacks.hf_export=null")
+    client, (r,) = runs(uri)
+    assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "loss")) == logged
+
+
+def test_default_output_dir_and_run_name_are_unique_and_agree():
+    a, b = compose(), compose()
+    assert a.output_dir != b.output_dir
+    for cfg in (a, b):
+        assert os.path.basename(cfg.output_dir) == cfg.logger.mlflow.run_name
+        assert cfg.output_dir == cfg.output_dir  # resolved once per config (cached)
+
+
+def test_progress_bar_counts_optimizer_steps_after_a_resume(tmp_path, capsys):
+    base = ["trainer.max_steps=2", "callbacks.checkpoint.every_n_train_steps=1", "logger=none",
+            "callbacks.hf_export=null", "callbacks.progress.refresh_rate=1", "trainer.enable_progress_bar=true"]
+    tiny = [o for o in TINY if "progress" not in o]
+    run(compose([f"output_dir={tmp_path / 'a'}", *tiny, *base]))
+    capsys.readouterr()
+    run(compose([f"output_dir={tmp_path / 'b'}", *tiny, *base, "trainer.max_steps=4",
+                 f"resume_from={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}"]))
+    text = capsys.readouterr().out.replace("\r", "\n")
+    bars = [line for line in text.splitlines() if line.startswith("steps")]
+    assert bars and all("/4 " in line for line in bars), bars[-3:]  # never "4/?"
+    assert "4/4" in bars[-1]
