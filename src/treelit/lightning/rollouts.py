@@ -1,0 +1,206 @@
+"""``RolloutDirDataModule``: online RL from a directory a rollout engine writes into.
+
+A rollout engine (vLLM, SGLang, your own sampler) writes one file of records per
+optimizer step into ``directory`` - token ids, loss masks, rewards or advantages and
+the sampling log-probs (``old_logprobs``), so nothing is re-tokenized. The trainer
+takes the files in name order, one per step: it waits for the next one (up to
+``timeout_s``), builds its trees (advantages from rewards are computed within the file:
+the file is "the batch"), trains on them (``ppo_epochs`` passes, ``ppo_minibatches``
+updates each, as for any step batch) and marks the file consumed by renaming it to
+``<name>.consumed`` once the step is done.
+
+Write each file under a name the ``pattern`` does not match (``step-000007.jsonl.tmp``)
+and rename it when complete (a rename is atomic), and name files so that they sort in
+step order (zero-padded numbers).
+
+Lightning fetches the next batch before it trains the current one; waiting for the next
+file there would wait for rollouts that need this step's weights. So the data loader
+yields placeholders and each step's file is read in ``transfer_batch_to_device``, right
+before that step trains. With several processes every rank reads the (small) file and
+takes a cost-balanced share of its trees, as :class:`~treelit.lightning.data.TreeDataModule` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from treelit.builders.assemble import Limits
+from treelit.builders.base import BuiltTree, TreeBuilder
+from treelit.builders.sequences import SequencesBuilder
+from treelit.data.records import DataError, ReadStats
+from treelit.lightning.data import (StepBatch, _assign, _empty_batch, _pack_indices, _tree_cost, build_trees,
+                                    conform_batches)
+from treelit.tree.batch import TreeBatch
+
+__all__ = ["RolloutDirDataModule"]
+
+log = logging.getLogger(__name__)
+
+CONSUMED = ".consumed"
+
+
+class _Pending:
+    """Step ``index``, to be read from the next rollout file right before it trains."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Steps(IterableDataset):
+    def __init__(self, dm: "RolloutDirDataModule") -> None:
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[_Pending]:
+        i = self.dm.consumed_steps
+        while True:
+            yield _Pending(i)
+            i += 1
+
+
+class RolloutDirDataModule(pl.LightningDataModule):
+    """Args:
+        directory: the directory the rollout engine writes into (created if missing).
+        tree_builder: a tree builder instance (default ``sequences``).
+        micro_batch_tokens: tree-token budget of one packed micro-batch (a file gives as many as it needs).
+        pattern: the file names to take (a glob, e.g. ``*.jsonl``; ``.parquet`` and ``.jsonl.gz`` work too).
+        timeout_s: how long to wait for the next file before failing.
+        poll_s: how often to look.
+        on_error: ``raise`` or ``skip`` for bad records (skips counted and logged).
+        mark_consumed: rename each trained file to ``<name>.consumed``.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        tree_builder: Optional[TreeBuilder] = None,
+        micro_batch_tokens: int = 8192,
+        pattern: str = "*.jsonl",
+        timeout_s: float = 600.0,
+        poll_s: float = 0.2,
+        on_error: str = "raise",
+        mark_consumed: bool = True,
+        attention_cost: float = 1.0 / 1024,
+        sample_trees: int = 64,
+    ) -> None:
+        super().__init__()
+        if not directory:
+            raise ValueError("data.directory is required: the directory the rollout engine writes files into")
+        if micro_batch_tokens <= 0 or timeout_s <= 0 or poll_s <= 0:
+            raise ValueError("data.micro_batch_tokens, data.timeout_s and data.poll_s must be positive")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.directory = Path(directory)
+        self.builder = tree_builder or SequencesBuilder()
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.pattern, self.timeout_s, self.poll_s = pattern, float(timeout_s), float(poll_s)
+        self.on_error, self.mark_consumed = on_error, bool(mark_consumed)
+        self.attention_cost, self.sample_trees = float(attention_cost), int(sample_trees)
+        self.limits = Limits()
+        self.read_stats = ReadStats()
+        self.rank, self.world = 0, 1
+        self.consumed_steps = 0
+        self.step_files: Dict[int, str] = {}  # step index -> file name
+        self.marked: set = set()
+        self.trees: List[BuiltTree] = []
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            self.rank, self.world = int(trainer.global_rank), int(trainer.world_size)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None) -> None:
+        """Records are checked against the model and the objective as each file arrives."""
+        self.limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
+                             None if objective is None else objective.data_needs(),
+                             "the objective" if objective is None else f"objective={objective.name}")
+        self.setup()
+
+    def stats(self) -> Dict[str, Any]:
+        """Rollouts arrive during training: nothing is known before the first step."""
+        return {"trees": 0, "branches": 0, "flat_tokens": 0, "tree_tokens": 0, "por": 0.0, "ideal_speedup": 0.0,
+                "records_skipped": self.read_stats.skipped}
+
+    # files ------------------------------------------------------------------------------------------
+    def _candidates(self) -> List[Path]:
+        done = set(self.step_files.values())
+        return sorted(p for p in self.directory.glob(self.pattern) if p.is_file() and p.name not in done)
+
+    def _wait_next(self, index: int) -> Path:
+        end = time.monotonic() + self.timeout_s
+        while True:
+            files = self._candidates()
+            if files:
+                return files[0]
+            if time.monotonic() > end:
+                raise DataError(f"{self.directory}: no rollout file matching {self.pattern!r} for step {index + 1} "
+                                f"within data.timeout_s={self.timeout_s:g}s")
+            time.sleep(self.poll_s)
+
+    def _mark(self, upto: int) -> None:
+        """Rename the files of the steps before ``upto`` (trained) to ``<name>.consumed`` (rank 0)."""
+        if not self.mark_consumed or self.rank != 0:
+            return
+        for i, name in sorted(self.step_files.items()):
+            if i < upto and name not in self.marked:
+                src = self.directory / name
+                if src.exists():
+                    os.replace(src, self.directory / (name + CONSUMED))
+                self.marked.add(name)
+
+    def load_step(self, index: int) -> StepBatch:
+        """Wait for the next file, build its trees and pack this rank's share (step ``index``)."""
+        self._mark(index)
+        path = self._wait_next(index)
+        self.step_files[index] = path.name
+        trees = build_trees(str(path), self.builder, on_error=self.on_error, limits=self.limits, stats=self.read_stats)
+        if not trees:
+            raise DataError(f"{path}: no trees to train on ({self.read_stats.skipped} records skipped so far)")
+        if len(self.trees) < self.sample_trees:
+            self.trees += trees[: self.sample_trees - len(self.trees)]
+        batches = conform_batches([t.tree.to_batch() for t in trees])
+        sizes = [b.num_tokens for b in batches]
+        log.info("step %d: %s (%d trees, %d tree tokens)", index + 1, path.name, len(trees), sum(sizes))
+        if self.world == 1:
+            rows = _pack_indices(list(range(len(batches))), sizes, self.micro_batch_tokens)
+            return StepBatch([TreeBatch.pack([batches[t] for t in row]) for row in rows], index)
+        cost = np.array([_tree_cost(b, self.attention_cost) for b in batches])
+        shares = _assign(list(range(len(batches))), cost, self.world)
+        packed = [_pack_indices(share, sizes, self.micro_batch_tokens) for share in shares]
+        n_passes = max(1, max(len(p) for p in packed))
+        mine = [TreeBatch.pack([batches[t] for t in row]) for row in packed[self.rank]]
+        mine += [_empty_batch() for _ in range(n_passes - len(mine))]
+        loads = [float(cost[s].sum()) for s in shares]
+        mean = sum(loads) / len(loads)
+        return StepBatch(mine, index, max(loads) / mean if mean > 0 else 1.0)
+
+    # Lightning hooks ----------------------------------------------------------------------------------
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(_Steps(self), batch_size=None, num_workers=0, collate_fn=lambda x: x)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> StepBatch:
+        if isinstance(batch, _Pending):
+            batch = self.load_step(batch.index)
+        return StepBatch([b.to(device) for b in batch.micro_batches], batch.index, batch.load_imbalance)
+
+    def teardown(self, stage: Optional[str] = None) -> None:
+        self._mark(self.consumed_steps)
+
+    def state_dict(self) -> Dict[str, Any]:
+        c = self.consumed_steps
+        return {"consumed_steps": c, "files": [self.step_files[i] for i in sorted(self.step_files) if i < c]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.consumed_steps = int(state.get("consumed_steps", 0))
+        self.step_files = {i: name for i, name in enumerate(state.get("files", []))}
+        self.marked = set()
