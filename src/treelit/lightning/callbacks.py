@@ -61,9 +61,30 @@ class TreeCheckpoint(ModelCheckpoint):
     exactly as the uninterrupted run would (tested bit for bit, also after ``kill -9``).
     Lightning warns about manual optimization because for other modules the post-update
     state may be unintended; here it is the intended state, so that warning is not shown.
-    Lightning writes each file through a temporary file and a rename, so a killed run never
-    leaves a half-written checkpoint. A resumed run writes to its own ``output_dir``.
+    Each file is written as ``<name>.partial`` beside its final name, then renamed over it:
+    a run killed while writing leaves the previous checkpoint (``last.ckpt`` included) intact.
+    (Lightning stages the file in the system temporary directory and *moves* it, which is a
+    copy, not an atomic rename, when that directory is on another filesystem.) A resumed run
+    writes to its own ``output_dir``.
     """
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        import os
+        import shutil
+        from weakref import proxy
+
+        partial = f"{filepath}.partial"
+        trainer.save_checkpoint(partial, self.save_weights_only)  # ends with a barrier
+        if trainer.is_global_zero and os.path.exists(partial):
+            if os.path.isdir(partial) and os.path.isdir(filepath):  # a sharded checkpoint directory
+                shutil.rmtree(filepath)
+            os.replace(partial, filepath)
+        trainer.strategy.barrier("TreeCheckpoint.rename")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         with warnings.catch_warnings():
@@ -154,7 +175,8 @@ class RewardMargin(pl.Callback):
     """Tracks how the policy's probability of high-reward branches moves against low-reward ones.
 
     Every ``every_n_steps`` optimizer steps it computes, on the first ``max_trees`` training
-    trees, each branch's mean log-prob per target token (tree mode, no gradient) and logs the
+    trees, each branch's mean log-prob per target token (tree mode, no gradient, partitioned
+    when training is; on every rank, since under FSDP2 every pass is a collective) and logs the
     means over branches with reward above/below ``threshold`` and their difference
     (``reward/logp_high``, ``reward/logp_low``, ``reward/margin``). At the end it saves a PNG
     plot to ``plot_path`` and logs it to MLflow.
@@ -184,8 +206,14 @@ class RewardMargin(pl.Callback):
                 if rewards is None:
                     continue
                 batch = t.tree.to_batch().to(pl_module.device)
-                sel, logp, _ = tree_token_logprobs(pl_module.model, batch, pl_module.attention)
-                x = torch.zeros(batch.num_tokens, dtype=torch.float64, device=batch.device).index_put((sel,), logp.double())
+                if getattr(pl_module, "partition", "none") != "none":  # as large as training's trees: partitioned
+                    from treelit.partition.engine import policy_logprobs
+
+                    x = torch.nan_to_num(policy_logprobs(pl_module.model, batch, budget_tokens=pl_module.budget_tokens,
+                                                         attention=pl_module.attention, comm=pl_module._comm()))
+                else:
+                    sel, logp, _ = tree_token_logprobs(pl_module.model, batch, pl_module.attention)
+                    x = torch.zeros(batch.num_tokens, dtype=torch.float64, device=batch.device).index_put((sel,), logp.double())
                 sums = branch_target_sums(batch, x).cpu().numpy()
                 n = np.array([m[1:].sum() for m in np.split(batch.branch_mask.cpu().numpy(), batch.branch_ptr.cpu().numpy()[1:-1])])
                 for s, k, r in zip(sums, n, rewards):
@@ -211,10 +239,12 @@ class RewardMargin(pl.Callback):
             self._measure(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if not self.history or not trainer.is_global_zero:
+        if not self.history:
             return
         if self.history[-1]["step"] != trainer.global_step:
-            self._measure(trainer, pl_module)
+            self._measure(trainer, pl_module)  # every rank: under FSDP2 the model's passes are collectives
+        if not trainer.is_global_zero:
+            return
         import matplotlib
 
         matplotlib.use("Agg")
