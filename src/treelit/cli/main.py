@@ -98,7 +98,7 @@ def _resolve_data_path(path: str) -> str:
 
 def _stats(path: str, builder: str, tokenizer: Optional[str], group_key: Optional[str]) -> int:
     from treelit.builders.base import make_tree_builder
-    from treelit.lightning.data import TreeDataModule
+    from treelit.data.stats import stream_stats
 
     path = _resolve_data_path(path)
     name = _detect_builder(path) if builder == "auto" else builder
@@ -109,10 +109,10 @@ def _stats(path: str, builder: str, tokenizer: Optional[str], group_key: Optiona
         options["tokenizer_path"] = tokenizer or qwen_tokenizer_dir()
     if group_key:
         options["group_key" if name == "chat" else "key"] = group_key
-    dm = TreeDataModule(path, tree_builder=make_tree_builder(name, **options))
+    stats = stream_stats(path, make_tree_builder(name, **options))  # streamed: any size, progress bar
     print(f"{'file':>16}: {path}")
     print(f"{'builder':>16}: {name}" + (f" (tokenizer {options['tokenizer_path']})" if name == "chat" else ""))
-    for k, v in dm.stats().items():
+    for k, v in stats.items():
         print(f"{k:>16}: {v:.4f}" if isinstance(v, float) else f"{k:>16}: {v:,}")
     return 0
 
