@@ -4,7 +4,8 @@ Shared prefixes (system prompts, earlier turns, GRPO prompts) are computed once;
 the loss and every gradient equal those of training each branch on its own.
 """
 
-from treelit.loss import linear_backward, linear_loss, token_logprobs, tree_loss
+from treelit.api import linear_backward, linear_loss, tree_loss
+from treelit.loss import Branches, token_logprobs
 from treelit.models import DecoderConfig, TreeDecoder, build_decoder, build_model, load_hf_checkpoint, save_hf_checkpoint
 from treelit.models.hf_adapter import HFTreeModel, load_hf_model
 from treelit.objectives import make_objective
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGGREGATIONS",
+    "Branches",
     "DecoderConfig",
     "TokenTree",
     "TreeBatch",

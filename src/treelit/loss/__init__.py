@@ -1,7 +1,13 @@
-"""Losses: the chunked log-prob head, tree-mode loss and the linearized baseline."""
+"""Loss primitives: the chunked log-prob head, tree-mode and per-branch passes, the router loss.
 
-from treelit.loss.linear import linear_backward, linear_loss
+The entry points (``treelit.tree_loss``, ``treelit.linear_loss``) live in :mod:`treelit.api`:
+objective -> these primitives -> decoder -> attention backend.
+"""
+
+from treelit.loss.branches import Branches, as_branches
+from treelit.loss.linear import linear_branch_logprobs, sft_linear_loss
 from treelit.loss.logprobs import token_logprobs
-from treelit.loss.tree import tree_hidden, tree_loss
+from treelit.loss.tree import sft_tree_loss, tree_hidden, tree_token_logprobs
 
-__all__ = ["linear_backward", "linear_loss", "token_logprobs", "tree_hidden", "tree_loss"]
+__all__ = ["Branches", "as_branches", "linear_branch_logprobs", "sft_linear_loss", "sft_tree_loss", "token_logprobs",
+           "tree_hidden", "tree_token_logprobs"]

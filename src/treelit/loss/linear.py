@@ -1,88 +1,29 @@
-"""The linearized baseline: every branch is its own causal sequence.
+"""The linearized baseline's primitives: every branch is its own causal sequence.
 
 This is what per-branch training computes, written without any tree code: branches
-are sorted by length and run in right-padded micro-batches through the same model
-(causal SDPA, positions ``0..L-1``) and the same log-prob head. Token ``t`` of a
-branch is predicted from position ``t-1`` and counts iff its loss mask is set.
-It is the reference for exactness tests and the baseline for speed.
+(:class:`~treelit.loss.branches.Branches`) are sorted by length and run in right-padded
+micro-batches through the same model (causal SDPA, positions ``0..L-1``) and the same
+log-prob head. Token ``t`` of a branch is predicted from position ``t-1`` and counts iff
+its loss mask is set. Objectives build their per-branch losses from these; it is the
+reference for exactness tests and the baseline for speed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
+from treelit.loss.branches import Branches
 from treelit.loss.logprobs import weighted_nll
 from treelit.models.context import CausalContext
 from treelit.models.decoder import decoder_hidden, in_forward, output_weight
-from treelit.tree.batch import check_aggregation
-from treelit.tree.token_tree import TreeInputError, _as_mask_array, _as_token_array
 
-__all__ = ["LinearBranches", "linear_loss", "linear_backward", "linear_micro_batches"]
+__all__ = ["Branches", "LinearBranches", "sft_linear_loss", "linear_micro_batches", "linear_branch_logprobs"]
 
 
-@dataclass
-class LinearBranches:
-    """Validated branches with their targets counted: ``n[b]`` trainable targets per branch."""
-
-    tokens: List[np.ndarray]
-    masks: List[np.ndarray]  # target mask (first position cleared)
-    weights: np.ndarray
-    n: np.ndarray
-
-    @classmethod
-    def build(cls, branches, loss_masks=None, weights=None) -> "LinearBranches":
-        if len(branches) == 0:
-            raise TreeInputError("need at least one branch")
-        toks = [_as_token_array(b, i, "") for i, b in enumerate(branches)]
-        if loss_masks is None:
-            masks = [np.ones(len(t), dtype=bool) for t in toks]
-        else:
-            if len(loss_masks) != len(toks):
-                raise TreeInputError(f"got {len(loss_masks)} loss masks for {len(toks)} branches")
-            masks = [
-                np.ones(len(t), dtype=bool) if m is None else _as_mask_array(m, len(t), i, "").copy()
-                for i, (t, m) in enumerate(zip(toks, loss_masks))
-            ]
-        for m in masks:
-            m[0] = False  # nothing predicts a branch's first token
-        w = np.ones(len(toks)) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
-        if w.shape[0] != len(toks):
-            raise TreeInputError(f"got {w.shape[0]} weights for {len(toks)} branches")
-        if not np.all(np.isfinite(w) & (w >= 0)):
-            b = int(np.flatnonzero(~(np.isfinite(w) & (w >= 0)))[0])
-            raise TreeInputError(f"branch {b}: weight {float(w[b])!r} must be finite and >= 0")
-        n = np.array([m.sum() for m in masks], dtype=np.float64)
-        return cls(toks, masks, w, n)
-
-    def coefficients(self, aggregation: str) -> np.ndarray:
-        """Per-branch coefficient c_b multiplying each of its token losses (before 1/Z)."""
-        check_aggregation(aggregation)
-        if aggregation == "seq-mean-token-mean":
-            return self.weights * np.divide(1.0, self.n, out=np.zeros_like(self.n), where=self.n > 0)
-        return self.weights.copy()
-
-    def normalizer(self, aggregation: str) -> float:
-        check_aggregation(aggregation)
-        if aggregation == "token-mean":
-            return float(self.n.sum())
-        if aggregation == "sum":
-            return 1.0
-        return float((self.n > 0).sum())
-
-    def validate_for_model(self, vocab_size: int, max_seq_len: Optional[int]) -> None:
-        for b, t in enumerate(self.tokens):
-            if t.max() >= vocab_size:
-                pos = int(np.argmax(t >= vocab_size))
-                raise TreeInputError(
-                    f"token id {int(t[pos])} at position {pos} of branch {b} is outside the model's "
-                    f"vocabulary (size {vocab_size})"
-                )
-            if max_seq_len is not None and len(t) > max_seq_len:
-                raise TreeInputError(f"branch {b} has {len(t)} tokens, more than the model's max_seq_len {max_seq_len}")
+LinearBranches = Branches  # the per-branch inputs (see :mod:`treelit.loss.branches`)
 
 
 def linear_micro_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
@@ -123,113 +64,20 @@ def _group_loss(model, lb: LinearBranches, idx: List[int], coef: np.ndarray, chu
     return in_forward(model, run)
 
 
-def _prepare(model, branches, loss_masks, weights, aggregation, normalizer):
-    """Validate, and return the branches with their coefficients c_b / Z."""
-    lb = branches if isinstance(branches, LinearBranches) else LinearBranches.build(branches, loss_masks, weights)
-    lb.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
-    Z = lb.normalizer(aggregation) if normalizer is None else float(normalizer)
-    coef = lb.coefficients(aggregation)
-    return lb, (coef / Z if Z > 0 else np.zeros_like(coef))
-
-
-def linear_loss(
-    model,
-    branches,
-    loss_masks=None,
-    weights=None,
-    aggregation: str = "token-mean",
-    *,
-    normalizer: Optional[float] = None,
-    max_tokens: int = 8192,
-    chunk_rows: Optional[int] = None,
-    objective: str = "sft",
-    advantages=None,
-    old_logprobs=None,
-    ref_logprobs=None,
-    branch_fields=None,
-    router_normalizer: Optional[float] = None,
-    metrics: Optional[dict] = None,
-    **objective_options,
-) -> torch.Tensor:
-    """Per-branch (linearized) loss; differentiable. ``normalizer`` overrides Z (global over a step).
-
-    ``objective`` (with its options) selects an RL objective; the per-branch RL inputs are
-    ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``branch_fields`` (``pair``/``chosen``
-    for DPO), as for :meth:`TokenTree.from_branches`. A mixture-of-experts model whose router
-    loss is on adds it over all the branches (``router_normalizer``, ``metrics``: as for
-    :func:`treelit.tree_loss`).
-    """
-    from treelit.loss.router import router_aux
-
-    with router_aux(model, router_normalizer) as aux:
-        loss = _linear_objective_loss(model, branches, loss_masks, weights, aggregation, normalizer, max_tokens,
-                                      chunk_rows, objective, advantages, old_logprobs, ref_logprobs, branch_fields,
-                                      objective_options)
-        if aux is not None:
-            loss = loss + aux.loss()
-            if metrics is not None:
-                metrics.update(aux.metrics())
-    return loss
-
-
-def _linear_objective_loss(model, branches, loss_masks, weights, aggregation, normalizer, max_tokens, chunk_rows,
-                           objective, advantages, old_logprobs, ref_logprobs, branch_fields, objective_options):
-    if objective != "sft" or objective_options:
-        from treelit.objectives import make_objective
-        from treelit.tree.token_tree import TokenTree
-
-        tree = TokenTree.from_branches(branches, loss_masks, weights, advantages=advantages, old_logprobs=old_logprobs,
-                                       ref_logprobs=ref_logprobs, branch_fields=branch_fields)
-        obj = make_objective(objective, **objective_options)
-        return obj.linear_loss(model, tree.to_batch(), aggregation=aggregation, normalizer=normalizer, chunk_rows=chunk_rows)[0]
-    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation, normalizer)
+def sft_linear_loss(model, branches: Branches, aggregation: str = "token-mean", *, normalizer: Optional[float] = None,
+                    max_tokens: int = 8192, chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """The SFT loss of ``branches``, each its own causal sequence (no router loss; see
+    :func:`treelit.linear_loss`). ``normalizer``: the step's Z (default: these branches' own)."""
+    branches.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
+    Z = branches.normalizer(aggregation) if normalizer is None else float(normalizer)
+    coef = branches.coefficients(aggregation)
+    coef = coef / Z if Z > 0 else np.zeros_like(coef)
     device = next(model.parameters()).device
     total = None
-    for idx in linear_micro_batches([len(t) for t in lb.tokens], max_tokens):
-        part = _group_loss(model, lb, idx, coef, chunk_rows, device)
+    for idx in linear_micro_batches([len(t) for t in branches.tokens], max_tokens):
+        part = _group_loss(model, branches, idx, coef, chunk_rows, device)
         total = part if total is None else total + part
     return total
-
-
-def linear_backward(
-    model,
-    branches,
-    loss_masks=None,
-    weights=None,
-    aggregation: str = "token-mean",
-    *,
-    normalizer: Optional[float] = None,
-    max_tokens: int = 8192,
-    chunk_rows: Optional[int] = None,
-) -> float:
-    """Per-branch training step as a trainer runs it: forward and backward per micro-batch,
-    accumulating ``.grad``. Returns the loss value. (A mixture-of-experts model whose router
-    loss is on needs every branch's routing before any backward: one graph then.)"""
-    from treelit.loss.router import moe_options
-
-    if moe_options(model) is not None:
-        loss = linear_loss(model, branches, loss_masks, weights, aggregation, normalizer=normalizer,
-                           max_tokens=max_tokens, chunk_rows=chunk_rows)
-        loss.backward()
-        return float(loss.detach())
-    lb, coef = _prepare(model, branches, loss_masks, weights, aggregation, normalizer)
-    device = next(model.parameters()).device
-    total = 0.0
-    for idx in linear_micro_batches([len(t) for t in lb.tokens], max_tokens):
-        part = _group_loss(model, lb, idx, coef, chunk_rows, device)
-        part.backward()
-        total += float(part.detach())
-    return total
-
-
-def branches_from_batch(batch):
-    """The branches of a :class:`~treelit.tree.batch.TreeBatch` as (token arrays, masks, weights)."""
-    ptr = batch.branch_ptr.cpu().numpy()
-    toks = batch.input_ids.cpu().numpy()[batch.branch_tokens.cpu().numpy()]
-    mask = batch.branch_mask.cpu().numpy()
-    branches = [toks[ptr[b] : ptr[b + 1]] for b in range(len(ptr) - 1)]
-    masks = [mask[ptr[b] : ptr[b + 1]] for b in range(len(ptr) - 1)]
-    return branches, masks, batch.branch_weight.cpu().numpy()
 
 
 def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_tokens: int = 8192, chunk_rows=None):

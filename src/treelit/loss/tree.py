@@ -1,8 +1,10 @@
-"""Tree-mode forward and loss: every tree token computed once.
+"""Tree-mode primitives: every tree token computed once.
 
 ``tree_hidden`` runs the decoder over one DFS-serialized row with ancestor-only
-attention; ``tree_loss`` reads each target token's log-prob from its parent's
-hidden state and applies the folded weights of :mod:`treelit.tree.batch`.
+attention; ``sft_tree_loss`` reads each target token's log-prob from its parent's hidden
+state and applies the folded weights of :mod:`treelit.tree.batch`; ``tree_token_logprobs``
+gives objectives the log-probs (and entropies) of the targets. Objectives build their
+losses from these; :func:`treelit.tree_loss` is the entry point.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from treelit.models.decoder import decoder_hidden, in_forward, output_weight
 from treelit.tree.batch import TreeBatch, global_normalizer
 from treelit.tree.token_tree import TokenTree
 
-__all__ = ["tree_hidden", "tree_loss", "prepare_batch"]
+__all__ = ["tree_hidden", "sft_tree_loss", "tree_token_logprobs", "prepare_batch"]
 
 
 def _model_device(model) -> torch.device:
@@ -58,67 +60,11 @@ def tree_hidden(
     return h, ctx
 
 
-def tree_loss(
-    model,
-    batch: Union[TreeBatch, TokenTree],
-    aggregation: str = "token-mean",
-    attention: Union[str, AttentionBackend, None] = "auto",
-    *,
-    normalizer: Optional[float] = None,
-    chunk_rows: Optional[int] = None,
-    objective: str = "sft",
-    router_normalizer: Optional[float] = None,
-    metrics: Optional[dict] = None,
-    **objective_options,
-) -> torch.Tensor:
-    """Exactly the per-branch training loss, computed on the tree.
-
-    Args:
-        model: a :class:`~treelit.models.decoder.TreeDecoder` (or compatible torchtune decoder).
-        batch: a :class:`TreeBatch` (one packed row) or a :class:`TokenTree`.
-        aggregation: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or ``sum``.
-        attention: backend name (``auto``, ``sdpa_dense``, ``segment``, ``flex``) or instance.
-        normalizer: the step-global normaliser Z (see :func:`treelit.global_normalizer`); by
-            default this row's own.
-        chunk_rows: rows per log-prob chunk (bounds the logits memory).
-        objective: ``sft`` (default) or any registered objective (``ppo``, ``grpo``, ``gspo``,
-            ``dpo``, ...) with its options as keyword arguments.
-        router_normalizer: for mixture-of-experts models whose router loss is on, the step's
-            router-loss normaliser (see :func:`treelit.loss.router.router_normalizer_contribution`;
-            default: this batch's own), so that accumulated micro-batches equal one batch.
-        metrics: a dict to receive the objective's metrics and ``router_aux_loss`` (the router
-            load-balancing loss, before its coefficient) with the per-layer expert loads.
-
-    A mixture-of-experts model whose router loss is on (``router_aux_loss_coef > 0``) adds
-    ``router_aux_loss_coef x`` its load-balancing loss, exactly as per-branch training would.
-    """
-    from treelit.loss.router import router_aux
-
-    with router_aux(model, router_normalizer) as aux:
-        loss, found = _objective_tree_loss(model, batch, aggregation, attention, normalizer, chunk_rows, objective,
-                                           objective_options)
-        if aux is not None:
-            loss = loss + aux.loss()
-            found.update(aux.metrics())
-    if metrics is not None:
-        metrics.update(found)
-    return loss
-
-
-def _objective_tree_loss(model, batch, aggregation, attention, normalizer, chunk_rows, objective, options):
-    if objective != "sft" or options:
-        from treelit.objectives import make_objective
-
-        obj = make_objective(objective, **options)
-        loss, m = obj.tree_loss(model, batch if isinstance(batch, TreeBatch) else batch.to_batch(),
-                                aggregation=aggregation, normalizer=normalizer, attention=attention, chunk_rows=chunk_rows)
-        return loss, dict(m)
-    return sft_tree_loss(model, batch, aggregation, attention, normalizer=normalizer, chunk_rows=chunk_rows), {}
-
-
 def sft_tree_loss(model, batch, aggregation: str = "token-mean", attention="auto", *, normalizer=None,
                   chunk_rows=None) -> torch.Tensor:
-    """The SFT loss of one tree row (no router loss; see :func:`tree_loss`)."""
+    """The SFT loss of one tree row: the fused weighted NLL of every target with its folded
+    weight (no router loss; see :func:`treelit.tree_loss`). ``normalizer``: the step's Z
+    (default: this row's own)."""
     batch = prepare_batch(model, batch)
     W = batch.token_weights(aggregation)
     Z = global_normalizer([batch], aggregation) if normalizer is None else float(normalizer)

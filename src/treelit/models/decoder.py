@@ -39,6 +39,8 @@ from torchtune.modules import (
 )
 
 from treelit.models.config import DecoderConfig
+from treelit.models.numerics import compute_dtype as _compute_dtype
+from treelit.models.numerics import rms_norm
 from treelit.models.moe import MoEFeedForward, record_pass
 from treelit.models.rope import TreeRoPE
 
@@ -175,19 +177,6 @@ def _attention_layer(c: DecoderConfig, rope: nn.Module, index: int) -> Transform
 
 # ---------------------------------------------------------------------------------------
 # numerics shared by every layer
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Apply a torchtune ``RMSNorm`` in the input's precision (float32 for half types)."""
-    if not isinstance(norm, RMSNorm):
-        return norm(x)
-    xf = x.to(_compute_dtype(x))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
-    return (y * norm.scale.to(xf.dtype)).to(x.dtype)
 
 
 def rope_style_of(rope: nn.Module) -> str:

@@ -22,6 +22,7 @@ import torch
 
 from treelit.models.config import DecoderConfig, check_rope_scaling
 from treelit.models.decoder import TreeDecoder
+from treelit.models.errors import CheckpointError
 from treelit.models.hf_keys import check_config_keys, effective_windows
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,6 @@ log = logging.getLogger(__name__)
 NATIVE_MODEL_TYPE = "treelit"  # config.json of a model that has no Hugging Face format
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "config_from_hf", "config_to_hf", "CheckpointError"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read as a supported model."""
 
 
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}

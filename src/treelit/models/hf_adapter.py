@@ -35,6 +35,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import nn
 
+from treelit.models.errors import CheckpointError
+
 __all__ = ["ATTENTION_NAME", "HFTreeModel", "load_hf_model", "make_hf_model", "check_adapter_config"]
 
 ATTENTION_NAME = "treelit"
@@ -76,7 +78,6 @@ def check_adapter_config(cfg, where: str = "config.json") -> None:
     """Raise :class:`~treelit.models.hf.CheckpointError` naming the key for what the adapter
     cannot run exactly."""
     from treelit.models.config import LENGTH_DEPENDENT_ROPE
-    from treelit.models.hf import CheckpointError
 
     def refuse(key, why):
         raise CheckpointError(f"{where}: config key {key!r} = {getattr(cfg, key, None)!r}: {why}")
@@ -251,7 +252,6 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 
     import transformers
 
-    from treelit.models.hf import CheckpointError
 
     path = Path(path)
     if not path.is_dir():

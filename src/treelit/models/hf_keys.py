@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
+from treelit.models.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["FAMILY_KEYS", "IGNORED", "check_config_keys", "classify", "effective_windows"]
@@ -170,7 +172,6 @@ _WARNED: set = set()
 
 def check_config_keys(cfg: Dict[str, Any], where: str, max_seq_len: Optional[int] = None) -> None:
     """Raise for every refused key whose value changes the math; warn once about unknown keys."""
-    from treelit.models.hf import CheckpointError
 
     mt = cfg.get("model_type")
     if mt not in FAMILY_KEYS:

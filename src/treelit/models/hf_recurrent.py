@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from treelit.models.config import DecoderConfig
+from treelit.models.errors import CheckpointError
 
 __all__ = ["config_from_hf_recurrent", "config_to_hf_recurrent", "hf_to_tune_recurrent", "tune_to_hf_recurrent"]
 
@@ -26,9 +27,7 @@ _M2_KEYS = ("head_dim", "num_heads", "state_size", "expand", "n_groups", "conv_k
             "rmsnorm", "norm_before_gate")
 
 
-def _error(msg: str):
-    from treelit.models.hf import CheckpointError
-
+def _error(msg: str) -> CheckpointError:
     return CheckpointError(msg)
 
 

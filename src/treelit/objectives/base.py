@@ -1,7 +1,8 @@
 """The objective interface and registry.
 
 An objective computes one micro-batch's share of the step loss twice over: on the
-tree (``tree_loss``) and per branch (``linear_loss``, the reference). Both return
+tree (``tree_loss``, from a ``TreeBatch``) and per branch (``linear_loss``, the reference,
+from :class:`~treelit.loss.branches.Branches`: no tree built). Both return
 ``(loss, metrics)`` where ``loss`` is already divided by the step-global normaliser,
 so that summing micro-batch losses (and their gradients) gives the step's.
 """
@@ -60,12 +61,16 @@ class Objective:
     def linear_loss(
         self,
         model,
-        batch,
+        branches,
         *,
         aggregation: str,
         normalizer: Optional[float],
         chunk_rows: Optional[int] = None,
+        max_tokens: int = 8192,
     ) -> Tuple[torch.Tensor, Metrics]:
+        """The per-branch reference: ``branches`` (:class:`~treelit.loss.branches.Branches`; a
+        ``TreeBatch`` is read back into one with ``as_branches``) each run as its own causal
+        sequence, in padded micro-batches of at most ``max_tokens``. No tree code."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

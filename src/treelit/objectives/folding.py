@@ -90,8 +90,8 @@ def loss_from_logprobs(
         ref: ``[N]`` float64 reference log-probs of every tree token (NaN where unknown),
             from a reference model's pass; None: the objective reads them from the data.
     """
-    from treelit.objectives.rl import DPO, _PolicyObjective
     from treelit.objectives.paths import branch_target_sums
+    from treelit.objectives.rl import DPO, _pairs, _PolicyObjective
     from treelit.objectives.sft import SFT
     from treelit.tree.batch import check_aggregation, global_normalizer
 
@@ -109,8 +109,9 @@ def loss_from_logprobs(
         if ref is not None:
             ref_seq = branch_target_sums(batch, torch.nan_to_num(ref.to(torch.float64)))
         else:
-            ref_seq = objective._ref_seq(None, batch, None, linear=False)
-        return objective._loss_from_seq(pi, ref_seq.to(pi.device), batch, objective._Z(batch, aggregation, normalizer)), {}
+            ref_seq = objective._ref_seq(None, batch, None)
+        Z = objective._Z(batch, aggregation, normalizer)
+        return objective._loss_from_seq(pi, ref_seq.to(pi.device), _pairs(batch), batch.branch_weight, Z), {}
     if isinstance(objective, _PolicyObjective):
         check = getattr(objective, "_check_advantages", None)
         if check is not None:

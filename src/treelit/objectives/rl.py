@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treelit.loss.linear import branches_from_batch, linear_branch_logprobs
+from treelit.loss.branches import Branches, as_branches
+from treelit.loss.linear import linear_branch_logprobs
 from treelit.loss.tree import prepare_batch, tree_token_logprobs
 from treelit.objectives.base import OBJECTIVES, Objective
 from treelit.objectives.paths import branch_target_sums
@@ -98,17 +99,17 @@ class _PolicyObjective(Objective):
             raise ValueError("kl_coef > 0 needs ref_logprobs for every target token in the data, or objective.reference=initial")
         return batch.token_ref_logp[sel]
 
-    def _linear_ref(self, model, batch, branches, b, lp):
+    def _linear_ref(self, model, br: Branches, b, lp):
+        """Branch ``b``'s reference log-probs of its tokens 1.. (per branch: no tree)."""
         if self.reference == "initial":
-            if not hasattr(self, "_lin_ref_cache") or self._lin_ref_cache[0] is not batch:
+            if not hasattr(self, "_lin_ref_cache") or self._lin_ref_cache[0] is not br:
                 with torch.no_grad():
-                    refs, _ = linear_branch_logprobs(self._reference_model(model), branches)
-                self._lin_ref_cache = (batch, refs)
+                    refs, _ = linear_branch_logprobs(self._reference_model(model), br.tokens)
+                self._lin_ref_cache = (br, refs)
             return self._lin_ref_cache[1][b].to(torch.float64)
-        ptr = batch.branch_ptr
-        if batch.branch_ref_logp is None:
+        if br.ref is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs in the data, or objective.reference=initial")
-        return batch.branch_ref_logp[int(ptr[b]) + 1 : int(ptr[b + 1])]
+        return torch.from_numpy(br.ref[b][1:]).to(lp.device)
 
     # shared pieces ------------------------------------------------------------------------
     def norm_contribution(self, batch, aggregation: str) -> float:
@@ -145,11 +146,11 @@ class _PolicyObjective(Objective):
         return total, metrics
 
     def _check_advantages(self, batch) -> None:
-        adv = batch.branch_adv
+        adv = batch.adv if isinstance(batch, Branches) else batch.branch_adv
         if adv is None:
             raise ValueError(f"objective={self.name} needs advantages: give 'advantage' per branch, or rewards with "
                              "tree_builder.advantage=grpo|rloo|reinforce_pp|... (TokenTree.from_branches(advantages=...))")
-        missing = torch.nonzero(torch.isnan(adv)).flatten()
+        missing = torch.nonzero(torch.isnan(torch.as_tensor(adv))).flatten()
         if missing.numel():
             raise ValueError(f"objective={self.name} needs an advantage on every branch; branch {int(missing[0])} has none")
 
@@ -169,26 +170,27 @@ class _PolicyObjective(Objective):
         total = main + reg
         return (total / Z if Z > 0 else total * 0.0), {**metrics, **m2}
 
-    def linear_loss(self, model, batch, *, aggregation, normalizer, chunk_rows=None):
+    def linear_loss(self, model, branches, *, aggregation, normalizer, chunk_rows=None, max_tokens=8192):
+        """Per branch, from the definitions: no tree code (see :mod:`treelit.loss.branches`)."""
         check_aggregation(aggregation)
-        self._check_advantages(batch)
-        Z = self._Z(batch, aggregation, normalizer)
-        branches, masks, weights = branches_from_batch(batch)
-        logps, ents = linear_branch_logprobs(model, branches, with_entropy=bool(self.entropy_coef), chunk_rows=chunk_rows)
-        n = np.array([m[1:].sum() for m in masks], dtype=np.float64)
-        coef = weights * _branch_scale(n, aggregation)
-        ptr = batch.branch_ptr
+        br = as_branches(branches)
+        br.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
+        self._check_advantages(br)
+        Z = self._Z(br, aggregation, normalizer)
+        logps, ents = linear_branch_logprobs(model, br.tokens, with_entropy=bool(self.entropy_coef),
+                                             max_tokens=max_tokens, chunk_rows=chunk_rows)
+        coef = br.weights * _branch_scale(br.n, aggregation)
         total = logps[0].new_zeros(())
         for b, lp in enumerate(logps):
-            m = torch.from_numpy(masks[b][1:].astype(np.float64)).to(lp.device)
+            m = torch.from_numpy(br.masks[b][1:].astype(np.float64)).to(lp.device)
             if not m.any():
                 continue
-            old = None if batch.branch_old_logp is None else batch.branch_old_logp[int(ptr[b]) + 1 : int(ptr[b + 1])]
+            old = None if br.old is None else torch.from_numpy(br.old[b][1:]).to(lp.device)
             old = self._old_or_current(old, lp)
             c = (coef[b] * m).to(lp.dtype)
-            total = total + self._branch_term(b, lp, old, c, batch, n[b], aggregation)
+            total = total + self._branch_term(b, lp, old, c, br, br.n[b], aggregation)
             if self.kl_coef:
-                ref = self._linear_ref(model, batch, branches, b, lp)
+                ref = self._linear_ref(model, br, b, lp)
                 total = total + self.kl_coef * (c * kl_estimate(lp, ref.to(lp.dtype), self.kl_estimator)).sum()
             if self.entropy_coef:
                 total = total - self.entropy_coef * (c * ents[b]).sum()
@@ -198,7 +200,7 @@ class _PolicyObjective(Objective):
     def _tree_term(self, batch, sel, logp, old, aggregation):
         raise NotImplementedError
 
-    def _branch_term(self, b, lp, old, c, batch, n_b, aggregation):
+    def _branch_term(self, b, lp, old, c, br, n_b, aggregation):
         raise NotImplementedError
 
 
@@ -242,8 +244,8 @@ class PPO(_PolicyObjective):
         }
         return term, metrics
 
-    def _branch_term(self, b, lp, old, c, batch, n_b, aggregation):
-        A = float(batch.branch_adv[b])
+    def _branch_term(self, b, lp, old, c, br, n_b, aggregation):
+        A = float(br.adv[b])
         r = torch.exp(lp - old.to(lp.dtype))
         J = torch.minimum(r * A, self._clip(r) * A)
         if self.dual_clip is not None and A < 0:
@@ -288,10 +290,10 @@ class GSPO(_PolicyObjective):
         term = -(torch.from_numpy(k).to(S)[keep] * J).sum()
         return term, {"seq_ratio_mean": float(s.detach().mean()) if keep.numel() else 1.0}
 
-    def _branch_term(self, b, lp, old, c, batch, n_b, aggregation):
-        mask = _branch_mask(batch, b).to(lp.device)
+    def _branch_term(self, b, lp, old, c, br, n_b, aggregation):
+        mask = torch.from_numpy(br.masks[b][1:].astype(np.float64)).to(lp.device)
         s = torch.exp(((lp - old.to(lp.dtype)) * mask).sum() / n_b)
-        A = torch.tensor(float(batch.branch_adv[b]), dtype=lp.dtype)
+        A = torch.tensor(float(br.adv[b]), dtype=lp.dtype)
         return -(c.sum()) * self._seq_term(s, A)
 
 
@@ -326,7 +328,7 @@ class DPO(_PolicyObjective):
         self.loss = loss
 
     def norm_contribution(self, batch, aggregation: str) -> float:
-        return 0.0 if aggregation == "sum" else float(len(_pairs(batch)))
+        return 0.0 if aggregation == "sum" else float(len(_pairs(batch)))  # a TreeBatch or Branches
 
     def data_needs(self):
         return {"advantage": False, "old_logprobs": False, "pairs": True, "ref_logprobs": self.reference == "data"}
@@ -336,26 +338,39 @@ class DPO(_PolicyObjective):
             return -F.logsigmoid(self.beta * h)
         return (h - 1.0 / (2.0 * self.beta)) ** 2
 
-    def _ref_seq(self, model, batch, attention, linear: bool):
+    def _ref_seq(self, model, batch, attention):
+        """Per-branch reference sequence log-probs from the tree row ``batch``."""
         if self.reference == "initial":
-            ref_model = self._reference_model(model)
             with torch.no_grad():
-                if linear:
-                    branches, masks, _ = branches_from_batch(batch)
-                    lps, _ = linear_branch_logprobs(ref_model, branches)
-                    return torch.stack([(lp.double() * torch.from_numpy(m[1:].astype(np.float64))).sum() for lp, m in zip(lps, masks)])
-                sel, lp, _ = tree_token_logprobs(ref_model, batch, attention)
-                x = torch.zeros(batch.num_tokens, dtype=torch.float64).index_put((sel,), lp.double())
-                return branch_target_sums(batch, x)
+                sel, lp, _ = tree_token_logprobs(self._reference_model(model), batch, attention)
+            x = torch.zeros(batch.num_tokens, dtype=torch.float64).index_put((sel,), lp.double())
+            return branch_target_sums(batch, x)
         if batch.branch_ref_logp is None:
             raise ValueError("dpo needs ref_logprobs in the data, or objective.reference=initial")
         return _branch_sums_host(batch, batch.branch_ref_logp)
 
-    def _loss_from_seq(self, pi, ref, batch, Z):
+    def _ref_seq_linear(self, model, br: Branches):
+        """Per-branch reference sequence log-probs, branch by branch (no tree)."""
+        if self.reference == "initial":
+            with torch.no_grad():
+                lps, _ = linear_branch_logprobs(self._reference_model(model), br.tokens)
+            return torch.stack([(lp.double().cpu() * torch.from_numpy(m[1:].astype(np.float64))).sum()
+                                for lp, m in zip(lps, br.masks)])
+        if br.ref is None:
+            raise ValueError("dpo needs ref_logprobs in the data, or objective.reference=initial")
+        out = []
+        for b, (r, m) in enumerate(zip(br.ref, br.masks)):
+            vals = r[1:][m[1:]]
+            if np.isnan(vals).any():
+                raise ValueError("reference log-probs are missing for some target tokens")
+            out.append(float(vals.sum()))
+        return torch.tensor(out, dtype=torch.float64)
+
+    def _loss_from_seq(self, pi, ref, pairs, weights, Z):
         total = pi.new_zeros(())
-        for c, r in _pairs(batch):
-            h = (pi[c] - ref[c].to(pi.dtype)) - (pi[r] - ref[r].to(pi.dtype))
-            total = total + float(batch.branch_weight[c]) * self._pair_loss(h)
+        for c, r in pairs:
+            h = (pi[c] - ref[c].to(pi)) - (pi[r] - ref[r].to(pi))
+            total = total + float(weights[c]) * self._pair_loss(h)
         return total / Z if Z > 0 else total * 0.0
 
     def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
@@ -364,16 +379,19 @@ class DPO(_PolicyObjective):
         sel, logp, _ = tree_token_logprobs(model, batch, attention, chunk_rows=chunk_rows)
         x = torch.zeros(batch.num_tokens, dtype=logp.dtype, device=logp.device).index_put((sel,), logp)
         pi = branch_target_sums(batch, x)
-        ref = self._ref_seq(model, batch, attention, linear=False)
-        return self._loss_from_seq(pi, ref, batch, self._Z(batch, aggregation, normalizer)), {}
+        ref = self._ref_seq(model, batch, attention)
+        Z = self._Z(batch, aggregation, normalizer)
+        return self._loss_from_seq(pi, ref, _pairs(batch), batch.branch_weight, Z), {}
 
-    def linear_loss(self, model, batch, *, aggregation, normalizer, chunk_rows=None):
+    def linear_loss(self, model, branches, *, aggregation, normalizer, chunk_rows=None, max_tokens=8192):
+        """Per branch, from the definition: no tree code (see :mod:`treelit.loss.branches`)."""
         check_aggregation(aggregation)
-        branches, masks, _ = branches_from_batch(batch)
-        lps, _ = linear_branch_logprobs(model, branches, chunk_rows=chunk_rows)
-        pi = torch.stack([(lp * torch.from_numpy(m[1:].astype(np.float64)).to(lp)).sum() for lp, m in zip(lps, masks)])
-        ref = self._ref_seq(model, batch, "auto", linear=True)
-        return self._loss_from_seq(pi, ref, batch, self._Z(batch, aggregation, normalizer)), {}
+        br = as_branches(branches)
+        br.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
+        lps, _ = linear_branch_logprobs(model, br.tokens, max_tokens=max_tokens, chunk_rows=chunk_rows)
+        pi = torch.stack([(lp * torch.from_numpy(m[1:].astype(np.float64)).to(lp)).sum() for lp, m in zip(lps, br.masks)])
+        ref = self._ref_seq_linear(model, br)
+        return self._loss_from_seq(pi, ref, br.pairs(), br.weights, self._Z(br, aggregation, normalizer)), {}
 
 
 # helpers -------------------------------------------------------------------------------------
@@ -384,11 +402,6 @@ def _targets_per_branch(batch) -> np.ndarray:
     mask = batch.branch_mask.numpy().copy()
     mask[ptr[:-1]] = False
     return np.add.reduceat(mask.astype(np.float64), ptr[:-1]) if len(mask) else np.zeros(0)
-
-
-def _branch_mask(batch, b: int) -> torch.Tensor:
-    ptr = batch.branch_ptr
-    return batch.branch_mask[int(ptr[b]) + 1 : int(ptr[b + 1])].to(torch.float64)
 
 
 def _branch_sums_host(batch, flat: torch.Tensor) -> torch.Tensor:
@@ -403,6 +416,8 @@ def _branch_sums_host(batch, flat: torch.Tensor) -> torch.Tensor:
 
 
 def _pairs(batch) -> List[Tuple[int, int]]:
+    if isinstance(batch, Branches):
+        return batch.pairs()
     cached = getattr(batch, "_dpo_pairs", None)
     if cached is not None:
         return cached

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treelit.models.numerics import rms_norm
 from treelit.ssm.scan import chunked_scan, gdn_chunk, gdn_step, segment_scan, ssd_chunk, ssd_step
 
 __all__ = ["ShortConv", "GatedDeltaNet", "Mamba2", "RecurrentBlock", "build_recurrent_layer"]
@@ -296,7 +297,6 @@ class RecurrentBlock(nn.Module):
         self.mlp = mlp
 
     def tree_forward(self, h: torch.Tensor, layer: int, ctx) -> torch.Tensor:
-        from treelit.models.decoder import rms_norm
 
         h = h + self.mixer(rms_norm(self.sa_norm, h), layer, ctx)
         if self.mlp is not None:
