@@ -50,15 +50,30 @@ class ConsoleFormatter(logging.Formatter):
         return msg
 
 
+def process_rank() -> int:
+    """This process's rank in a multi-process run (0 when alone), from the launcher's environment."""
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 class ConsoleHandler(logging.Handler):
     """INFO to stdout, warnings and errors to stderr, through ``tqdm.write`` (the progress
-    bar is cleared and redrawn around the line)."""
+    bar is cleared and redrawn around the line). In a multi-process run only rank 0 prints
+    INFO lines; other ranks print their warnings and errors, prefixed with their rank."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            rank = process_rank()
+            if rank and record.levelno < logging.WARNING:
+                return
             msg = self.format(record)
             if any(n in msg for n in NOISE):
                 return
+            if rank:
+                msg = f"[rank {rank}] {msg}"
             stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
             from tqdm import tqdm
 
