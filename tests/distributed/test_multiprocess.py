@@ -1,21 +1,19 @@
-"""Two CPU processes (gloo): DDP and FSDP2 updates equal single-process training on the same
-global batch, with several backward passes per update (micro-batches, partitions) and ranks
-that run different numbers of partitions - guarded by timeouts against hangs."""
+"""Two CPU processes (gloo) through ``treelit-train``: DDP and FSDP2 updates equal
+single-process training on the same global batch, with several backward passes per update
+(micro-batches, partitions) and ranks that run different numbers of partitions; a run
+killed with SIGKILL mid-training under FSDP2 resumes from its sharded checkpoint to the
+weights of an uninterrupted run. Every run has a deadline (a hang fails, never blocks)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import treelit
-
-TIMEOUT = 240
+from cli import run, tail
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +35,11 @@ COMMON = [
 ]
 
 
-def train(data: Path, name: str, *extra) -> Path:
+def train(data: Path, name: str, *extra, common=COMMON) -> Path:
     out = data / name
-    exe = Path(sys.executable).with_name("treelit-train")
-    r = subprocess.run([str(exe), *COMMON, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}", *extra],
-                       capture_output=True, text=True, timeout=TIMEOUT, cwd=data, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    log = data / f"{name}.log"
+    rc = run([*common, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}", *extra], data, log)
+    assert rc == 0, tail(log)
     return out
 
 
@@ -55,7 +52,7 @@ def single(data):
     return weights(train(data, "single"))
 
 
-@pytest.mark.parametrize("trainer", ["ddp_cpu", "fsdp2_cpu"])
+@pytest.mark.parametrize("trainer", [pytest.param("ddp_cpu", marks=pytest.mark.slow), "fsdp2_cpu"])
 def test_two_processes_equal_one(data, single, trainer):
     got = weights(train(data, trainer, f"trainer={trainer}"))
     for k in single:
@@ -71,3 +68,25 @@ def test_partitions_differing_between_ranks(data, single, trainer):
                         "partition.budget_tokens=90"))
     for k in single:
         torch.testing.assert_close(got[k], single[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+RESUME = [c for c in COMMON if not c.startswith(("optimizer", "callbacks.checkpoint", "trainer.max_steps"))] + [
+    "optimizer=adamw", "optimizer.lr=0.01", "trainer=fsdp2_cpu", "partition=redundancy_free",
+    "partition.budget_tokens=90", "callbacks.checkpoint.every_n_train_steps=1",
+]
+
+
+def test_fsdp2_killed_mid_training_resumes_to_the_uninterrupted_weights(data):
+    """AdamW (sharded optimizer state), partitions: kill -9 every rank once the step-1 sharded
+    checkpoint is complete (``meta.pt`` is written last), resume from it: the final weights
+    equal, bit for bit, those of a run that was never interrupted."""
+    full = weights(train(data, "uninterrupted", "trainer.max_steps=3", common=RESUME))
+    killed = data / "killed"
+    ckpt = killed / "checkpoints" / "step-000001.ckpt"
+    rc = run([*RESUME, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={killed}", "trainer.max_steps=50"],
+             data, data / "killed.log", until=lambda: (ckpt / "meta.pt").is_file())
+    assert rc == -9
+    assert not (killed / "hf_checkpoint").exists(), "the run was killed before its end"
+    resumed = weights(train(data, "resumed", "trainer.max_steps=3", f"resume_from={ckpt}", common=RESUME))
+    for k in full:
+        assert torch.equal(resumed[k], full[k]), k

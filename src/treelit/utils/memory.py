@@ -37,8 +37,11 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not t.is_meta and t.device.type == "cpu":
-                st = t.untyped_storage()
-                key = st.data_ptr()
+                try:  # a wrapper subclass (an FSDP2 DTensor) has no storage of its own: its local tensor is counted
+                    st = t.untyped_storage()
+                    key = st.data_ptr()
+                except RuntimeError:
+                    continue
                 if key == 0 or key in self.live:
                     continue
                 self.live[key] = st.nbytes()
