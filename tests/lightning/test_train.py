@@ -93,9 +93,14 @@ def test_hybrid_model_trains_with_chunked_and_step_scans_alike(tmp_path):
     a, b = hybrid("steps", "ssm.chunk_size=1"), hybrid("chunked")
     assert b["global_step"] == 2
     assert abs(a["metrics"]["loss"] - b["metrics"]["loss"]) <= 1e-4 * abs(a["metrics"]["loss"])
-    # no Hugging Face format mixes Mamba2 with other layers: the export falls back to treelit's
+    # no Hugging Face format mixes Mamba2 with other layers: the export falls back to treelit's,
+    # and says so (in the log and in the summary), instead of claiming a Hugging Face checkpoint
     back = treelit.load_hf_checkpoint(tmp_path / "chunked" / "hf_checkpoint")
     assert back.config.layer_types == ["gdn", "attention", "mamba2", "gdn"]
+    assert b["export"]["format"] == "treelit"
+    from treelit.cli.summary import format_summary
+
+    assert "(treelit's own format, not Hugging Face)" in format_summary(b)
 
 
 def test_default_run_learns(tmp_path):
