@@ -92,6 +92,8 @@ def test_sigkill_mid_step_then_resume_equals_the_uninterrupted_run(tmp_path, mlf
     final = max(history, key=lambda m: m.step).value
     assert final == pytest.approx(full["loss"]["last"][1], rel=1e-6)
     assert again.data.tags["treelit.resumed_from"] == str(last)
+    arts = {a.path for a in client.list_artifacts(again.info.run_id)}
+    assert {"config.yaml", "config-resumed-at-step-3.yaml", "hf_checkpoint"} <= arts, arts
 
 
 SIGTERM_AT_STEP_2 = '''

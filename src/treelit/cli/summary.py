@@ -53,8 +53,8 @@ def build_summary(
         "config": str(out / "config.yaml"),
     }
     for cb in trainer.callbacks:
-        if isinstance(cb, StepMetrics) and cb.losses:
-            s["loss"] = {"first": list(cb.losses[0]), "last": list(cb.losses[-1])}
+        if isinstance(cb, StepMetrics) and cb.last is not None:
+            s["loss"] = {"first": list(cb.first), "last": list(cb.last)}
         elif isinstance(cb, ModelCheckpoint) and cb.last_model_path:
             s["checkpoint"] = cb.last_model_path
         elif isinstance(cb, HFExport) and cb.saved is not None:

@@ -142,11 +142,12 @@ def _start_tracking(loggers: List[Any], cfg: DictConfig, data_stats: Dict[str, A
         lg.log_hyperparams(_flat_params(cfg))
         if type(lg).__name__.endswith("MLFlowLogger"):
             lg.log_metrics({f"data/{k}": float(v) for k, v in data_stats.items()}, step=0)
-            name = "config.yaml" if not resume else f"config-resumed-at-step-{resume['global_step']}.yaml"
-            if resume:
-                (out / name).write_text((out / "config.yaml").read_text())
+            if resume:  # the continued run keeps its first config.yaml; this one goes beside it
+                lg.experiment.log_text(lg.run_id, (out / "config.yaml").read_text(),
+                                       f"config-resumed-at-step-{resume['global_step']}.yaml")
                 lg.experiment.set_tag(lg.run_id, "treelit.resumed_from", resume["path"])
-            lg.experiment.log_artifact(lg.run_id, str(out / name))
+            else:
+                lg.experiment.log_artifact(lg.run_id, str(out / "config.yaml"))
             lg.experiment.set_tag(lg.run_id, "treelit.output_dir", str(out.resolve()))
 
 

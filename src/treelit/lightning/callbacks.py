@@ -7,7 +7,7 @@ import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
@@ -101,13 +101,14 @@ class TreeCheckpoint(ModelCheckpoint):
 class StepMetrics(pl.Callback):
     """Logs the metrics of the first and of the last optimizer step whatever
     ``trainer.log_every_n_steps`` says (so a 3-step run still logs its loss, and every run
-    logs where it started and ended), and keeps ``(global_step, loss)`` of every step for
-    the end-of-run summary (``losses``)."""
+    logs where it started and ended), and keeps ``(global_step, loss)`` of this run's first
+    and latest step (``first``, ``last``) for the end-of-run summary."""
 
     def __init__(self) -> None:
-        self.losses: List[Tuple[int, float]] = []
+        self.first: Optional[Tuple[int, float]] = None
+        self.last: Optional[Tuple[int, float]] = None
         self._every: Optional[int] = None
-        self._first = True
+        self._first_batch = True
 
     def _restore(self, trainer: pl.Trainer) -> None:
         if self._every is not None:
@@ -115,7 +116,7 @@ class StepMetrics(pl.Callback):
             self._every = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._first = True
+        self._first_batch = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._restore(trainer)
@@ -123,13 +124,14 @@ class StepMetrics(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:
-            self.losses.append((int(trainer.global_step), float(loss)))
+            self.last = (int(trainer.global_step), float(loss))
+            self.first = self.first or self.last
         last = bool(trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
-        if (self._first or last) and trainer.log_every_n_steps != 1:
+        if (self._first_batch or last) and trainer.log_every_n_steps != 1:
             # Lightning decides right after this hook, from this attribute, whether to log
             self._every = trainer.log_every_n_steps
             trainer.log_every_n_steps = 1
-        self._first = False
+        self._first_batch = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore(trainer)
