@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from treelit.data.records import DataError, Record, validate_token_record
 from treelit.registry import get_registry
+from treelit.loss.branches import Branches
 from treelit.tree.token_tree import TokenTree, TreeInputError
 
 __all__ = ["TREE_BUILDERS", "BuiltTree", "TreeBuilder", "TokenBuilder", "build_tree_from_branches",
@@ -150,6 +151,12 @@ def build_tree_from_branches(
         )
     except TreeInputError as exc:
         raise DataError(str(exc), branches=exc.branches, detail=exc.detail) from exc
+    # the same branches as per-branch training sees them, for the per-branch reference
+    # (mode=linear, verify_every): built from the records, not read back from the tree
+    tree.source_branches = Branches.build(
+        [b["input_ids"] for b in branches], [b.get("loss_mask") for b in branches],
+        [1.0 if b.get("weight") is None else b["weight"] for b in branches], advantages=adv,
+        old_logprobs=lp["old_logprobs"], ref_logprobs=lp["ref_logprobs"], branch_fields=fields)
     return BuiltTree(tree_id, tree, source)
 
 

@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 
 from treelit.lightning.data import StepBatch
@@ -204,8 +205,9 @@ class TreeLitModule(pl.LightningModule):
         with router_aux(self.model, R) as aux:  # MoE models: + coef x router loss (both modes alike)
             if (mode or self.mode) == "tree":
                 loss, metrics = self.objective.tree_loss(self.model, mb, attention=self.attention, **kw)
-            else:
-                loss, metrics = self.objective.linear_loss(self.model, mb, **kw)
+            else:  # per branch, from the records' branches (not read back from the tree)
+                branches = mb.source_branches if mb.source_branches is not None else mb
+                loss, metrics = self.objective.linear_loss(self.model, branches, **kw)
             if aux is not None:
                 loss = loss + aux.loss()
                 metrics = {**metrics, **aux.metrics()}
@@ -213,12 +215,25 @@ class TreeLitModule(pl.LightningModule):
 
     @torch.no_grad()
     def record_rollout_logprobs(self, micro_batches) -> None:
-        """Set each micro-batch's old log-probs to the current policy's (tree mode, no grad;
-        partitioned like training when ``partition`` is on)."""
+        """Set each micro-batch's old log-probs to the current policy's (no grad; in tree mode on
+        the tree, partitioned like training when ``partition`` is on; in linear mode branch by
+        branch on the records' branches). The other form of the micro-batch gets the same values
+        (they are the rollout's inputs, not what is being compared)."""
+        from treelit.loss.linear import linear_branch_logprobs
         from treelit.loss.tree import tree_token_logprobs
         from treelit.partition.engine import policy_logprobs
 
         for mb in micro_batches:
+            br = mb.source_branches
+            if self.mode == "linear" and br is not None:
+                lps, _ = linear_branch_logprobs(self.model, br.tokens, chunk_rows=self.chunk_rows)
+                br.old = [np.concatenate([[np.nan], lp.double().cpu().numpy()]) for lp in lps]
+                flat = torch.from_numpy(np.concatenate(br.old)).to(mb.device)
+                mb.branch_old_logp = flat
+                old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64, device=mb.device)
+                old[mb.branch_tokens] = flat
+                mb.token_old_logp = old
+                continue
             if self.partition != "none":
                 old = policy_logprobs(self.model, mb, budget_tokens=self.budget_tokens, attention=self.attention,
                                       chunk_rows=self.chunk_rows, comm=self._comm())
@@ -228,6 +243,10 @@ class TreeLitModule(pl.LightningModule):
                 old[sel] = logp.double()
             mb.token_old_logp = old
             mb.branch_old_logp = old[mb.branch_tokens]
+            if br is not None:
+                ptr = mb.branch_ptr.cpu().numpy()
+                flat = mb.branch_old_logp.cpu().numpy()
+                br.old = [flat[ptr[b]: ptr[b + 1]] for b in range(len(ptr) - 1)]
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._fsdp():

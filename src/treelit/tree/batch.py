@@ -97,6 +97,9 @@ class TreeBatch:
     branch_adv: Optional[torch.Tensor] = None  # [B] float64
     branch_old_logp: Optional[torch.Tensor] = None  # [F] float64
     branch_ref_logp: Optional[torch.Tensor] = None  # [F] float64
+    # the per-branch inputs this row was built from (treelit.loss.branches.Branches), when a
+    # tree builder made it from records: the per-branch reference reads these, not the tree
+    source_branches: Optional[Any] = None
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -177,6 +180,8 @@ class TreeBatch:
             num_sequences=sum(b.num_sequences for b in batches),
             branch_fields={k: [v for b in batches for v in b.branch_fields[k]] for k in sorted(keys)},
             **{name: _cat_optional(batches, name) for name in _RL_FIELDS},
+            source_branches=(type(batches[0].source_branches).concat([b.source_branches for b in batches])
+                             if all(b.source_branches is not None for b in batches) else None),
         )
 
     def token_slice(self, start: int, end: int) -> "TreeBatch":

@@ -436,7 +436,9 @@ class TokenTree:
         """Serialize into a :class:`~treelit.tree.batch.TreeBatch` (one packed row)."""
         from treelit.tree.batch import TreeBatch
 
-        return TreeBatch.from_tree(self)
+        batch = TreeBatch.from_tree(self)
+        batch.source_branches = getattr(self, "source_branches", None)  # set by the tree builders
+        return batch
 
     def __repr__(self) -> str:
         s = self.stats()
