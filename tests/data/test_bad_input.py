@@ -140,12 +140,12 @@ def test_6_utf16_file_names_the_file(tmp_path):
 
 def test_6_truncated_gzip(tmp_path):
     p = tmp_path / "d.jsonl.gz"
-    data = gzip.compress((GOOD + b"\n") * 20000)
+    data = gzip.compress((GOOD + b"\n") * 4000)
     p.write_bytes(data[: len(data) // 2])
     with pytest.raises(DataError, match=r"d.jsonl.gz:\d+: truncated or corrupt gzip data after line \d+"):
         run(p)
     dm = run(p, on_error="skip")
-    assert dm.read_stats.skipped == 1 and len(dm.trees) > 100
+    assert dm.read_stats.skipped == 1 and len(dm.trees) > 50
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json"])

@@ -29,12 +29,13 @@ disagreeing rollout log-probs it would never read).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from treelit.builders.base import BuiltTree, TreeBuilder
-from treelit.data.records import DataError, ReadStats, Record, finite_number
+from treelit.builders.checks import check_limits, check_needs, check_pairs, lines, pinned
+from treelit.data.records import DataError, ReadStats, Record
 
 __all__ = ["Assembler", "Limits"]
 
@@ -257,8 +258,8 @@ class Assembler:
             for br in branches:
                 for k in drop:
                     br.pop(k, None)
-        self._check_limits(src, branches)
-        self._check_needs(rec, branches)
+        check_limits(src, branches, self.limits)
+        check_needs(rec, branches, self.limits, self.estimator, self.b)
         own = _Own(index, src)
         tk = [own if k is None else k for k in b.tree_keys(rec, branches)]
         ak = [own if k is None else k for k in b.advantage_keys(rec, branches)] if self.estimator else []
@@ -284,55 +285,6 @@ class Assembler:
         for br in branches:
             br["_record"] = rec.id
         return _Enc(rec, index, branches, tk, ak)
-
-    def _check_limits(self, src: str, branches: List[Dict[str, Any]]) -> None:
-        V, L = self.limits.vocab_size, self.limits.max_seq_len
-        for br in branches:
-            ids = br["input_ids"]
-            where = br["_where"]
-            if V is not None:
-                top = max(ids)
-                if top >= V:
-                    pos = ids.index(top)
-                    field = br.get("_ids", f"{where}.input_ids[{pos}]")
-                    raise DataError(f"{src}: {field}: token id {top} (position {pos}) is outside the model's "
-                                    f"vocabulary (size {V})")
-            if L is not None and len(ids) > L:
-                raise DataError(f"{src}: {where}: {len(ids)} tokens, more than the model's max_seq_len {L}; "
-                                "raise the model's max_seq_len or truncate the data")
-
-    def _check_needs(self, rec: Record, branches: List[Dict[str, Any]]) -> None:
-        needs, src, obj, est = self.limits.needs or {}, rec.source, self.limits.objective, self.estimator
-        if est is not None:
-            if self.b.reward_per_record:
-                r = self.b.reward_of(rec)
-                if not finite_number(r):
-                    raise DataError(f"{src}: reward: must be a finite number (tree_builder.advantage={est}), got {r!r}")
-            else:
-                for br in branches:
-                    if br.get("advantage") is None and not finite_number(br.get("reward")):
-                        raise DataError(f"{src}: {br['_where']}.reward: tree_builder.advantage={est} needs a finite "
-                                        f"reward on every branch without an advantage, got {br.get('reward')!r}")
-        elif needs.get("advantage"):
-            for br in branches:
-                if br.get("advantage") is None:
-                    raise DataError(
-                        f"{src}: {br['_where']}.advantage: {obj} needs an advantage on every branch (give "
-                        "'advantage', or 'reward' with tree_builder.advantage=grpo|rloo|reinforce_pp|...)"
-                    )
-        if needs.get("ref_logprobs"):
-            for br in branches:
-                ref = br.get("ref_logprobs")
-                mask = br.get("loss_mask")
-                for t in range(1, len(br["input_ids"])):
-                    if (mask is None or mask[t]) and (ref is None or ref[t] is None):
-                        raise DataError(f"{src}: {br['_where']}.ref_logprobs: {obj} needs a reference log-prob for "
-                                        f"every target token; position {t} has none (or use objective.reference=initial)")
-        if needs.get("pairs"):
-            for br in branches:
-                if br.get("pair") is None or not isinstance(br.get("chosen"), bool):
-                    raise DataError(f"{src}: {br['_where']}.pair: {obj} needs 'pair' (a string or an integer) and "
-                                    f"'chosen' (true/false) on every branch")
 
     # per unit --------------------------------------------------------------------------------
     def _close_stale(self, index: int) -> List[BuiltTree]:
@@ -379,7 +331,7 @@ class Assembler:
             adv = compute_advantages(self.estimator, rewards, keys, key_name=self.b.group_field, check_singletons=False,
                                      **self.b.advantage_options)
         except AdvantageError as exc:
-            raise DataError(f"{_lines(encs)}: {exc}") from None
+            raise DataError(f"{lines(encs)}: {exc}") from None
         for (e, j), a in zip(todo, adv):
             for br in (e.branches if j is None else [e.branches[j]]):
                 br["advantage"] = float(a)
@@ -397,14 +349,14 @@ class Assembler:
             try:
                 built = self.b.tree(branches, tree_id, first.rec.source)
             except DataError as exc:
-                raise _pinned(exc, members) from None
+                raise pinned(exc, members) from None
             recs = list(OrderedDict((id(e), e) for e, _ in members).values())
             built.positions = [e.rec.position for e in recs]
             built.sources = [e.rec.source for e in recs]
             built.unit = [e.rec.position for e in encs]
             built.unit_index = len(out)
             if (self.limits.needs or {}).get("pairs"):
-                _check_pairs(members, self.limits.objective)
+                check_pairs(members, self.limits.objective)
             out.append(built)
         return out
 
@@ -412,33 +364,3 @@ class Assembler:
         if self.on_error == "raise":
             raise exc
         self.stats.skip(exc, records)
-
-
-def _lines(encs: Sequence[_Enc]) -> str:
-    srcs = [e.rec.source for e in encs]
-    return srcs[0] if len(srcs) == 1 else f"{srcs[0]} (and {len(srcs) - 1} more records of its group)"
-
-
-def _pinned(exc: DataError, members: List[Tuple[_Enc, int]]) -> DataError:
-    """Re-address a tree-level error to the record(s) and field(s) of the branches at fault."""
-    idx = [b for b in getattr(exc, "branches", ()) if 0 <= b < len(members)]
-    if not idx:
-        return DataError(f"{_lines([e for e, _ in members])}: {exc.detail if hasattr(exc, 'detail') else exc}")
-    where = [f"{members[b][0].rec.source} {members[b][0].branches[members[b][1]]['_where']}" for b in idx]
-    e, j = members[idx[-1]]
-    detail = getattr(exc, "detail", str(exc)).replace("{other}", where[0] if len(where) > 1 else "another branch")
-    return DataError(f"{e.rec.source}: {e.branches[j]['_where']}.{detail}", branches=())
-
-
-def _check_pairs(members: List[Tuple[_Enc, int]], objective: str) -> None:
-    pairs: "OrderedDict[Any, List[Tuple[_Enc, int]]]" = OrderedDict()
-    for e, j in members:
-        pairs.setdefault(e.branches[j]["pair"], []).append((e, j))
-    for p, ms in pairs.items():
-        flags = sorted(bool(e.branches[j]["chosen"]) for e, j in ms)
-        if flags != [False, True]:
-            at = ", ".join(f"{e.rec.source} {e.branches[j]['_where']}" for e, j in ms)
-            e, j = ms[-1]
-            raise DataError(f"{e.rec.source}: {e.branches[j]['_where']}.pair: {objective} needs exactly one chosen and "
-                            f"one rejected branch per pair in a tree; pair {p!r} has {len(ms)} branch(es) with chosen="
-                            f"{[bool(e.branches[j]['chosen']) for e, j in ms]} ({at})")

@@ -1,0 +1,100 @@
+"""Per-record and per-tree checks of the :class:`~treelit.builders.assemble.Assembler`.
+
+Each check raises a :class:`~treelit.data.records.DataError` whose message starts with the
+record's ``file:line`` and names the field, so that a user can fix the record (or
+``on_error=skip`` can skip it) before anything trains on it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from treelit.data.records import DataError, finite_number
+
+__all__ = ["check_limits", "check_needs", "check_pairs", "pinned", "lines"]
+
+
+def lines(encs: Sequence[Any]) -> str:
+    """The records of a group, for messages: the first one's source (and how many more)."""
+    srcs = [e.rec.source for e in encs]
+    return srcs[0] if len(srcs) == 1 else f"{srcs[0]} (and {len(srcs) - 1} more records of its group)"
+
+
+def check_limits(src: str, branches: List[Dict[str, Any]], limits) -> None:
+    """Token ids inside the model's vocabulary, branches no longer than its context."""
+    V, L = limits.vocab_size, limits.max_seq_len
+    for br in branches:
+        ids = br["input_ids"]
+        where = br["_where"]
+        if V is not None:
+            top = max(ids)
+            if top >= V:
+                pos = ids.index(top)
+                field = br.get("_ids", f"{where}.input_ids[{pos}]")
+                raise DataError(f"{src}: {field}: token id {top} (position {pos}) is outside the model's "
+                                f"vocabulary (size {V})")
+        if L is not None and len(ids) > L:
+            raise DataError(f"{src}: {where}: {len(ids)} tokens, more than the model's max_seq_len {L}; "
+                            "raise the model's max_seq_len or truncate the data")
+
+
+def check_needs(rec, branches: List[Dict[str, Any]], limits, est: Optional[str], builder) -> None:
+    """What the objective (and the advantage estimator) read from the record is there."""
+    needs, src, obj = limits.needs or {}, rec.source, limits.objective
+    if est is not None:
+        if builder.reward_per_record:
+            r = builder.reward_of(rec)
+            if not finite_number(r):
+                raise DataError(f"{src}: reward: must be a finite number (tree_builder.advantage={est}), got {r!r}")
+        else:
+            for br in branches:
+                if br.get("advantage") is None and not finite_number(br.get("reward")):
+                    raise DataError(f"{src}: {br['_where']}.reward: tree_builder.advantage={est} needs a finite "
+                                    f"reward on every branch without an advantage, got {br.get('reward')!r}")
+    elif needs.get("advantage"):
+        for br in branches:
+            if br.get("advantage") is None:
+                raise DataError(
+                    f"{src}: {br['_where']}.advantage: {obj} needs an advantage on every branch (give "
+                    "'advantage', or 'reward' with tree_builder.advantage=grpo|rloo|reinforce_pp|...)"
+                )
+    if needs.get("ref_logprobs"):
+        for br in branches:
+            ref = br.get("ref_logprobs")
+            mask = br.get("loss_mask")
+            for t in range(1, len(br["input_ids"])):
+                if (mask is None or mask[t]) and (ref is None or ref[t] is None):
+                    raise DataError(f"{src}: {br['_where']}.ref_logprobs: {obj} needs a reference log-prob for "
+                                    f"every target token; position {t} has none (or use objective.reference=initial)")
+    if needs.get("pairs"):
+        for br in branches:
+            if br.get("pair") is None or not isinstance(br.get("chosen"), bool):
+                raise DataError(f"{src}: {br['_where']}.pair: {obj} needs 'pair' (a string or an integer) and "
+                                f"'chosen' (true/false) on every branch")
+
+
+def pinned(exc: DataError, members: List[Tuple[Any, int]]) -> DataError:
+    """Re-address a tree-level error to the record(s) and field(s) of the branches at fault."""
+    idx = [b for b in getattr(exc, "branches", ()) if 0 <= b < len(members)]
+    if not idx:
+        return DataError(f"{lines([e for e, _ in members])}: {exc.detail if hasattr(exc, 'detail') else exc}")
+    where = [f"{members[b][0].rec.source} {members[b][0].branches[members[b][1]]['_where']}" for b in idx]
+    e, j = members[idx[-1]]
+    detail = getattr(exc, "detail", str(exc)).replace("{other}", where[0] if len(where) > 1 else "another branch")
+    return DataError(f"{e.rec.source}: {e.branches[j]['_where']}.{detail}", branches=())
+
+
+def check_pairs(members: List[Tuple[Any, int]], objective: str) -> None:
+    """Every DPO pair of a tree has exactly one chosen and one rejected branch."""
+    pairs: "OrderedDict[Any, List[Tuple[Any, int]]]" = OrderedDict()
+    for e, j in members:
+        pairs.setdefault(e.branches[j]["pair"], []).append((e, j))
+    for p, ms in pairs.items():
+        flags = sorted(bool(e.branches[j]["chosen"]) for e, j in ms)
+        if flags != [False, True]:
+            at = ", ".join(f"{e.rec.source} {e.branches[j]['_where']}" for e, j in ms)
+            e, j = ms[-1]
+            raise DataError(f"{e.rec.source}: {e.branches[j]['_where']}.pair: {objective} needs exactly one chosen and "
+                            f"one rejected branch per pair in a tree; pair {p!r} has {len(ms)} branch(es) with chosen="
+                            f"{[bool(e.branches[j]['chosen']) for e, j in ms]} ({at})")
