@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import numpy as np
+
 from treelit.builders.base import make_tree_builder
 from treelit.lightning.data import TreeDataModule
 from treelit.objectives import make_objective
@@ -49,3 +51,24 @@ def run(path, builder: str = "sequences", on_error: str = "raise", objective: st
 
 def branches_of(dm: TreeDataModule) -> List[List[int]]:
     return [br for t in dm.trees for br in t.tree.branches()]
+
+
+def shard_records(n_files=4, per_file=30, seed=0):
+    """Token records with contiguous groups of 1-3 records (rewards, old log-probs) per file."""
+    rng = np.random.default_rng(seed)
+    files = []
+    for f in range(n_files):
+        recs, g = [], 0
+        while len(recs) < per_file:
+            prompt = rng.integers(1, 60, int(rng.integers(2, 7))).tolist()
+            key = f"f{f}g{g}" if g % 2 or f == 2 else g + 1000 * f  # string and integer keys (Parquet: one type)
+            for _ in range(int(rng.integers(1, 4))):
+                branches = []
+                for _ in range(int(rng.integers(1, 3))):
+                    ids = prompt + rng.integers(1, 60, int(rng.integers(1, 6))).tolist()
+                    branches.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
+                                     "reward": float(rng.integers(2)), "group": key})
+                recs.append({"id": f"{f}-{len(recs)}", "branches": branches})
+            g += 1
+        files.append(recs)
+    return files

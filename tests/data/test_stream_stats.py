@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from pipeline import write
-from test_streaming import shard_records
+from pipeline import shard_records, write
 from treelit.builders.base import make_tree_builder
 from treelit.cli.config import bundled_path
 from treelit.data.records import DataError

@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from pipeline import write
+from pipeline import shard_records, write
 from treelit.builders.base import make_tree_builder
 from treelit.data.records import DataError, ReadStats
 from treelit.data.sources import make_data_source
@@ -18,27 +18,6 @@ from treelit.data.stream import TreeStream
 from treelit.lightning.data import build_trees
 from treelit.lightning.streaming import StreamingTreeDataModule
 from treelit.objectives import make_objective
-
-
-def shard_records(n_files=4, per_file=30, seed=0):
-    """Token records with contiguous groups of 1-3 records (rewards, old log-probs) per file."""
-    rng = np.random.default_rng(seed)
-    files = []
-    for f in range(n_files):
-        recs, g = [], 0
-        while len(recs) < per_file:
-            prompt = rng.integers(1, 60, int(rng.integers(2, 7))).tolist()
-            key = f"f{f}g{g}" if g % 2 or f == 2 else g + 1000 * f  # string and integer keys (Parquet: one type)
-            for _ in range(int(rng.integers(1, 4))):
-                branches = []
-                for _ in range(int(rng.integers(1, 3))):
-                    ids = prompt + rng.integers(1, 60, int(rng.integers(1, 6))).tolist()
-                    branches.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
-                                     "reward": float(rng.integers(2)), "group": key})
-                recs.append({"id": f"{f}-{len(recs)}", "branches": branches})
-            g += 1
-        files.append(recs)
-    return files
 
 
 def canon(trees):
