@@ -1,14 +1,18 @@
 """``TreeDataModule``: records -> trees -> packed micro-batches -> optimizer steps.
 
-Trees are built once (``setup``) from a JSONL/JSON/Parquet file through a tree
-builder, checked against the model (vocabulary, context length) before training
-starts, then served as an endless, reproducible stream of *steps*: in each data
+Trees are built once (``check_against`` / ``setup``) from a JSONL/JSON/Parquet file
+through the tree builder's :class:`~treelit.builders.assemble.Assembler`, every record
+checked against the model (vocabulary, context length) and what the objective reads
+before training starts (``on_error=skip`` skips and counts bad records instead; trees
+lacking an optional field still pack with the others), then served as an endless, reproducible stream of *steps*: in each data
 epoch the trees are shuffled (seeded by ``seed`` and the epoch number), packed in
 order into micro-batches of at most ``micro_batch_tokens`` tree tokens, and grouped
 ``micro_batches_per_step`` at a time. A step is one optimizer update; its
 normaliser is computed over all of its micro-batches. The module's state (steps
 consumed) is saved in Lightning checkpoints, so a resumed run continues with
-exactly the batches an uninterrupted run would have seen.
+exactly the batches an uninterrupted run would have seen. For data larger than memory
+see :mod:`treelit.lightning.streaming`; for rollouts arriving during training,
+:mod:`treelit.lightning.rollouts`.
 """
 
 from __future__ import annotations
