@@ -68,25 +68,28 @@ def test_tree_equals_per_branch(variant, aggregation, dtype, attention, data):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
 @pytest.mark.parametrize("objective", ["sft", "grpo", "gspo"])
-@pytest.mark.parametrize("variant", ["moe_micro_batch", "moe_sequence_window3"])
-@settings(max_examples=examples(4))
+@pytest.mark.parametrize("variant", ["moe_micro_batch", "moe_sequence_window3", "qwen3_window2"])
+@settings(max_examples=examples(3))
 @given(data=forests(max_len=9))
-def test_partitioned_router_loss_equals_per_branch(variant, objective, data):
-    """Cut into partitions at the tightest budget: every token's routing is taken in a no-gradient
-    pass first, then each partition adds its own tokens' share of the router loss."""
+def test_partitioned_equals_per_branch(variant, objective, aggregation, dtype, data):
+    """Cut into partitions at the tightest budget: windows read the external keys' depths; the
+    router loss takes every token's routing in a no-gradient pass first, then each partition
+    adds its own tokens' share."""
     branches, masks, weights = data
-    model = model_for(variant, torch.float64)
+    model = model_for(variant, dtype)
     rl = {} if objective == "sft" else {"advantages": [0.5 - (i % 3) for i in range(len(branches))]}
     tree = treelit.TokenTree.from_branches(branches, masks, weights, **rl)
     longest = max(len(b) for b in branches)
     assert_equivalent(
         model,
-        lambda: torch.tensor(treelit.tree_backward(model, tree, "token-mean", "redundancy_free", longest,
+        lambda: torch.tensor(treelit.tree_backward(model, tree, aggregation, "redundancy_free", longest,
                                                    objective=objective), dtype=torch.float64),
-        lambda: treelit.linear_loss(model, branches, masks, weights, "token-mean", objective=objective,
+        lambda: treelit.linear_loss(model, branches, masks, weights, aggregation, objective=objective,
                                     **({} if objective == "sft" else {"advantages": rl["advantages"]})),
-        torch.float64, f"{variant}/{objective}/partitioned", forest=data,
+        dtype, f"{variant}/{objective}/{aggregation}/partitioned", forest=data,
     )
 
 
