@@ -271,13 +271,22 @@ class TreeLitModule(pl.LightningModule):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[off : off + n].view_as(p))
-            off += n
+        # buckets of ~16 MiB: few collectives, and never a second copy of all the gradients
+        limit = max(1, (16 << 20) // max(1, params[0].element_size())) if params else 1
+        bucket: list = []
+        size = 0
+        for i, p in enumerate(params):
+            bucket.append(p)
+            size += p.numel()
+            if size >= limit or i == len(params) - 1:
+                flat = torch.cat([q.grad.reshape(-1) for q in bucket]) if len(bucket) > 1 else bucket[0].grad
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                if len(bucket) > 1:
+                    off = 0
+                    for q in bucket:
+                        q.grad.copy_(flat[off : off + q.numel()].view_as(q))
+                        off += q.numel()
+                bucket, size = [], 0
 
     def _update(self, micro_batches) -> Dict[str, float]:
         """Forward and backward every micro-batch with the shared normaliser, then one step."""
@@ -369,9 +378,20 @@ class TreeLitModule(pl.LightningModule):
                 f"(see the other ranks' errors). {type(exc).__name__}: {exc}"
             ) from exc
 
+    def _same_count_on_every_rank(self, micro_batches):
+        """Under FSDP2 every pass is a collective: ranks run the same number of micro-batches
+        (a rank with fewer gets empty ones, whatever the data module gave it)."""
+        comm = self._comm()
+        if not (comm.distributed and self._fsdp()):
+            return list(micro_batches)
+        from treelit.partition.passes import empty_row
+
+        n = int(comm.max(len(micro_batches)))
+        return list(micro_batches) + [empty_row(self.device) for _ in range(n - len(micro_batches))]
+
     def _training_step(self, batch: StepBatch):
         t0 = time.perf_counter()
-        micro = batch.micro_batches
+        micro = self._same_count_on_every_rank(batch.micro_batches)
         if self.old_logprobs == "rollout":
             self.record_rollout_logprobs(micro)
         k = min(self.ppo_minibatches, len(micro))

@@ -1,0 +1,325 @@
+"""Scale: per-rank memory of DDP vs FSDP2, and a partitioned GRPO step on a large tree.
+
+``sharding``: one SFT update (forward, backward, AdamW step) of a model large enough that
+parameters, gradients and AdamW state dominate, on 2 and 4 gloo processes, with DDP
+(treelit's gradient sum, every rank holds everything) and FSDP2 (``shard_model``: every
+layer, the embeddings and the root sharded), with and without activation checkpointing.
+Per rank: the bytes of its parameters + gradients + AdamW state (local shards under
+FSDP2), and the peak of all its tensors during the update (parameters held before the
+update plus the peak of tensors allocated during it: activations, gathered blocks,
+gradients, optimizer state; CPU allocations followed by ``treelit.utils.memory``).
+
+``grpo``: one process, a tree of ``--completions`` completions of ``--completion-len``
+tokens under a ``--prompt``-token prompt (a GRPO group), group-relative advantages from
+random rewards. Peak tensor memory of one step for: the longest branch alone; the whole
+tree partitioned with the budget set to the longest branch (GRPO: token-level, folded per
+partition; GSPO: sequence-level, with its no-gradient log-prob pass); the rollout
+log-prob pass that fills old log-probs (no gradient, partitioned); optionally the whole
+tree unpartitioned. Token-forwards with gradient are reported apart from the no-gradient
+ones; the partitioned GRPO gradients are compared with the unpartitioned ones.
+
+    python benchmarks/bench_scale.py sharding --json benchmarks/results/bench_scale_sharding.json
+    python benchmarks/bench_scale.py grpo --json benchmarks/results/bench_scale_grpo.json
+    python benchmarks/bench_scale.py table benchmarks/results/bench_scale_*.json    # the README tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+MIB = 2**20
+
+
+# ---------------------------------------------------------------------------------------
+# sharding: DDP vs FSDP2 per rank
+
+
+def _model(args):
+    import treelit
+
+    torch.manual_seed(0)
+    return treelit.build_decoder(family="qwen2", vocab_size=args.vocab, num_layers=args.layers, num_heads=args.heads,
+                                 num_kv_heads=max(1, args.heads // 2), embed_dim=args.dim,
+                                 intermediate_dim=3 * args.dim, max_seq_len=4096)
+
+
+def _tree(rank: int, args):
+    import treelit
+
+    g = torch.Generator().manual_seed(100 + rank)
+    prefix = torch.randint(16, args.vocab, (args.prefix,), generator=g).tolist()
+    branches = [prefix + torch.randint(16, args.vocab, (args.branch_len,), generator=g).tolist()
+                for _ in range(args.branches)]
+    return treelit.TokenTree.from_branches(branches).to_batch()
+
+
+def _local_bytes(t) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def _measure(rank: int, world: int, mode: str, ckpt: bool, args):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from treelit.lightning.module import TreeLitModule
+    from treelit.objectives import make_objective
+    from treelit.utils.memory import LiveBytes
+
+    model = _model(args)
+    model.activation_checkpointing = ckpt
+    module = TreeLitModule(model, make_objective("sft"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                           attention="segment", grad_clip=0.0)
+    if mode == "fsdp2":
+        module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        module.configure_model()
+    opt = module.configure_optimizers()
+    batch = _tree(rank, args)
+    params = sum(_local_bytes(p) for p in model.parameters())
+    t0 = time.perf_counter()
+    with LiveBytes() as live:
+        module.compute_gradients([batch])
+        grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        opt.step()
+        adam = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    seconds = time.perf_counter() - t0
+    return {"params": params, "grads": grads, "adamw": adam, "state": params + grads + adam,
+            "step_peak": params + live.peak, "seconds": seconds, "tree_tokens": batch.num_tokens}
+
+
+def _worker(rank: int, world: int, port: int, mode: str, args, out: str):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    try:
+        rows = []
+        for ckpt in (False, True):
+            m = _measure(rank, world, mode, ckpt, args)
+            t = torch.tensor([m["state"], m["step_peak"], m["params"], m["grads"], m["adamw"], m["seconds"]],
+                             dtype=torch.float64)
+            gathered = [torch.zeros_like(t) for _ in range(world)]
+            dist.all_gather(gathered, t)
+            if rank == 0:
+                g = torch.stack(gathered)
+                rows.append({"mode": mode, "world": world, "checkpointing": ckpt,
+                             "state_bytes_max": float(g[:, 0].max()), "step_peak_bytes_max": float(g[:, 1].max()),
+                             "params_bytes": float(g[:, 2].max()), "grads_bytes": float(g[:, 3].max()),
+                             "adamw_bytes": float(g[:, 4].max()), "seconds_max": float(g[:, 5].max()),
+                             "tree_tokens_per_rank": m["tree_tokens"]})
+        if rank == 0:
+            torch.save(rows, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sharding(args):
+    import torch.multiprocessing as mp
+
+    rows = []
+    for world in args.worlds:
+        for mode in ("ddp", "fsdp2"):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "rows.pt")
+                mp.spawn(_worker, args=(world, _free_port(), mode, args, out), nprocs=world, join=True)
+                rows += torch.load(out)
+            for r in rows[-2:]:
+                print(f"{r['mode']:5s} x{world} ckpt={str(r['checkpointing']):5s}: params+grads+AdamW "
+                      f"{r['state_bytes_max'] / MIB:7.0f} MiB, step peak {r['step_peak_bytes_max'] / MIB:7.0f} MiB "
+                      f"({r['seconds_max']:.1f}s)", flush=True)
+    for r in rows:
+        ddp = next(x for x in rows if x["mode"] == "ddp" and x["world"] == r["world"]
+                   and x["checkpointing"] == r["checkpointing"])
+        r["state_over_ddp"] = r["state_bytes_max"] / ddp["state_bytes_max"]
+        r["step_peak_over_ddp"] = r["step_peak_bytes_max"] / ddp["step_peak_bytes_max"]
+    n_params = sum(p.numel() for p in _model(args).parameters())
+    return {"rows": rows, "parameters": n_params, "model": f"qwen2-style, {args.layers} layers, dim {args.dim}, "
+            f"{args.heads} heads, vocab {args.vocab}, float32", "threads_per_rank": 1}
+
+
+# ---------------------------------------------------------------------------------------
+# a partitioned GRPO step on a large group
+
+
+def grpo(args):
+    import numpy as np
+
+    import treelit
+    from treelit.objectives import make_objective
+    from treelit.partition import PartitionStats, tree_backward
+    from treelit.partition.engine import policy_logprobs
+    from treelit.utils.memory import peak_memory
+
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    V = args.vocab
+    prompt = torch.randint(16, V, (args.prompt,), generator=g).tolist()
+    branches = [prompt + torch.randint(16, V, (args.completion_len,), generator=g).tolist()
+                for _ in range(args.completions)]
+    masks = [[0] * args.prompt + [1] * args.completion_len for _ in branches]
+    rewards = np.random.default_rng(0).integers(0, 2, args.completions).astype(float)
+    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    tree = treelit.TokenTree.from_branches(branches, masks, advantages=adv.tolist())
+    batch = tree.to_batch()
+    longest = max(map(len, branches))
+    torch.manual_seed(0)
+    model = treelit.build_decoder(family="qwen2", vocab_size=V, num_layers=args.layers, num_heads=4, num_kv_heads=2,
+                                  embed_dim=args.dim, intermediate_dim=3 * args.dim, max_seq_len=8192)
+    agg = "seq-mean-token-mean"
+    grpo_obj = make_objective("grpo")
+    Z = treelit.global_normalizer([batch], agg, objective=grpo_obj)
+    one = treelit.TokenTree.from_branches([branches[0]], [masks[0]], advantages=[float(adv[0])]).to_batch()
+    out = {"tree_tokens": batch.num_tokens, "flat_tokens": batch.flat_tokens, "longest_branch": longest,
+           "budget_tokens": longest, "completions": args.completions, "prompt": args.prompt,
+           "completion_len": args.completion_len, "model": f"qwen2-style, {args.layers} layers, dim {args.dim}, vocab {V}, float32",
+           "threads": args.threads}
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        peak, value = peak_memory(fn)
+        return peak, value, time.perf_counter() - t0
+
+    def grads():
+        gr = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return gr
+
+    # the rollout pass: old log-probs of every target, no gradient, partitioned
+    st = PartitionStats()
+    peak, old, sec = timed(lambda: policy_logprobs(model, batch, budget_tokens=longest, stats=st))
+    out["rollout"] = {"peak_bytes": peak, "no_grad_forwards": st.extra_forwards, "seconds": sec}
+    print(f"rollout log-probs (no grad): {st.extra_forwards} token-forwards, peak {peak / MIB:.0f} MiB, {sec:.1f}s", flush=True)
+    batch.token_old_logp = old
+    batch.branch_old_logp = old[batch.branch_tokens]
+    one_old = policy_logprobs(model, one)
+    one.token_old_logp, one.branch_old_logp = one_old, one_old[one.branch_tokens]
+
+    peak, _, sec = timed(lambda: tree_backward(model, one, agg, "none", objective=grpo_obj))
+    grads()
+    out["branch"] = {"peak_bytes": peak, "seconds": sec}
+    print(f"longest branch alone ({longest} tokens): peak {peak / MIB:.0f} MiB, {sec:.1f}s", flush=True)
+
+    for name in ("grpo", "gspo"):
+        obj = grpo_obj if name == "grpo" else make_objective("gspo", clip_low=0.5, clip_high=0.5)
+        st = PartitionStats()
+        peak, loss, sec = timed(lambda: tree_backward(model, batch, agg, "redundancy_free", longest, normalizer=Z,
+                                                      stats=st, objective=obj))
+        row = {"peak_bytes": peak, "over_branch": peak / out["branch"]["peak_bytes"], "partitions": st.partitions,
+               "token_forwards": st.token_forwards, "no_grad_forwards": st.extra_forwards, "loss": loss, "seconds": sec}
+        out[f"{name}_partitioned"] = row
+        if name == "grpo":
+            g_part = grads()
+        else:
+            grads()
+        print(f"{name} partitioned (budget {longest}): {st.partitions} partitions, {st.token_forwards} token-forwards "
+              f"with gradient + {st.extra_forwards} without, tree {batch.num_tokens}; peak {peak / MIB:.0f} MiB "
+              f"({row['over_branch']:.2f}x the branch), {sec:.1f}s", flush=True)
+    if args.unpartitioned:
+        peak, loss, sec = timed(lambda: tree_backward(model, batch, agg, "none", normalizer=Z, objective=grpo_obj))
+        g_full = grads()
+        worst = max(((g_part[k] - g_full[k]).norm() / g_full[k].norm().clamp_min(1e-30)).item() for k in g_full)
+        out["grpo_unpartitioned"] = {"peak_bytes": peak, "over_branch": peak / out["branch"]["peak_bytes"],
+                                     "loss": loss, "seconds": sec}
+        out["grpo_partitioned"]["max_rel_grad_diff_vs_unpartitioned"] = worst
+        out["grpo_partitioned"]["loss_rel_diff_vs_unpartitioned"] = (
+            abs(out["grpo_partitioned"]["loss"] - loss) / max(abs(loss), 1e-30))
+        print(f"grpo unpartitioned: peak {peak / MIB:.0f} MiB ({peak / out['branch']['peak_bytes']:.1f}x the branch), "
+              f"{sec:.1f}s; partitioned vs unpartitioned: max rel grad diff {worst:.1e}", flush=True)
+    return out
+
+
+def table(paths) -> str:
+    """The README tables from result files."""
+    lines = []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        lines.append(f"$ {d['command']}")
+        if "rows" in d:
+            lines.append(f"{'strategy':9s}{'ranks':>6s}{'checkpointing':>15s}{'params+grads+AdamW':>21s}{'vs DDP':>8s}"
+                         f"{'step peak':>11s}{'vs DDP':>8s}")
+            for r in d["rows"]:
+                lines.append(f"{r['mode']:9s}{r['world']:>6d}{('on' if r['checkpointing'] else 'off'):>15s}"
+                             f"{r['state_bytes_max'] / MIB:>17.0f} MiB{r['state_over_ddp']:>7.2f}x"
+                             f"{r['step_peak_bytes_max'] / MIB:>7.0f} MiB{r['step_peak_over_ddp']:>7.2f}x")
+            continue
+        b = d["branch"]["peak_bytes"]
+        lines.append(f"tree {d['tree_tokens']} tokens ({d['completions']} x {d['completion_len']} under "
+                     f"{d['prompt']}), longest branch {d['longest_branch']}, budget {d['budget_tokens']}")
+        lines.append(f"{'step':28s}{'peak':>10s}{'vs branch':>11s}{'partitions':>12s}{'fwd (grad)':>12s}{'fwd (no grad)':>15s}")
+        lines.append(f"{'longest branch alone':28s}{b / MIB:>6.0f} MiB{1.0:>10.2f}x{1:>12d}{d['longest_branch']:>12d}{0:>15d}")
+        for key, name in (("grpo_partitioned", "grpo, partitioned"), ("gspo_partitioned", "gspo, partitioned"),
+                          ("grpo_unpartitioned", "grpo, unpartitioned")):
+            if key not in d:
+                continue
+            r = d[key]
+            parts = r.get("partitions", 1)
+            fwd = r.get("token_forwards", d["tree_tokens"])
+            lines.append(f"{name:28s}{r['peak_bytes'] / MIB:>6.0f} MiB{r['over_branch']:>10.2f}x{parts:>12d}{fwd:>12d}"
+                         f"{r.get('no_grad_forwards', 0):>15d}")
+        r = d["rollout"]
+        lines.append(f"{'rollout log-probs (no grad)':28s}{r['peak_bytes'] / MIB:>6.0f} MiB{r['peak_bytes'] / b:>10.2f}x"
+                     f"{'':>12s}{0:>12d}{r['no_grad_forwards']:>15d}")
+        g = d.get("grpo_partitioned", {})
+        if "max_rel_grad_diff_vs_unpartitioned" in g:
+            lines.append(f"# partitioned vs unpartitioned grpo: loss rel diff {g['loss_rel_diff_vs_unpartitioned']:.1e}, "
+                         f"max rel grad diff {g['max_rel_grad_diff_vs_unpartitioned']:.1e} (float32)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("sharding")
+    s.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    s.add_argument("--layers", type=int, default=8)
+    s.add_argument("--dim", type=int, default=512)
+    s.add_argument("--heads", type=int, default=8)
+    s.add_argument("--vocab", type=int, default=32768)
+    s.add_argument("--prefix", type=int, default=512)
+    s.add_argument("--branches", type=int, default=4)
+    s.add_argument("--branch-len", type=int, default=512)
+    s.add_argument("--json")
+    r = sub.add_parser("grpo")
+    r.add_argument("--prompt", type=int, default=1024)
+    r.add_argument("--completions", type=int, default=16)
+    r.add_argument("--completion-len", type=int, default=2048)
+    r.add_argument("--layers", type=int, default=4)
+    r.add_argument("--dim", type=int, default=256)
+    r.add_argument("--vocab", type=int, default=32768)
+    r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--unpartitioned", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--json")
+    t = sub.add_parser("table")
+    t.add_argument("results", nargs="+")
+    args = p.parse_args(argv)
+    if args.what == "table":
+        print(table(args.results))
+        return
+    t0 = time.perf_counter()
+    result = sharding(args) if args.what == "sharding" else grpo(args)
+    result["command"] = " ".join(["python", "benchmarks/bench_scale.py", *(argv if argv is not None else sys.argv[1:])])
+    result["torch"] = torch.__version__
+    result["seconds"] = time.perf_counter() - t0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
