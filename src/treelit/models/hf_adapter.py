@@ -113,28 +113,21 @@ def check_adapter_config(cfg, where: str = "config.json") -> None:
             refuse(key, "dropout draws one mask per tree token where per-branch training draws one per branch")
     if getattr(cfg, "use_bidirectional_attention", False):
         refuse("use_bidirectional_attention", "bidirectional attention is not causal")
-    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True) is False:
-        pass  # the model ignores the window itself
     if mt in ("gpt_oss",) or getattr(cfg, "attention_sinks", None):
         refuse("model_type", "attention sinks are not implemented by treelit's attention backends")
 
 
 @dataclass
 class AdapterConfig:
-    """What treelit's code reads of a model's config, for an adapted transformers model."""
+    """What treelit's code reads of a model's config, for an adapted transformers model (its
+    windows, RoPE and everything else are the transformers model's own)."""
 
     model_type: str
     vocab_size: int
     max_seq_len: int
     tie_word_embeddings: bool
-    moe: Dict[str, Any] = field(default_factory=dict)
+    moe: Dict[str, Any] = field(default_factory=dict)  # the router loss options (MoE families)
     family: str = "hf_auto"
-    qk_norm: bool = False
-    sliding_window: Optional[int] = None
-    layer_types: Optional[list] = None
-
-    def window(self, i: int) -> Optional[int]:  # windows are the model's own (its attention modules)
-        return None
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
