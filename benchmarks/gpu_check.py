@@ -4,9 +4,11 @@
 
 On a CUDA machine this:
 1. compares ``flex`` and ``segment`` with ``sdpa_dense`` on outputs and q/k/v gradients
-   (random trees, GQA, with and without external ancestor keys), float32 and bfloat16;
-2. compares a tiny model's tree-mode loss and every parameter gradient with ``flex``
-   against the per-branch (linearized) baseline;
+   (random trees, GQA, with and without external ancestor keys, without and with sliding
+   windows), float32 and bfloat16;
+2. compares tiny models' tree-mode loss and every parameter gradient with ``flex``
+   against the per-branch (linearized) baseline: Qwen2, Qwen3-MoE with its router loss
+   and a sliding window, and a Qwen3 checkpoint through the transformers adapter;
 3. times one attention layer forward+backward per backend on 8k/16k/32k-token trees;
 4. compares the fla-kernel recurrent backend with the exact torch backend for Gated
    DeltaNet, Mamba2 and a hybrid model (loss, every gradient) and times both.
@@ -30,16 +32,42 @@ import treelit  # noqa: E402
 from agentic import make_case  # noqa: E402
 from treelit.attention import get_backend  # noqa: E402
 from treelit.models.context import TreeLayout  # noqa: E402
+from treelit.models.factory import set_router_aux_loss  # noqa: E402
 
 
-def layout_with_external(batch, n_ext: int):
+def layout_with_external(batch, n_ext: int, window=None):
+    """Row keys plus ``n_ext`` external keys standing for an ancestor path above the row (at
+    depths -n_ext..-1: the row's positions are shifted by n_ext), optionally windowed."""
     N = batch.num_tokens
-    idx = torch.arange(N, device=batch.device)
+    dev = batch.device
+    idx = torch.arange(N, device=dev)
     if n_ext == 0:
-        return TreeLayout(batch, idx, batch.subtree_end, 0)
-    lo = torch.zeros(n_ext, dtype=torch.long, device=batch.device)
-    hi = torch.full((n_ext,), N, dtype=torch.long, device=batch.device)
-    return TreeLayout(batch, torch.cat([lo, idx]), torch.cat([hi, batch.subtree_end]), n_ext)
+        return TreeLayout(batch, idx, batch.subtree_end, 0, batch.position_ids).with_window(window)
+    batch = treelit.TreeBatch(**{**batch.__dict__, "position_ids": batch.position_ids + n_ext})
+    lo = torch.zeros(n_ext, dtype=torch.long, device=dev)
+    hi = torch.full((n_ext,), N, dtype=torch.long, device=dev)
+    kv_pos = torch.cat([torch.arange(n_ext, device=dev), batch.position_ids])
+    return TreeLayout(batch, torch.cat([lo, idx]), torch.cat([hi, batch.subtree_end]), n_ext, kv_pos).with_window(window)
+
+
+def model_check(results, what, model, tree, branches, masks) -> bool:
+    """Tree mode with ``flex`` vs the per-branch baseline: loss and every parameter gradient."""
+    model.zero_grad()
+    loss = treelit.tree_loss(model, tree, attention="flex")
+    loss.backward()
+    g_tree = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ref = treelit.linear_loss(model, branches, masks)
+    ref.backward()
+    g_ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    scale = max(g.norm().item() for g in g_ref.values())
+    worst = max(((g_tree[n] - g).norm() / g.norm().clamp_min(1e-5 * scale)).item() for n, g in g_ref.items())
+    passed = abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-4 and worst < 1e-3 and g_tree.keys() == g_ref.keys()
+    results.setdefault("end_to_end", []).append(dict(model=what, loss_tree=loss.item(), loss_linear=ref.item(),
+                                                     max_rel_grad_diff=worst, passed=passed))
+    print(f"end to end {what} (flex vs per-branch): loss {loss.item():.6f} vs {ref.item():.6f}, grad diff {worst:.2e} "
+          f"{'ok' if passed else 'FAIL'}")
+    return passed
 
 
 def compare_attention(name, layout, dtype, seed=0):
@@ -119,31 +147,34 @@ def main(argv=None) -> int:
         c = make_case(case, scale=0.25, **shape)
         batch = treelit.TokenTree.from_branches(c.branches).to_batch().to(dev)
         for n_ext in (0, 37):
-            layout = layout_with_external(batch, n_ext)
-            for name in ("flex", "segment"):
-                for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-                    err = compare_attention(name, layout, dtype)
-                    passed = err <= tol
-                    ok &= passed
-                    results["checks"].append(dict(case=case, external=n_ext, backend=name, dtype=str(dtype), rel_err=err, passed=passed))
-                    print(f"{case:<12} ext={n_ext:<3} {name:<8} {str(dtype):<15} rel err {err:.2e} {'ok' if passed else 'FAIL'}")
-    # end to end: tiny model, flex vs per-branch
-    torch.manual_seed(0)
-    model = treelit.build_model("qwen2_tiny", vocab_size=512).to(dev)
+            for window in (None, 64, 300):
+                layout = layout_with_external(batch, n_ext, window)
+                for name in ("flex", "segment"):
+                    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+                        err = compare_attention(name, layout, dtype)
+                        passed = err <= tol
+                        ok &= passed
+                        results["checks"].append(dict(case=case, external=n_ext, window=window, backend=name,
+                                                      dtype=str(dtype), rel_err=err, passed=passed))
+                        print(f"{case:<12} ext={n_ext:<3} window={str(window):<4} {name:<8} {str(dtype):<15} "
+                              f"rel err {err:.2e} {'ok' if passed else 'FAIL'}")
+    # end to end: tiny models, flex vs per-branch
     c = make_case("dropped_thinking", scale=0.1, vocab=512)
     tree = treelit.TokenTree.from_branches(c.branches, c.masks)
-    model.zero_grad()
-    loss = treelit.tree_loss(model, tree, attention="flex")
-    loss.backward()
-    g_tree = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    ref = treelit.linear_loss(model, c.branches, c.masks)
-    ref.backward()
-    worst = max(((g_tree[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-12)).item() for n, p in model.named_parameters())
-    passed = abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-4 and worst < 1e-3
-    ok &= passed
-    results["end_to_end"] = dict(loss_tree=loss.item(), loss_linear=ref.item(), max_rel_grad_diff=worst, passed=passed)
-    print(f"end to end (flex vs per-branch): loss {loss.item():.6f} vs {ref.item():.6f}, grad diff {worst:.2e} {'ok' if passed else 'FAIL'}")
+    torch.manual_seed(0)
+    ok &= model_check(results, "qwen2_tiny", treelit.build_model("qwen2_tiny", vocab_size=512).to(dev), tree,
+                      c.branches, c.masks)
+    torch.manual_seed(0)
+    moe = treelit.build_model("qwen3_moe_tiny", vocab_size=512, sliding_window=48).to(dev)
+    set_router_aux_loss(moe, 0.01, "sequence")
+    ok &= model_check(results, "qwen3_moe_tiny (router loss, window 48)", moe, tree, c.branches, c.masks)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(0)
+        treelit.save_hf_checkpoint(treelit.build_model("qwen3_tiny", vocab_size=512), d)
+        adapted = treelit.load_hf_model(d).to(dev)
+        ok &= model_check(results, "qwen3 through the transformers adapter", adapted, tree, c.branches, c.masks)
     for case, shape in [("wide_fanout", dict(turns=4, k=8)), ("wide_fanout", dict(turns=5, k=16)), ("wide_fanout", dict(turns=9, k=20))]:
         c = make_case(case, **shape)
         batch = treelit.TokenTree.from_branches(c.branches).to_batch().to(dev)
