@@ -261,8 +261,10 @@ def table(paths) -> str:
         b = d["branch"]["peak_bytes"]
         lines.append(f"tree {d['tree_tokens']} tokens ({d['completions']} x {d['completion_len']} under "
                      f"{d['prompt']}), longest branch {d['longest_branch']}, budget {d['budget_tokens']}")
-        lines.append(f"{'step':28s}{'peak':>10s}{'vs branch':>11s}{'partitions':>12s}{'fwd (grad)':>12s}{'fwd (no grad)':>15s}")
-        lines.append(f"{'longest branch alone':28s}{b / MIB:>6.0f} MiB{1.0:>10.2f}x{1:>12d}{d['longest_branch']:>12d}{0:>15d}")
+        lines.append(f"{'step':28s}{'peak':>10s}{'vs branch':>11s}{'partitions':>12s}{'fwd (grad)':>12s}{'fwd (no grad)':>15s}"
+                     f"{'time':>8s}")
+        lines.append(f"{'longest branch alone':28s}{b / MIB:>6.0f} MiB{1.0:>10.2f}x{1:>12d}{d['longest_branch']:>12d}{0:>15d}"
+                     f"{d['branch']['seconds']:>7.0f}s")
         for key, name in (("grpo_partitioned", "grpo, partitioned"), ("gspo_partitioned", "gspo, partitioned"),
                           ("grpo_unpartitioned", "grpo, unpartitioned")):
             if key not in d:
@@ -271,14 +273,16 @@ def table(paths) -> str:
             parts = r.get("partitions", 1)
             fwd = r.get("token_forwards", d["tree_tokens"])
             lines.append(f"{name:28s}{r['peak_bytes'] / MIB:>6.0f} MiB{r['over_branch']:>10.2f}x{parts:>12d}{fwd:>12d}"
-                         f"{r.get('no_grad_forwards', 0):>15d}")
+                         f"{r.get('no_grad_forwards', 0):>15d}{r['seconds']:>7.0f}s")
         r = d["rollout"]
         lines.append(f"{'rollout log-probs (no grad)':28s}{r['peak_bytes'] / MIB:>6.0f} MiB{r['peak_bytes'] / b:>10.2f}x"
-                     f"{'':>12s}{0:>12d}{r['no_grad_forwards']:>15d}")
+                     f"{'':>12s}{0:>12d}{r['no_grad_forwards']:>15d}{r['seconds']:>7.0f}s")
         g = d.get("grpo_partitioned", {})
         if "max_rel_grad_diff_vs_unpartitioned" in g:
-            lines.append(f"# partitioned vs unpartitioned grpo: loss rel diff {g['loss_rel_diff_vs_unpartitioned']:.1e}, "
-                         f"max rel grad diff {g['max_rel_grad_diff_vs_unpartitioned']:.1e} (float32)")
+            u = d["grpo_unpartitioned"]["loss"]
+            lines.append(f"# partitioned vs unpartitioned grpo: loss {g['loss']:.1e} vs {u:.1e} (on-policy, advantages "
+                         f"summing to 0: the loss is 0 up to rounding), max rel grad diff "
+                         f"{g['max_rel_grad_diff_vs_unpartitioned']:.1e} (float32)")
     return "\n".join(lines)
 
 
@@ -312,7 +316,7 @@ def main(argv=None):
         print(table(args.results))
         return
     t0 = time.perf_counter()
-    result = sharding(args) if args.what == "sharding" else grpo(args)
+    result = {"sharding": sharding, "grpo": grpo}[args.what](args)
     result["command"] = " ".join(["python", "benchmarks/bench_scale.py", *(argv if argv is not None else sys.argv[1:])])
     result["torch"] = torch.__version__
     result["seconds"] = time.perf_counter() - t0

@@ -62,8 +62,38 @@ def rank_micro_batches(trees, rank: int, world: int, micro_tokens: int):
 
 
 def exact_steps(rank: int, world: int, specs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """:func:`exact_step` for each spec, in one launch (process start-up dominates)."""
-    return [exact_step(rank, world, spec) for spec in specs]
+    """:func:`exact_step` for each spec, in one launch (process start-up dominates); a spec
+    ``{"mismatch": True}`` runs :func:`mismatched_step` instead (last: it breaks its group)."""
+    return [mismatched_step(rank, world) if spec.get("mismatch") else exact_step(rank, world, spec) for spec in specs]
+
+
+def mismatched_step(rank: int, world: int):
+    """Rank 0's training step issues a collective that rank 1's does not: rank 0 must fail
+    with an error naming the step (within the collective timeout), not wait for ever."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from treelit.lightning.data import StepBatch
+    from treelit.lightning.module import TreeLitModule
+
+    group = dist.new_group(timeout=timedelta(seconds=3))
+    module = TreeLitModule(tiny_model("qwen2_tiny", torch.float32), make_objective("sft"),
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+
+    def step(batch):
+        if rank == 0:
+            dist.all_reduce(torch.ones(1), group=group)  # rank 1 never joins
+        else:
+            time.sleep(8)
+
+    module._training_step = step
+    try:
+        module.training_step(StepBatch([EMPTY.to_batch()], index=7), 0)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
 
 
 def exact_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -81,6 +111,10 @@ def exact_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     module = TreeLitModule(model, make_objective(name, **opts), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
                            aggregation=agg, attention="segment", partition="redundancy_free",
                            old_logprobs="rollout" if spec.get("rollout") else "data")
+    if spec.get("mp"):
+        from treelit.utils.distributed import mixed_precision_policy
+
+        module.fsdp_mp_policy = mixed_precision_policy(*spec["mp"])
     if spec.get("sharded", True):
         module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         module.configure_model()
@@ -144,6 +178,8 @@ def _exact_step(rank, world, spec, module, model, trees, micro, micro_tokens, dt
         "loss": loss, "ref_loss": ref_loss,
         "grad_err": max_rel_grad_diff(got, ref_grads, grad_floor(dtype), negligible_grad(dtype)),
         "grad_scale": max(float(g.norm()) for g in ref_grads.values()),
+        "grad_err_global": float(torch.sqrt(sum(((got[k].double() - ref_grads[k].double()) ** 2).sum() for k in got))
+                                 / torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values()))),
         "partitions": [r[0] for r in per_rank], "token_forwards": [r[1] for r in per_rank],
         "empty_passes": [r[2] for r in per_rank], "budget": [r[3] for r in per_rank],
         "rank_tokens": [r[4] for r in per_rank], "tree_tokens": sum(mb.num_tokens for mb in ref_micro),

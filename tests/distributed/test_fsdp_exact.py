@@ -19,6 +19,11 @@ def check(res, spec, world):
     dtype = spec.get("dtype", torch.float64)
     what = f"{spec['objective']}/{spec['family']}/{dtype}/{world} ranks"
     rel = abs(res["loss"] - res["ref_loss"]) / max(abs(res["ref_loss"]), 1e-30)
+    if spec.get("mp"):  # bfloat16 parameters in the passes (8-bit mantissa): close, not exact
+        assert rel <= 2e-2, f"{what}: loss {res['loss']} vs one process {res['ref_loss']}"
+        assert res["grad_err_global"] <= 5e-2, f"{what}: gradient differs by {res['grad_err_global']:.2e} overall"
+        assert res["grad_err"] > 1e-6, f"{what}: bfloat16 passes gave float32 gradients: the policy did not apply"
+        return
     assert rel <= tol(dtype), f"{what}: loss {res['loss']} vs one process {res['ref_loss']}"
     assert res["grad_err"] <= tol(dtype), f"{what}: gradient differs by {res['grad_err']:.2e} (relative)"
     assert res["grad_scale"] > 0, f"{what}: nothing trained"
@@ -44,6 +49,9 @@ TWO = [
     dict(family="hybrid_tiny", objective="gspo", data="rl", sharded=False, options=dict(clip_low=0.5, clip_high=0.5),
          limits=[45000, 60000]),
     dict(family="qwen2_tiny", objective="sft", limits=[120000, 120000], oom_rank_above=(1, 60)),
+    dict(family="qwen2_tiny", objective="sft", dtype=torch.float32, limits=[60000, 60000],
+         mp=("bfloat16", "float32")),  # trainer=fsdp2's mixed precision policy
+    dict(mismatch=True),  # last: it leaves a broken process group behind
 ]
 
 FOUR = [
@@ -62,9 +70,18 @@ def two_ranks():
     return launch(exact_steps, 2, TWO, deadline=600)
 
 
-@pytest.mark.parametrize("i", range(len(TWO)), ids=[f"{s['objective']}-{s['family']}-{i}" for i, s in enumerate(TWO)])
+EXACT = [i for i, s in enumerate(TWO) if not s.get("mismatch")]
+
+
+@pytest.mark.parametrize("i", EXACT, ids=[f"{TWO[i]['objective']}-{TWO[i]['family']}-{i}" for i in EXACT])
 def test_two_ranks_equal_one_process(two_ranks, i):
     check(two_ranks[i], TWO[i], 2)
+
+
+def test_a_collective_mismatch_fails_naming_the_step(two_ranks):
+    err = two_ranks[-1]["error"]
+    assert err is not None, "the mismatched collective did not fail"
+    assert err.startswith("step 0 (data step 7), rank 0 of 2: a collective failed or timed out"), err
 
 
 def test_ranks_ran_different_numbers_of_partitions(two_ranks):
@@ -75,7 +92,8 @@ def test_ranks_ran_different_numbers_of_partitions(two_ranks):
 
 
 def test_out_of_memory_on_one_rank_retries_on_every_rank(two_ranks):
-    res = two_ranks[-1]
+    res = two_ranks[7]
+    assert "oom_rank_above" in TWO[7]
     assert res["budget"] == [60, 60], f"both ranks retried with the halved budget: {res['budget']}"
 
 

@@ -145,7 +145,9 @@ class TreeLitModule(pl.LightningModule):
             raise ValueError("under FSDP2 every rank must run the same passes: mode=linear and verify_every "
                              "(per-branch passes whose number differs between ranks) need trainer=cpu or trainer=ddp_cpu/ddp")
         dp = mesh["data_parallel"]
-        policy = getattr(self.trainer.strategy, "treelit_mp_policy", None) if self._trainer is not None else None
+        policy = getattr(self, "fsdp_mp_policy", None)  # library use; under Lightning, the strategy's
+        if policy is None and self._trainer is not None:
+            policy = getattr(self.trainer.strategy, "treelit_mp_policy", None)
         if hasattr(self.objective, "_reference_model") and getattr(self.objective, "reference", None) == "initial":
             shard_model(self.objective._reference_model(self.model), dp, mp_policy=policy)
         shard_model(self.model, dp, mp_policy=policy)
@@ -371,9 +373,9 @@ class TreeLitModule(pl.LightningModule):
         except Exception as exc:  # name the step when a collective fails or times out
             if not self._distributed() or not _is_collective_error(exc):
                 raise
-            rank = self.trainer.global_rank
+            comm = self._comm()
             raise RuntimeError(
-                f"step {self.global_step} (data step {batch.index}), rank {rank} of {self.trainer.world_size}: a "
+                f"step {self.global_step} (data step {batch.index}), rank {comm.rank} of {comm.world}: a "
                 f"collective failed or timed out - the ranks issued different collectives, or one rank stopped "
                 f"(see the other ranks' errors). {type(exc).__name__}: {exc}"
             ) from exc
