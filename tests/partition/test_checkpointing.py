@@ -16,7 +16,7 @@ import treelit
 from helpers import FAMILIES, RECURRENT, assert_equivalent, tiny_model
 from strategies import forests
 from treelit.objectives import make_objective
-from treelit.partition import PartitionStats, tree_backward
+from treelit.partition import tree_backward
 from treelit.utils.blocks import recomputing
 from treelit.utils.memory import track_peak
 

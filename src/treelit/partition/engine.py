@@ -36,7 +36,7 @@ from treelit.models.decoder import in_forward, output_weight
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
-from treelit.partition.schedule import BACKWARD, FORWARD, align, decode, dfs_word, encode
+from treelit.partition.schedule import FORWARD, align, align_forwards, decode, dfs_word, encode
 from treelit.tree.batch import TreeBatch
 from treelit.utils.blocks import OOMGuard
 from treelit.utils.distributed import Collectives, is_sharded
@@ -95,9 +95,6 @@ class _Run:
             self._empty = empty_row(self.batch.device)
         return self._empty
 
-    def guard(self) -> Optional[OOMGuard]:
-        return OOMGuard()
-
     # forward-only phases ----------------------------------------------------------------
     def collect(self, model, with_entropy: bool, routing=None, logprobs: bool = True):
         """No-gradient log-probs (and entropies) ``[N]`` of every target token under ``model``;
@@ -109,7 +106,7 @@ class _Run:
         rp = self.rp
         order = list(range(len(rp.parts)))
         n_fwd = len(order) if not self.failed else 0
-        total = max(c[0] for c in self.comm.gather_lists([n_fwd])) if self.aligned else n_fwd
+        total = align_forwards([c[0] for c in self.comm.gather_lists([n_fwd])]) if self.aligned else n_fwd
         captured: Dict[int, Captures] = {}
         chain: List[int] = []
         with torch.no_grad():
@@ -117,13 +114,13 @@ class _Run:
                 if self.failed and not self.aligned:
                     break
                 if step >= n_fwd or self.failed:
-                    self._empty_forward(model, grad=False)
+                    self._empty_forward(model)
                     continue
                 i = order[step]
                 while chain and chain[-1] != rp.parts[i].parent:
                     captured.pop(chain.pop(), None)
                 sub, tokens = rp.row(i)
-                guard = self.guard()
+                guard = OOMGuard()
 
                 def run(m, i=i, sub=sub, tokens=tokens, guard=guard):
                     h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
@@ -156,7 +153,8 @@ class _Run:
                 self.stats.extra_forwards += rp.parts[i].size
         return lp, en
 
-    def _empty_forward(self, model, grad: bool):
+    def _empty_forward(self, model):
+        """An empty pass (its loss is 0; under a gradient it keeps a tiny graph)."""
         row = self.empty()
 
         def run(m):
@@ -217,12 +215,12 @@ class _Run:
                 break  # no collectives to keep company: drop the rest
             if kind == FORWARD:
                 if i < 0 or self.failed:
-                    live = _Live(-1 if i < 0 else i, self._empty_forward(model, grad=True), [], [])
+                    live = _Live(-1 if i < 0 else i, self._empty_forward(model), [], [])
                     (empties if i < 0 else chain).append(live)
                     continue
                 live, value = self._forward_real(i, captured, emb_buf, out_buf, grads)
                 if live is None:  # out of memory (caught): the rest runs empty
-                    chain.append(_Live(i, self._empty_forward(model, grad=True), [], []))
+                    chain.append(_Live(i, self._empty_forward(model), [], []))
                     continue
                 chain.append(live)
                 total += value
@@ -240,7 +238,7 @@ class _Run:
     def _forward_real(self, i, captured, emb_buf, out_buf, grads):
         rp = self.rp
         sub, tokens = rp.row(i)
-        guard = self.guard()
+        guard = OOMGuard()
 
         def run(m):
             h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
