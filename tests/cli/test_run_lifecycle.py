@@ -203,3 +203,38 @@ def test_a_checkpoint_write_that_dies_leaves_the_previous_one_intact(tmp_path, m
     monkeypatch.setattr(pl.Trainer, "save_checkpoint", real)
     summary, _ = _in_process(tmp_path, "b", *over, f"resume_from={last}")
     assert summary["global_step"] == 4
+
+
+PROBE = '''
+import torch
+import lightning.pytorch as pl
+
+SEEN = []
+
+class Threads(pl.Callback):
+    def on_train_batch_end(self, *args):
+        SEEN.append(torch.get_num_threads())
+'''
+
+
+@pytest.mark.parametrize("setting,inside", [("auto", 1), ("null", 2), ("3", 3)])
+def test_torch_threads_during_training_and_restored_after(setting, inside, tmp_path, monkeypatch):
+    """auto: one thread for a small model on CPU (two OpenMP threads on shared cores were
+    measured 5x slower); null: torch's default; N: N. The caller's setting comes back."""
+    (tmp_path / "threads_probe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    import threads_probe
+
+    threads_probe.SEEN.clear()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _in_process(tmp_path, "out", "trainer.max_steps=2", "logger=none", "callbacks.checkpoint=null",
+                    "callbacks.hf_export=null", f"torch_threads={setting}", "+callbacks.probe._target_=threads_probe.Threads")
+        assert threads_probe.SEEN == [inside, inside]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(Exception, match="torch_threads must be auto, null"):
+        _in_process(tmp_path, "bad", "torch_threads=0", "logger=none")

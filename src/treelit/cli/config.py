@@ -63,6 +63,9 @@ def validate_config(cfg: DictConfig) -> None:
     chunk = (cfg.get("ssm") or {}).get("chunk_size", 64)
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ConfigError(f"ssm.chunk_size must be a positive number of tokens (1 = token by token), got {chunk!r}")
+    threads = cfg.get("torch_threads", "auto")
+    if threads not in (None, "auto") and not (isinstance(threads, int) and not isinstance(threads, bool) and threads > 0):
+        raise ConfigError(f"torch_threads must be auto, null (torch's default) or a positive number, got {threads!r}")
     if cfg.get("mode") not in ("tree", "linear"):
         raise ConfigError(f"mode must be 'tree' or 'linear', got {cfg.get('mode')!r}")
     from treelit.tree.batch import AGGREGATIONS

@@ -27,7 +27,7 @@ __all__ = ["ConsoleFormatter", "ConsoleHandler", "SetupError", "tidy_library_log
 
 # substrings of library messages the console leaves out (train.log keeps them)
 NOISE = (
-    "Tip: For seamless cloud logging",  # Lightning advertising a service
+    "Tip: For seamless cloud",  # Lightning advertising its services (logging, model registry)
     "TPU available:",
     "HPU available:",
     "`Trainer.fit` stopped: `max_steps=",  # the end-of-run summary says it
