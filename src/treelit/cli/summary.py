@@ -93,7 +93,7 @@ def format_summary(s: Dict[str, Any]) -> str:
         row("resumed", f"from {_short(r['checkpoint'])} (step {r['step']})")
     d = s.get("data") or {}
     if d.get("flat_tokens"):
-        row("data", f"{d['trees']} trees, {d['branches']} branches: {d['tree_tokens']:,} tree tokens instead of "
+        row("data", f"{d['trees']:,} trees, {d['branches']:,} branches: {d['tree_tokens']:,} tree tokens instead of "
                     f"{d['flat_tokens']:,} flat (POR {d['por']:.2f}, ideal speedup {d['ideal_speedup']:.2f}x)")
     v = s.get("verify")
     if v:

@@ -217,8 +217,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
                                  objective=objective)
         data_stats = datamodule.stats()
-        log.info("data: %d trees, %d branches, %s tree tokens (%s flat, POR %.2f)%s", data_stats["trees"],
-                 data_stats["branches"], f"{data_stats['tree_tokens']:,}", f"{data_stats['flat_tokens']:,}",
+        log.info("data: %s trees, %s branches, %s tree tokens (%s flat, POR %.2f)%s", f"{data_stats['trees']:,}",
+                 f"{data_stats['branches']:,}", f"{data_stats['tree_tokens']:,}", f"{data_stats['flat_tokens']:,}",
                  data_stats["por"], f"; {data_stats['records_skipped']} records skipped"
                  if data_stats.get("records_skipped") else "")
 
