@@ -47,6 +47,23 @@ def make_trees(kind: str, n_trees: int = 6, seed: int = 0) -> List[treelit.Token
     return trees
 
 
+def build(spec: Dict[str, Any], dtype):
+    """The spec's model: a test family, or ``hf:<dir>`` (a transformers checkpoint through the
+    adapter); ``router_coef`` turns a mixture-of-experts model's router loss on."""
+    family = spec["family"]
+    if family.startswith("hf:"):
+        from treelit.models.hf_adapter import load_hf_model
+
+        model = load_hf_model(family[3:], dtype=dtype)
+    else:
+        model = tiny_model(family, dtype)
+    if spec.get("router_coef"):
+        from treelit.models.factory import set_router_aux_loss
+
+        set_router_aux_loss(model, spec["router_coef"], spec.get("router_definition", "micro_batch"))
+    return model
+
+
 def rank_micro_batches(trees, rank: int, world: int, micro_tokens: int):
     """Largest tree first onto the least loaded rank; pack; pad with empty micro-batches."""
     sizes = [t.to_batch().num_tokens for t in trees]
@@ -106,7 +123,7 @@ def exact_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     opts = dict(spec.get("options", {}))
     trees = make_trees(spec.get("data", "sft"), spec.get("n_trees", 6), spec.get("seed", 0))
     micro_tokens = spec.get("micro_tokens", 150)
-    model = tiny_model(family, dtype)
+    model = build(spec, dtype)
     model.activation_checkpointing = bool(spec.get("checkpointing", False))
     module = TreeLitModule(model, make_objective(name, **opts), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
                            aggregation=agg, attention="segment", partition="redundancy_free",
@@ -155,10 +172,13 @@ def _exact_step(rank, world, spec, module, model, trees, micro, micro_tokens, dt
                                   int(module.budget_tokens), sum(mb.num_tokens for mb in micro)])
     if rank != 0:
         return None
-    ref_model = tiny_model(family, dtype)
+    from treelit.loss.router import router_normalizer_contribution
+
+    ref_model = build(spec, dtype)
     obj = make_objective(name, **opts)
     ref_micro = treelit.pack_trees(trees, micro_tokens)
     Z = treelit.global_normalizer(ref_micro, agg, objective=obj)
+    R = sum(router_normalizer_contribution(ref_model, mb) for mb in ref_micro)
     ref_loss = 0.0
     for mb in ref_micro:
         if spec.get("rollout"):
@@ -169,7 +189,7 @@ def _exact_step(rank, world, spec, module, model, trees, micro, micro_tokens, dt
             old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64)
             old[sel] = lp.double()
             mb.token_old_logp, mb.branch_old_logp = old, old[mb.branch_tokens]
-        loss_mb = obj.tree_loss(ref_model, mb, aggregation=agg, normalizer=Z, attention="sdpa_dense")[0]
+        loss_mb = treelit.tree_loss(ref_model, mb, agg, "sdpa_dense", normalizer=Z, objective=obj, router_normalizer=R)
         loss_mb.backward()
         ref_loss += float(loss_mb.detach())
     ref_grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref_model.named_parameters()}

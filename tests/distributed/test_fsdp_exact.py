@@ -51,8 +51,14 @@ TWO = [
     dict(family="qwen2_tiny", objective="sft", limits=[120000, 120000], oom_rank_above=(1, 60)),
     dict(family="qwen2_tiny", objective="sft", dtype=torch.float32, limits=[60000, 60000],
          mp=("bfloat16", "float32")),  # trainer=fsdp2's mixed precision policy
+    # experts no token of a rank reached are reduced as zeros; the router loss per branch
+    # (``sequence``: the ``micro_batch`` definition depends on how trees are grouped into micro-batches)
+    dict(family="qwen3_moe_tiny", objective="grpo", data="rl", rollout=True, router_coef=0.05,
+         router_definition="sequence", limits=[45000, 70000], checkpointing=True),
     dict(mismatch=True),  # last: it leaves a broken process group behind
 ]
+ADAPTER = dict(objective="sft", limits=[50000, 80000], router_coef=0.05,
+               router_definition="sequence")  # + family="hf:<dir>" (qwen3_moe)
 
 FOUR = [
     dict(family="hybrid_tiny", objective="sft", limits=[90000, 40000, 70000, 300000], n_trees=8, micro_tokens=120),
@@ -66,8 +72,22 @@ FOUR = [
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return launch(exact_steps, 2, TWO, deadline=600)
+def adapter_checkpoint(tmp_path_factory):
+    """A random transformers Qwen3-MoE checkpoint (run through ``model=hf_auto``'s adapter)."""
+    from hf_oracle import random_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("hf") / "qwen3_moe"
+    random_hf_checkpoint(path, "qwen3_moe", vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, output_router_logits=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(adapter_checkpoint):
+    specs = TWO[:-1] + [dict(ADAPTER, family=f"hf:{adapter_checkpoint}"), TWO[-1]]
+    out = launch(exact_steps, 2, specs, deadline=600)
+    return out[:-2] + [out[-1]], out[-2]
 
 
 EXACT = [i for i, s in enumerate(TWO) if not s.get("mismatch")]
@@ -75,24 +95,29 @@ EXACT = [i for i, s in enumerate(TWO) if not s.get("mismatch")]
 
 @pytest.mark.parametrize("i", EXACT, ids=[f"{TWO[i]['objective']}-{TWO[i]['family']}-{i}" for i in EXACT])
 def test_two_ranks_equal_one_process(two_ranks, i):
-    check(two_ranks[i], TWO[i], 2)
+    check(two_ranks[0][i], TWO[i], 2)
+
+
+def test_transformers_adapter_with_router_loss_equals_one_process(two_ranks):
+    """model=hf_auto (transformers' own Qwen3-MoE layers, sharded per block) with its router loss."""
+    check(two_ranks[1], dict(ADAPTER, family="hf_auto qwen3_moe"), 2)
 
 
 def test_a_collective_mismatch_fails_naming_the_step(two_ranks):
-    err = two_ranks[-1]["error"]
+    err = two_ranks[0][-1]["error"]
     assert err is not None, "the mismatched collective did not fail"
     assert err.startswith("step 0 (data step 7), rank 0 of 2: a collective failed or timed out"), err
 
 
 def test_ranks_ran_different_numbers_of_partitions(two_ranks):
-    res = two_ranks[0]
+    res = two_ranks[0][0]
     assert res["partitions"][0] != res["partitions"][1], res
     assert max(res["empty_passes"]) > 0, "the rank with fewer passes ran empty ones"
     assert res["budget"][0] < res["longest"] * 3, "the budget is tight enough to cut trees"
 
 
 def test_out_of_memory_on_one_rank_retries_on_every_rank(two_ranks):
-    res = two_ranks[7]
+    res = two_ranks[0][7]
     assert "oom_rank_above" in TWO[7]
     assert res["budget"] == [60, 60], f"both ranks retried with the halved budget: {res['budget']}"
 
