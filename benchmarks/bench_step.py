@@ -1,14 +1,27 @@
-"""Tree mode vs the linearized baseline: one forward+backward step, same process, same model.
+"""Tree mode vs per-branch training: one forward+backward step, same process, same weights.
 
 For each agentic-shaped case this times a full training step (forward, loss, backward)
-in tree mode and in linearized per-branch mode (warm-up, then several repetitions,
-median), measures each mode's peak tensor memory, and checks that both modes give the
-same gradients. Speed is reported as a ratio, because absolute times on shared machines
-are noise.
+in three ways, interleaved (warm-up, then repetitions, median):
 
-    python benchmarks/bench_step.py --json results.json          # full suite (~8k tree tokens per case)
-    python benchmarks/bench_step.py --quick --json quick.json    # small trees, a minute or two
-    python benchmarks/bench_step.py --cases tau_bench --json tau.json   # real tau-bench trajectories
+* ``tree``   - treelit's tree step;
+* ``linear`` - treelit's own per-branch path (padded micro-batches of the same model);
+* ``hf``     - the peer: the same weights in ``transformers``, branch by branch in padded
+  micro-batches with ``labels=-100`` outside the mask (:mod:`hf_peer`), the loop users run
+  today (attention-only models, token-mean).
+
+Times are this process's CPU time with one thread by default (``--timer``, ``--threads``):
+on a shared machine, wall-clock time with several threads mostly measures the other
+processes. It reports flat/tree tokens, the compute-weighted ideal (:mod:`bench_models`), the
+measured speedup over the per-branch path and its efficiency against that ideal, the
+speedup over the transformers loop, each mode's peak tensor memory, and the largest
+relative gradient difference between modes. The default model has a real checkpoint's
+head/trunk cost ratio (``--preset realistic``); cases run at ``--scale`` of their full
+size (message lengths; hybrid cases at ``--hybrid-scale`` of that), and the per-branch
+micro-batches (``--linear-tokens``, 8192 padded tokens at full size) shrink with the case.
+
+    python benchmarks/bench_step.py --json benchmarks/results/bench_step.json
+    python benchmarks/bench_step.py --cases tau_bench --json benchmarks/results/bench_step_tau_bench.json
+    python benchmarks/bench_step.py --quick                 # tiny cases, one repetition
 """
 
 from __future__ import annotations
@@ -28,21 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
 from agentic import SUITE, make_case  # noqa: E402
+from bench_models import PRESETS, attention_model, compute_weighted_ideal, cost_model, hybrid_model  # noqa: E402
 from memory import peak_memory  # noqa: E402
 
-
-def bench_model(args, vocab=None) -> treelit.TreeDecoder:
-    torch.manual_seed(0)
-    return treelit.build_decoder(
-        family="qwen2",
-        vocab_size=vocab or args.vocab,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        embed_dim=args.dim,
-        intermediate_dim=3 * args.dim,
-        max_seq_len=32768,
-    )
+HYBRID_SUITE = ["hybrid/grpo_group", "hybrid/multi_turn", "hybrid/wide_fanout"]
+BASE_LINEAR_TOKENS = 8192  # padded tokens per per-branch micro-batch at scale 1
 
 
 def grads_of(model) -> Dict[str, torch.Tensor]:
@@ -53,50 +56,53 @@ def max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
 
 
-HYBRID_SUITE = ["hybrid/grpo_group", "hybrid/multi_turn", "hybrid/wide_fanout"]
-REAL_CASES = {"tau_bench": "real tau-bench airline trajectories, task 0 (4 trials, first 6 calls each), Qwen BPE"}
-
-
-def hybrid_model(args) -> treelit.TreeDecoder:
-    """Gated DeltaNet, attention, Mamba2 and Gated DeltaNet layers (Qwen3-Next-like mix)."""
-    torch.manual_seed(0)
-    return treelit.build_model(
-        "hybrid_tiny", vocab_size=args.vocab, embed_dim=args.dim, num_heads=args.heads, num_kv_heads=args.kv_heads,
-        intermediate_dim=3 * args.dim, max_seq_len=32768,
-        recurrent={"gdn": {"head_dim": 16, "num_heads": 2, "num_v_heads": 4, "expand_v": 1.0},
-                   "mamba2": {"head_dim": 16, "state_size": 16, "n_groups": 1, "expand": 2, "mlp": True}},
-    )
-
-
-HYBRID_SCALE = 0.2  # smaller trees keep the whole suite within a few minutes on 2 CPU cores
-
-
-def load_case(name: str, args):
-    """A synthetic agentic case; ``hybrid/<case>`` on the hybrid model (at a fifth of the size);
-    or the real-data ``tau_bench`` case (natural per-call masks, a model with the Qwen vocabulary).
-    Returns ``(case, model key)``."""
+def load_case(name: str, args, vocab: int):
+    """A synthetic agentic case (``hybrid/<case>`` on the hybrid model) or ``tau_bench`` (real
+    trajectories; token ids re-indexed injectively into the model's vocabulary, which keeps
+    the tree and the masks and the realistic head size). Returns ``(case, model kind)``."""
     if name == "tau_bench":
-        from real_data import QWEN_VOCAB, tau_bench_case
+        from real_data import tau_bench_case
 
-        return tau_bench_case(0, max_calls=max(2, round(6 * args.scale))), ("attention", QWEN_VOCAB)
+        case = tau_bench_case(0, max_calls=args.tau_calls)
+        used = sorted({t for b in case.branches for t in b})
+        if len(used) > vocab:
+            raise ValueError(f"tau_bench uses {len(used)} distinct ids, more than the vocabulary ({vocab})")
+        index = {t: i for i, t in enumerate(used)}
+        case.branches = [[index[t] for t in b] for b in case.branches]
+        return case, "attention"
+    kind = "attention"
     if name.startswith("hybrid/"):
-        case = make_case(name.split("/", 1)[1], seed=args.seed, vocab=args.vocab, scale=args.scale * HYBRID_SCALE,
-                         mask_mode=args.mask)
-        case.name = name
-        return case, ("hybrid", args.vocab)
-    return make_case(name, seed=args.seed, vocab=args.vocab, scale=args.scale, mask_mode=args.mask), ("attention", args.vocab)
+        kind, name = "hybrid", name.split("/", 1)[1]
+    case = make_case(name, seed=args.seed, vocab=vocab, scale=case_scale(kind, args), mask_mode=args.mask)
+    case.name = f"hybrid/{name}" if kind == "hybrid" else name
+    return case, kind
+
+
+def case_scale(kind: str, args) -> float:
+    """Size of a synthetic case relative to its full size (hybrid cases: ``--hybrid-scale`` of that)."""
+    return args.scale * (args.hybrid_scale if kind == "hybrid" else 1.0)
 
 
 def run_case(name: str, models: Dict, args) -> Dict:
-    case, key = load_case(name, args)
-    if key not in models:
-        models[key] = hybrid_model(args) if key[0] == "hybrid" else bench_model(args, key[1])
-    model = models[key]
+    case, kind = load_case(name, args, args.model_cfg["vocab"])
+    if kind not in models:
+        models[kind] = (hybrid_model if kind == "hybrid" else attention_model)(**args.model_cfg)
+    model = models[kind]
+    peer = None
+    if args.peer and kind == "attention" and args.aggregation == "token-mean":
+        if "peer" not in models:
+            from hf_peer import load_peer
+
+            models["peer"] = load_peer(models["attention"])
+        peer = models["peer"]
     t0 = time.perf_counter()
     tree = treelit.TokenTree.from_branches(case.branches, case.masks)
     batch = tree.to_batch()
     build_s = time.perf_counter() - t0
     stats = tree.stats()
+    ideal = compute_weighted_ideal(cost_model(model), case.branches, case.masks, batch, args.aggregation)
+    # per-branch micro-batches shrink with the case, so that they hold as many branches as at full size
+    micro = args.linear_tokens or max(256, round(BASE_LINEAR_TOKENS * (1.0 if name == "tau_bench" else case_scale(kind, args))))
 
     def tree_step():
         loss = treelit.tree_loss(model, batch, args.aggregation, attention=args.attention)
@@ -104,47 +110,47 @@ def run_case(name: str, models: Dict, args) -> Dict:
         return float(loss.detach())
 
     def linear_step():
-        return treelit.linear_backward(
-            model, case.branches, case.masks, aggregation=args.aggregation, max_tokens=args.linear_tokens
-        )
+        return treelit.linear_backward(model, case.branches, case.masks, aggregation=args.aggregation, max_tokens=micro)
 
-    def dense_step():
-        loss = treelit.tree_loss(model, batch, args.aggregation, attention="sdpa_dense")
-        loss.backward()
-        return float(loss.detach())
+    modes = {"tree": (model, tree_step), "linear": (model, linear_step)}
+    if peer is not None:
+        from hf_peer import peer_step
 
-    modes = {"tree": tree_step, "linear": linear_step}
-    if args.compare_dense and batch.num_segments >= 32:
-        modes["tree_dense"] = dense_step
-    result: Dict = {"name": name, **stats, "tree_build_s": build_s, "vocab": model.vocab_size,
-                    "targets": int(batch.num_targets)}
+        modes["hf"] = (peer, lambda: peer_step(peer, case.branches, case.masks, micro))
+    result: Dict = {"name": case.name, **stats, **ideal, "tree_build_s": build_s, "vocab": model.vocab_size,
+                    "linear_tokens": micro, "attention": args.attention}
     grads, times = {}, {m: [] for m in modes}
-    for mode, step in modes.items():  # warm-up doubles as the memory and gradient pass
-        model.zero_grad(set_to_none=True)
-        peak, loss = peak_memory(step) if args.memory and mode != "tree_dense" else (None, step())
-        grads[mode] = grads_of(model)
+    for mode, (m, step) in modes.items():  # warm-up doubles as the memory and gradient pass
+        m.zero_grad(set_to_none=True)
+        peak, loss = peak_memory(step) if args.memory else (None, step())
+        grads[mode] = grads_of(m)
         result[f"loss_{mode}"] = loss
         result[f"peak_mem_{mode}_bytes"] = peak
+    if peer is not None:
+        from hf_peer import grad_diff
+
+        result["max_rel_grad_diff_hf"] = grad_diff(model, grads["tree"], grads["hf"])
+    clock = time.process_time if args.timer == "cpu" else time.perf_counter
     for _ in range(args.reps):
-        for mode, step in modes.items():  # interleaved, so drifts in machine load hit both
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+        for mode, (m, step) in modes.items():  # interleaved, so drifts in machine load hit every mode
+            m.zero_grad(set_to_none=True)
+            t0 = clock()
             step()
-            times[mode].append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=True)
-    t_tree, t_lin = statistics.median(times["tree"]), statistics.median(times["linear"])
-    result["segments"] = stats["segments"]
+            times[mode].append(clock() - t0)
+    for m, _ in modes.values():
+        m.zero_grad(set_to_none=True)
+    med = {mode: statistics.median(t) for mode, t in times.items()}
     result.update(
-        time_tree_s=t_tree,
-        time_linear_s=t_lin,
-        measured_speedup=t_lin / t_tree,
-        efficiency=(t_lin / t_tree) / stats["ideal_speedup"],
+        times_s=times,
+        time_tree_s=med["tree"],
+        time_linear_s=med["linear"],
+        measured_speedup=med["linear"] / med["tree"],
+        efficiency=(med["linear"] / med["tree"]) / ideal["ideal_compute"],
+        efficiency_tokens=(med["linear"] / med["tree"]) / stats["ideal_speedup"],
         max_rel_grad_diff=max_rel_diff(grads["tree"], grads["linear"]),
-        attention=args.attention,
     )
-    if "tree_dense" in times:
-        result["time_tree_dense_s"] = statistics.median(times["tree_dense"])
-        result["auto_vs_dense_speedup"] = result["time_tree_dense_s"] / t_tree
+    if "hf" in med:
+        result.update(time_hf_s=med["hf"], speedup_vs_hf=med["hf"] / med["tree"])
     return result
 
 
@@ -153,77 +159,81 @@ def fmt_bytes(b) -> str:
 
 
 def print_table(rows: List[Dict]) -> None:
-    head = (
-        f"{'case':<17}{'flat':>7}{'tree':>7}{'POR':>6}{'ideal':>7}{'measured':>9}{'eff':>6}"
-        f"{'t_tree':>8}{'t_lin':>8}{'mem_tree':>9}{'mem_lin':>9}{'grad_diff':>10}"
-    )
+    head = (f"{'case':<19}{'flat':>6}{'tree':>6}{'ideal':>7}{'ideal_c':>8}{'measured':>9}{'eff':>6}{'vs_hf':>7}"
+            f"{'t_tree':>8}{'t_lin':>8}{'t_hf':>8}{'mem_tree':>9}{'mem_lin':>8}{'mem_hf':>8}{'grad_diff':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
+        hf = r.get("time_hf_s")
+        vs_hf = f"{r['speedup_vs_hf']:.2f}x" if hf else "-"
+        t_hf = f"{hf:.2f}s" if hf else "-"
         print(
-            f"{r['name']:<17}{r['flat_tokens']:>7}{r['tree_tokens']:>7}{r['por']:>6.2f}{r['ideal_speedup']:>6.2f}x"
-            f"{r['measured_speedup']:>8.2f}x{r['efficiency']:>6.2f}{r['time_tree_s']:>7.2f}s{r['time_linear_s']:>7.2f}s"
-            f"{fmt_bytes(r['peak_mem_tree_bytes']):>9}{fmt_bytes(r['peak_mem_linear_bytes']):>9}"
-            f"{r['max_rel_grad_diff']:>10.1e}"
+            f"{r['name']:<19}{r['flat_tokens']:>6}{r['tree_tokens']:>6}{r['ideal_speedup']:>6.2f}x"
+            f"{r['ideal_compute']:>7.2f}x{r['measured_speedup']:>8.2f}x{r['efficiency']:>6.2f}{vs_hf:>7}"
+            f"{r['time_tree_s']:>7.2f}s{r['time_linear_s']:>7.2f}s{t_hf:>8}"
+            f"{fmt_bytes(r['peak_mem_tree_bytes']):>9}{fmt_bytes(r['peak_mem_linear_bytes']):>8}"
+            f"{fmt_bytes(r.get('peak_mem_hf_bytes')):>8}{r['max_rel_grad_diff']:>10.1e}"
         )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results here")
-    p.add_argument("--quick", action="store_true", help="small trees (scale 0.25), one repetition")
-    p.add_argument(
-        "--cases", default=",".join(SUITE + HYBRID_SUITE),
-        help="comma-separated case names (also: tau_bench, the real-data case; agent_group)",
-    )
-    p.add_argument("--scale", type=float, default=None, help="size multiplier for the cases (default 1)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (default 3; quick: 1)")
+    p.add_argument("--quick", action="store_true", help="tiny cases (scale 0.05), one repetition")
+    p.add_argument("--cases", default=",".join(SUITE + HYBRID_SUITE),
+                   help="comma-separated case names (also: tau_bench, the real-data case; agent_group)")
+    p.add_argument("--scale", type=float, default=None, help="size of the synthetic cases (default 0.25 of full)")
+    p.add_argument("--hybrid-scale", type=float, default=0.4,
+                   help="hybrid cases run at this fraction of --scale (their recurrent scans are slow on CPU)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (default 2; quick: 1)")
     p.add_argument("--mask", choices=["all", "assistant"], default="all", help="loss mask of each branch")
     p.add_argument("--aggregation", default="token-mean", choices=treelit.AGGREGATIONS)
     p.add_argument("--attention", default="auto", help="tree attention backend")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--linear-tokens", type=int, default=8192, help="padded tokens per linear micro-batch")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--preset", default="realistic", choices=sorted(PRESETS), help="model shape (see bench_models)")
+    for k in ("dim", "layers", "heads", "kv_heads", "intermediate", "vocab"):
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"override the preset's {k}")
+    p.add_argument("--linear-tokens", type=int, default=None,
+                   help="padded tokens per per-branch micro-batch (default 8192 x scale; tau_bench 8192)")
+    p.add_argument("--tau-calls", type=int, default=3, help="tau_bench: first model calls kept per trial")
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the transformers loop")
+    p.add_argument("--timer", choices=["wall", "cpu"], default="cpu",
+                   help="this process's CPU time (default; with one thread it does not count time spent waiting for "
+                        "other processes on a shared machine) or wall-clock time")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: torch's choice)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory pass")
-    p.add_argument(
-        "--no-compare-dense", dest="compare_dense", action="store_false",
-        help="skip timing the sdpa_dense tree step on trees with >= 32 segments",
-    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    args.scale = args.scale if args.scale is not None else (0.25 if args.quick else 1.0)
-    args.reps = args.reps if args.reps is not None else (1 if args.quick else 3)
+    args.scale = args.scale if args.scale is not None else (0.05 if args.quick else 0.25)
+    args.reps = args.reps if args.reps is not None else (1 if args.quick else 2)
+    args.model_cfg = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in PRESETS[args.preset].items()}
     if args.threads:
         torch.set_num_threads(args.threads)
-    models: Dict = {}
+    if args.timer == "cpu" and torch.get_num_threads() > 1:
+        print("# note: CPU time with several threads includes their synchronisation; wall-clock may suit better")
+    c = args.model_cfg
+    cost = cost_model(attention_model(**{**c, "max_seq_len": 64}))
     env = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
-        "model": (
-            f"qwen2-style, {args.layers} layers, dim {args.dim}, {args.heads} heads "
-            f"({args.kv_heads} kv), vocab {args.vocab}, float32"
-        ),
-        "mask": args.mask,
-        "aggregation": args.aggregation,
+        "model": (f"{args.preset}: qwen2-style, {c['layers']} layers, dim {c['dim']}, {c['heads']} heads "
+                  f"({c['kv_heads']} kv), MLP {c['intermediate']}, vocab {c['vocab']}, float32; "
+                  f"head/trunk per token {cost['head_over_trunk']:.2f}"),
+        "timer": args.timer, "scale": args.scale, "hybrid_scale": args.scale * args.hybrid_scale, "reps": args.reps, "mask": args.mask, "aggregation": args.aggregation,
+        "load_before": os.getloadavg()[0],
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
-    print(f"# {env['model']}; torch {env['torch']}, {env['threads']} threads; mask={args.mask}; attention={args.attention}")
-    rows = []
-    for name in [c for c in args.cases.split(",") if c]:
+    print(f"# {env['model']}; torch {env['torch']}, {env['threads']} threads, {args.timer} time; scale {args.scale} "
+          f"(hybrid {env['hybrid_scale']:g}); mask={args.mask}; attention={args.attention}; load {env['load_before']:.1f}")
+    rows, models = [], {}
+    for name in [n for n in args.cases.split(",") if n]:
         rows.append(run_case(name, models, args))
-        print(f"  {name}: {rows[-1]['measured_speedup']:.2f}x (ideal {rows[-1]['ideal_speedup']:.2f}x)", flush=True)
+        r = rows[-1]
+        print(f"  {name}: {r['measured_speedup']:.2f}x (ideal_c {r['ideal_compute']:.2f}x)"
+              + (f", {r['speedup_vs_hf']:.2f}x vs transformers" if "speedup_vs_hf" in r else ""), flush=True)
+    env["load_after"] = os.getloadavg()[0]
     print_table(rows)
-    for r in rows:
-        if "time_tree_dense_s" in r:
-            print(
-                f"{r['name']}: {r['segments']} segments; tree step with {args.attention} {r['time_tree_s']:.2f}s "
-                f"vs sdpa_dense {r['time_tree_dense_s']:.2f}s ({r['auto_vs_dense_speedup']:.2f}x)"
-            )
+    print(f"# load average {env['load_before']:.1f} before, {env['load_after']:.1f} after")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "cases": rows}, f, indent=2)

@@ -1,0 +1,172 @@
+"""Where the time of one training step goes, tree vs per-branch, on one benchmark case.
+
+Runs ``bench_step``'s model and case single-threaded and splits each mode's step into
+CPU time (this process only, so other load on a shared machine does not count):
+
+* ``attention`` - the attention kernels, forward and backward (timed around each call);
+* ``head``      - the log-prob head (``weighted_nll``: logits, softmax, both gradients);
+* ``rest``      - everything else: linear layers, norms, RoPE, MLPs, recurrent layers,
+  embedding, bookkeeping.
+
+``--ops`` also prints torch profiler operator tables (wall time per operator, which a
+loaded machine inflates).
+
+    python benchmarks/profile_step.py --case grpo_group
+    python benchmarks/profile_step.py --case tau_bench --ops
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import treelit  # noqa: E402
+from bench_models import PRESETS, attention_model, hybrid_model  # noqa: E402
+from bench_step import BASE_LINEAR_TOKENS, case_scale, load_case  # noqa: E402
+
+CLOCK = {"attention": 0.0, "head": 0.0}
+
+
+class _Timed(torch.autograd.Function):
+    """Runs ``fn(*inputs)`` on detached copies and charges forward and backward CPU time to ``what``."""
+
+    @staticmethod
+    def forward(ctx, what, fn, *inputs):
+        leaves = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+        t0 = time.process_time()
+        with torch.enable_grad():
+            out = fn(*leaves)
+        CLOCK[what] += time.process_time() - t0
+        ctx.what, ctx.out, ctx.leaves = what, out, leaves
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        t0 = time.process_time()
+        need = [x for x in ctx.leaves if x.requires_grad]
+        grads = iter(torch.autograd.grad(ctx.out, need, g, allow_unused=True) if need else [])
+        CLOCK[ctx.what] += time.process_time() - t0
+        return (None, None, *[next(grads) if x.requires_grad else None for x in ctx.leaves])
+
+
+@contextmanager
+def timed_parts():
+    """Patch the attention entry points of both contexts and the head (restored on exit)."""
+    from treelit.loss import linear as linear_mod
+    from treelit.loss import tree as tree_mod
+    from treelit.models import context
+
+    saved = []
+
+    def patch(owner, name, wrap):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrap(getattr(owner, name)))
+
+    def attention(orig):
+        def run(self, layer, q, k, v, *args, **kwargs):
+            return _Timed.apply("attention", lambda q, k, v: orig(self, layer, q, k, v, *args, **kwargs), q, k, v)
+        return run
+
+    def head(orig):
+        def run(hidden, weight, targets, coef, **kwargs):
+            return _Timed.apply("head", lambda h, w: orig(h, w, targets, coef, **kwargs), hidden, weight)
+        return run
+
+    patch(context.TreeContext, "attention", attention)
+    patch(context.CausalContext, "attention", attention)
+    for mod in (tree_mod, linear_mod):
+        if hasattr(mod, "weighted_nll"):
+            patch(mod, "weighted_nll", head)
+    try:
+        yield
+    finally:
+        for owner, name, orig in reversed(saved):
+            setattr(owner, name, orig)
+
+
+def breakdown(step, model, reps: int):
+    """Median over ``reps`` of (total, attention, head) CPU seconds of one step."""
+    rows = []
+    for _ in range(reps):
+        CLOCK.update(attention=0.0, head=0.0)
+        model.zero_grad(set_to_none=True)
+        t0 = time.process_time()
+        with timed_parts():
+            step()
+        rows.append((time.process_time() - t0, CLOCK["attention"], CLOCK["head"]))
+    model.zero_grad(set_to_none=True)
+    return sorted(rows)[len(rows) // 2]
+
+
+def op_table(step, model, top: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    model.zero_grad(set_to_none=True)
+    totals = defaultdict(float)
+    for e in prof.key_averages():
+        totals[e.key] += e.self_cpu_time_total
+    total = sum(totals.values())
+    for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {v / total:6.1%} {v / 1e6:8.2f}s  {k}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", default="tau_bench")
+    p.add_argument("--scale", type=float, default=0.25)
+    p.add_argument("--hybrid-scale", type=float, default=0.4)
+    p.add_argument("--preset", default="realistic", choices=sorted(PRESETS))
+    p.add_argument("--tau-calls", type=int, default=3)
+    p.add_argument("--mask", default="all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (as bench_step)")
+    p.add_argument("--ops", action="store_true", help="also print profiler operator tables")
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = PRESETS[args.preset]
+    case, kind = load_case(args.case, args, cfg["vocab"])
+    model = (hybrid_model if kind == "hybrid" else attention_model)(**cfg)
+    batch = treelit.TokenTree.from_branches(case.branches, case.masks).to_batch()
+    micro = max(256, round(BASE_LINEAR_TOKENS * (1.0 if args.case == "tau_bench" else case_scale(kind, args))))
+
+    def tree_step():
+        treelit.tree_loss(model, batch, attention=args.attention).backward()
+
+    def linear_step():
+        treelit.linear_backward(model, case.branches, case.masks, max_tokens=micro)
+
+    print(f"# {case.name}: {batch.num_tokens} tree tokens, {sum(map(len, case.branches))} flat, "
+          f"{batch.num_segments} segments; {torch.get_num_threads()} thread(s), CPU time, median of {args.reps}; "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<12}{'total':>9}{'attention':>11}{'head':>9}{'rest':>9}")
+    parts = {}
+    for name, step in (("tree", tree_step), ("per-branch", linear_step)):
+        step()  # warm-up
+        total, att, head = breakdown(step, model, args.reps)
+        parts[name] = (total, att, head, total - att - head)
+        print(f"{name:<12}" + "".join(f"{x:>8.2f}s" if i else f"{x:>8.2f}s" for i, x in enumerate(parts[name])))
+    ratio = [b / a if a > 0 else float("nan") for a, b in zip(parts["tree"], parts["per-branch"])]
+    print(f"{'per-branch/tree':<12}" + "".join(f"{r:>8.2f}x" for r in ratio))
+    if args.ops:
+        for name, step in (("tree", tree_step), ("per-branch", linear_step)):
+            print(f"\n{name}: operators by self time (wall)")
+            op_table(step, model, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
