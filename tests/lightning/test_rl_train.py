@@ -12,6 +12,17 @@ from treelit.cli.config import compose
 from treelit.cli.train import run
 
 
+def test_experiment_presets_set_their_run_level_options():
+    """A preset's own run-level settings (aggregation, PPO epochs, rollout log-probs) are not
+    overridden by the root config's defaults; the command line still wins over the preset."""
+    cfg = compose(["experiment=rl_synthetic"])
+    assert (cfg.aggregation, cfg.ppo_epochs, cfg.old_logprobs) == ("seq-mean-token-mean", 2, "rollout")
+    cfg = compose(["experiment=tau_bench_grpo"])
+    assert (cfg.aggregation, cfg.old_logprobs) == ("seq-mean-token-mean", "rollout")
+    cfg = compose(["experiment=rl_synthetic", "aggregation=sum", "ppo_epochs=3"])
+    assert (cfg.aggregation, cfg.ppo_epochs) == ("sum", 3)
+
+
 def test_rl_example_raises_high_reward_probability(tmp_path):
     cfg = compose([f"output_dir={tmp_path / 'rl'}", "experiment=rl_synthetic", *SMALL, "trainer.max_steps=40",
                    "callbacks.reward_margin.every_n_steps=20", "callbacks.reward_margin.max_trees=8"])
