@@ -35,6 +35,19 @@ def test_rl_example_raises_high_reward_probability(tmp_path):
         assert key in m, key
 
 
+def test_reward_margin_on_a_streamed_source(tmp_path):
+    """The reward-margin callback measures on the first step's rows when the data is streamed
+    (the data module holds no trees)."""
+    from treelit.cli.config import bundled_path
+
+    cfg = compose([f"output_dir={tmp_path / 'rl'}", "experiment=rl_synthetic", *SMALL, "trainer.max_steps=4",
+                   "data=stream", f"data.source.paths={bundled_path('synthetic_rollouts.jsonl.gz')}",
+                   "callbacks.reward_margin.every_n_steps=2", "callbacks.reward_margin.max_trees=4"])
+    summary = run(cfg)
+    assert summary["global_step"] == 4
+    assert "reward/margin" in summary["metrics"]
+
+
 def test_ppo_epochs_with_rollout_logprobs_equal_a_hand_loop(tmp_path):
     """Two PPO epochs on one step batch: the second epoch's ratios are measured against the
     rollout policy, exactly as a hand-written loop over the same trees computes them."""

@@ -198,16 +198,18 @@ class RewardMargin(pl.Callback):
         from treelit.loss.tree import tree_token_logprobs
         from treelit.objectives.paths import branch_target_sums
 
-        dm = trainer.datamodule
+        rows = self._rows(trainer)
+        if not rows:
+            return
         high, low = [], []
         was_training = pl_module.model.training
         pl_module.model.eval()
         with torch.no_grad():
-            for t in dm.trees[: self.max_trees]:
-                rewards = t.tree.branch_fields.get("reward")
+            for row in rows:
+                rewards = row.branch_fields.get("reward")
                 if rewards is None:
                     continue
-                batch = t.tree.to_batch().to(pl_module.device)
+                batch = row.to(pl_module.device)
                 if getattr(pl_module, "partition", "none") != "none":  # as large as training's trees: partitioned
                     from treelit.partition.engine import policy_logprobs
 
@@ -232,6 +234,19 @@ class RewardMargin(pl.Callback):
                 trainer.callback_metrics[f"reward/{k}"] = torch.tensor(v)
         for lg in trainer.loggers:
             lg.log_metrics({f"reward/{k}": v for k, v in row.items() if k != "step"}, step=trainer.global_step)
+
+    def _rows(self, trainer):
+        """The rows measured every time: the data module's first trees when it holds them in
+        memory; with a streamed source, the rows of the first step batch (kept on the CPU)."""
+        trees = getattr(trainer.datamodule, "trees", None)
+        if trees:
+            return [t.tree.to_batch() for t in trees[: self.max_trees]]
+        return getattr(self, "_held", None)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if getattr(self, "_held", None) is None and not getattr(trainer.datamodule, "trees", None):
+            self._held = [mb.to("cpu") for mb in batch.micro_batches if mb.num_targets][: self.max_trees]
+            self._measure(trainer, pl_module)  # the first measurement, before the first update
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._measure(trainer, pl_module)
