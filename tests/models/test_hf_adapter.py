@@ -151,6 +151,21 @@ def test_unsupported_configs_refused_before_any_compute(tmp_path, case):
         treelit.load_hf_model(path)
 
 
+def test_activation_checkpointing_keeps_the_gradients(tmp_path):
+    random_hf_checkpoint(tmp_path, "qwen3", **TINY)
+    model = treelit.load_hf_model(tmp_path, dtype=torch.float64)
+    tree = treelit.TokenTree.from_branches(FIXED[0], FIXED[1], FIXED[2])
+    grads = []
+    for on in (False, True):
+        model.activation_checkpointing = on
+        model.zero_grad(set_to_none=True)
+        treelit.tree_loss(model, tree).backward()
+        grads.append(_grads(model))
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.hf.modules())  # transformers' own, on
+    for k, g in grads[0].items():
+        torch.testing.assert_close(grads[1][k], g, rtol=1e-12, atol=1e-14)
+
+
 def test_plain_forward_and_missing_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         treelit.load_hf_model(tmp_path / "nope")

@@ -274,12 +274,14 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 
 
 def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
-                  router_aux_loss: Optional[str] = None, **_: Any) -> HFTreeModel:
-    """The ``model=hf_auto`` config option."""
+                  router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False) -> HFTreeModel:
+    """The ``model=hf_auto`` config option (``activation_checkpointing``: transformers' own,
+    per layer, non-reentrant)."""
     from treelit.models.factory import parse_dtype, set_router_aux_loss
 
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
     model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype))
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
+    model.activation_checkpointing = bool(activation_checkpointing)
     return model
