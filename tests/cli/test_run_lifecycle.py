@@ -238,3 +238,18 @@ def test_torch_threads_during_training_and_restored_after(setting, inside, tmp_p
         torch.set_num_threads(before)
     with pytest.raises(Exception, match="torch_threads must be auto, null"):
         _in_process(tmp_path, "bad", "torch_threads=0", "logger=none")
+
+
+def test_resuming_a_run_that_is_gone_starts_a_new_one(tmp_path, mlflow_db):
+    from mlflow.tracking import MlflowClient
+
+    from treelit.lightning.mlflow_logger import TreeMLFlowLogger
+
+    _, uri = mlflow_db
+    lg = TreeMLFlowLogger(tracking_uri=uri, run_name="first")
+    lg.finalize("success")
+    MlflowClient(uri).delete_run(lg.run_id)
+    for gone in (lg.run_id, "0123456789abcdef0123456789abcdef"):  # deleted, never existed
+        again = TreeMLFlowLogger(tracking_uri=uri, run_name="again", run_id=gone)
+        assert again.run_id != gone and not again.reopened
+        again.finalize("success")

@@ -106,6 +106,10 @@ class TreeMLFlowLogger(MLFlowLogger):
         if self._initialized:
             return self._mlflow_client
         with store_lock(self._tracking_uri):
+            if self.reopened and not self._reopenable():
+                log.warning("MLflow: the checkpoint's run %s is not in %s (or was deleted): starting a new run",
+                            self._run_id, self._tracking_uri)
+                self._run_id, self.reopened = None, False
             client = MLFlowLogger.experiment.fget(self)  # get/create experiment, create run
             killed = mark_dead_runs_killed(client, self._experiment_id, keep=self._run_id)
             if killed:
@@ -116,6 +120,14 @@ class TreeMLFlowLogger(MLFlowLogger):
                     client.set_tag(self._run_id, k, v)
                 client.set_tag(self._run_id, TAG_END, "")
         return client
+
+    def _reopenable(self) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._mlflow_client.get_run(self._run_id).info.lifecycle_stage == "active"
+        except MlflowException:
+            return False
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
