@@ -42,6 +42,10 @@ from treelit.ssm.layers import GatedDeltaNet, Mamba2
 fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule.naive")
 
 TOL = 1e-10
+# A gradient at or below 1e-4 of the largest one counts as mathematically zero and may differ by
+# 1e-4 x TOL x scale = 1e-14 x scale (~45 eps; 5 eps of rounding was measured on q/k of a query
+# that sees a single key); every larger gradient is held to TOL relative to its own norm.
+FLOOR = 1e-4
 D_MODEL, VOCAB = 16, 12
 GDN = dict(hidden_size=D_MODEL, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2.0, conv_size=3)
 MAMBA = {
@@ -223,7 +227,7 @@ def compare(mixer, reference, branches, chunk, seed, ref_module=None):
         total = total + ((probe[p] / mult[p][:, None]) * out).sum()
     g_ref = torch.autograd.grad(total, [emb, *ref_params.values()])
     names = ["embedding input", *params]
-    err = max_rel_grad_diff(dict(zip(names, g_tree)), dict(zip(names, g_ref)), floor=1e-5, negligible=1e-5)
+    err = max_rel_grad_diff(dict(zip(names, g_tree)), dict(zip(names, g_ref)), floor=FLOOR, negligible=FLOOR)
     assert err <= TOL, f"max relative gradient difference {err:.2e}"
     assert all(g.abs().sum() > 0 for g in g_ref), "every parameter (and the input) gets a gradient"
 

@@ -31,6 +31,10 @@ from treelit.partition import PartitionStats, tree_backward
 pytest.importorskip("transformers")
 
 TOL = 1e-10
+# A gradient at or below 1e-4 of the largest one counts as mathematically zero and may differ by
+# 1e-4 x TOL x scale = 1e-14 x scale (~45 eps; 5 eps of rounding was measured on q/k of a query
+# that sees a single key); every larger gradient is held to TOL relative to its own norm.
+FLOOR = 1e-4
 BACKENDS = {
     "sdpa_dense": lambda: "sdpa_dense",
     "segment": lambda: SegmentAttention(),
@@ -69,6 +73,7 @@ def grads_in_hf_names(model, config):
 @settings(max_examples=examples(3))
 @given(data=forests(max_branches=6, max_len=14))
 @example(data=(FIXED_BRANCHES, FIXED_MASKS, FIXED_WEIGHTS))  # cut into several partitions at both budgets
+@example(data=([[2, 1], [2, 2]], [[False, True], [False, False]], [0.5, 0.0]))  # q/k gradients exactly zero
 def test_tree_mode_equals_transformers_branch_by_branch_float64(family, aggregation, data, tmp_path_factory):
     branches, masks, weights = data
     assert_trains(branches, masks, weights)
@@ -106,5 +111,5 @@ def test_tree_mode_equals_transformers_branch_by_branch_float64(family, aggregat
             assert grads.keys() == ref_grads.keys(), what
             rel = abs(value - ref.item()) / abs(ref.item())
             assert rel <= TOL, f"{what}: loss {value!r} vs transformers {ref.item()!r} (rel {rel:.2e})"
-            err = max_rel_grad_diff(grads, ref_grads, floor=1e-5, negligible=1e-5)
+            err = max_rel_grad_diff(grads, ref_grads, floor=FLOOR, negligible=FLOOR)
             assert err <= TOL, f"{what}: max relative gradient difference {err:.2e}"
