@@ -63,11 +63,15 @@ def test_two_processes_equal_one(data, single, trainer):
 def test_partitions_differing_between_ranks(data, single, trainer):
     """A 90-token budget cuts the larger trees into several partitions and leaves the small
     ones whole, so the two ranks run different numbers of backward passes (under FSDP2 the
-    rank with fewer runs empty ones, every pass gathering and reducing per block)."""
-    got = weights(train(data, f"{trainer}_part", f"trainer={trainer}", "partition=redundancy_free",
-                        "partition.budget_tokens=90"))
+    rank with fewer runs empty ones, every pass gathering and reducing per block). The logged
+    loss is the step's, summed over the ranks' shares."""
+    out = train(data, f"{trainer}_part", f"trainer={trainer}", "partition=redundancy_free", "partition.budget_tokens=90")
+    got = weights(out)
     for k in single:
         torch.testing.assert_close(got[k], single[k], rtol=1e-5, atol=1e-6, msg=k)
+    logged = json.loads((out / "summary.json").read_text())["metrics"]["loss"]
+    one = json.loads((data / "single" / "summary.json").read_text())["metrics"]["loss"]
+    assert logged == pytest.approx(one, rel=1e-5)
 
 
 RESUME = [c for c in COMMON if not c.startswith(("optimizer", "callbacks.checkpoint", "trainer.max_steps"))] + [

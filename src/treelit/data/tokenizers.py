@@ -64,7 +64,14 @@ def qwen_tokenizer_dir(cache_dir: Optional[Union[str, Path]] = None) -> str:
     root = Path(cache_dir or os.environ.get("TREELIT_CACHE", Path.home() / ".cache" / "treelit"))
     out = root / "qwen2-chatml-tokenizer"
     if not (out / "tokenizer.json").is_file():
+        import shutil
+
         tmp = root / f".qwen2-tokenizer-{os.getpid()}"
         build_qwen_tokenizer(tmp)
-        tmp.replace(out) if not out.exists() else None
+        try:
+            tmp.replace(out)  # atomic; a process that built it at the same moment may have won
+        except OSError:
+            if not (out / "tokenizer.json").is_file():
+                raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)

@@ -406,6 +406,7 @@ class TreeLitModule(pl.LightningModule):
         last = updates[-1]
         tree_tok, flat_tok = batch.tree_tokens, batch.flat_tokens
         loss = sum(u["loss"] for u in updates[: len(groups)])  # the step's loss before any update
+        loss = self._comm().sum(loss)  # each rank holds its trees' share (divided by the global Z)
         self.log("loss", loss, prog_bar=True)
         self.log_dict(
             {
