@@ -31,6 +31,20 @@ def _objective(objective: Union[str, Objective], options) -> Objective:
     return make_objective(objective, **options)
 
 
+def _with_router_loss(model, router_normalizer, metrics, run) -> torch.Tensor:
+    """``run()``'s loss (an objective's ``(loss, metrics)``) plus the router loss recorded while it
+    ran, for mixture-of-experts models whose router loss is on; metrics into ``metrics``."""
+    with router_aux(model, router_normalizer) as aux:
+        loss, found = run()
+        found = dict(found)
+        if aux is not None:
+            loss = loss + aux.loss()
+            found.update(aux.metrics())
+    if metrics is not None:
+        metrics.update(found)
+    return loss
+
+
 def tree_loss(
     model,
     batch: Union[TreeBatch, TokenTree],
@@ -69,16 +83,8 @@ def tree_loss(
     obj = _objective(objective, objective_options)
     if isinstance(batch, TokenTree):
         batch = batch.to_batch()
-    with router_aux(model, router_normalizer) as aux:
-        loss, found = obj.tree_loss(model, batch, aggregation=aggregation, normalizer=normalizer, attention=attention,
-                                    chunk_rows=chunk_rows)
-        found = dict(found)
-        if aux is not None:
-            loss = loss + aux.loss()
-            found.update(aux.metrics())
-    if metrics is not None:
-        metrics.update(found)
-    return loss
+    return _with_router_loss(model, router_normalizer, metrics, lambda: obj.tree_loss(
+        model, batch, aggregation=aggregation, normalizer=normalizer, attention=attention, chunk_rows=chunk_rows))
 
 
 def linear_loss(
@@ -109,16 +115,8 @@ def linear_loss(
     if not isinstance(branches, Branches):
         branches = Branches.build(branches, loss_masks, weights, advantages=advantages, old_logprobs=old_logprobs,
                                   ref_logprobs=ref_logprobs, branch_fields=branch_fields)
-    with router_aux(model, router_normalizer) as aux:
-        loss, found = obj.linear_loss(model, branches, aggregation=aggregation, normalizer=normalizer,
-                                      chunk_rows=chunk_rows, max_tokens=max_tokens)
-        found = dict(found)
-        if aux is not None:
-            loss = loss + aux.loss()
-            found.update(aux.metrics())
-    if metrics is not None:
-        metrics.update(found)
-    return loss
+    return _with_router_loss(model, router_normalizer, metrics, lambda: obj.linear_loss(
+        model, branches, aggregation=aggregation, normalizer=normalizer, chunk_rows=chunk_rows, max_tokens=max_tokens))
 
 
 def linear_backward(

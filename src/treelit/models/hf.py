@@ -394,6 +394,20 @@ def tune_to_hf_state_dict(sd: Dict[str, torch.Tensor], c: DecoderConfig) -> Dict
     return out
 
 
+def read_config_json(path: Path):
+    """``(config dict, config file)`` of a checkpoint directory; :class:`CheckpointError` naming
+    the directory or file when it is missing or not JSON."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing config.json")
+    try:
+        return json.loads(cfg_file.read_text()), cfg_file
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file}: invalid JSON ({exc})") from exc
+
+
 def load_hf_checkpoint(
     path: Union[str, os.PathLike],
     *,
@@ -410,15 +424,7 @@ def load_hf_checkpoint(
         max_seq_len: override ``max_position_embeddings`` (sizes the RoPE tables).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing config.json")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_file}: invalid JSON ({exc})") from exc
+    cfg, cfg_file = read_config_json(path)
     if cfg.get("model_type") == NATIVE_MODEL_TYPE:
         try:
             config = DecoderConfig(**cfg["treelit_config"])

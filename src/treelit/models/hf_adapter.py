@@ -241,19 +241,13 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
                   device: Union[str, torch.device] = "cpu") -> HFTreeModel:
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
     ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`."""
-    import json
-
     import transformers
 
+    from treelit.models.hf import read_config_json
 
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing config.json")
+    _, cfg_file = read_config_json(path)
     try:
-        json.loads(cfg_file.read_text())
         cfg = transformers.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{cfg_file}: {exc}") from None
