@@ -223,8 +223,9 @@ def main(argv=None) -> int:
         "load_before": os.getloadavg()[0],
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
+    tau_note = " (tau_bench: its own per-call masks)" if "tau_bench" in args.cases.split(",") else ""
     print(f"# {env['model']}; torch {env['torch']}, {env['threads']} threads, {args.timer} time; scale {args.scale} "
-          f"(hybrid {env['hybrid_scale']:g}); mask={args.mask}; attention={args.attention}; load {env['load_before']:.1f}")
+          f"(hybrid {env['hybrid_scale']:g}); mask={args.mask}{tau_note}; attention={args.attention}; load {env['load_before']:.1f}")
     rows, models = [], {}
     for name in [n for n in args.cases.split(",") if n]:
         rows.append(run_case(name, models, args))
