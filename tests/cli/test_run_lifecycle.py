@@ -13,24 +13,10 @@ import pytest
 import torch
 
 import treelit
+from app_helpers import STALL
 from cli_helpers import TINY, cli_env, finish, runs, start
 from treelit.cli.config import compose
 from treelit.cli.train import run
-
-STALL = '''
-import os, time
-import lightning.pytorch as pl
-
-class Stall(pl.Callback):
-    """Stops inside optimizer step `at_step` + 1: after its backward, before its update."""
-    def __init__(self, at_step, marker):
-        self.at_step, self.marker = int(at_step), marker
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == self.at_step:
-            with open(self.marker, "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(600)
-'''
 
 
 def _in_process(tmp_path, name, *overrides):

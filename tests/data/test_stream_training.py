@@ -17,27 +17,12 @@ import pytest
 import torch
 
 import treelit
-from app_helpers import SMALL
+from app_helpers import SMALL, STALL
 from treelit.cli.config import compose
 from treelit.cli.train import run
 
 EXE = str(Path(sys.executable).with_name("treelit-train"))
 BASE = [o for o in SMALL if not o.startswith("callbacks.checkpoint")]
-
-STALL = '''
-import os, time
-import lightning.pytorch as pl
-
-class Stall(pl.Callback):
-    """Stops inside optimizer step `at_step` + 1: after its backward, before its update."""
-    def __init__(self, at_step, marker):
-        self.at_step, self.marker = int(at_step), marker
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == self.at_step:
-            with open(self.marker, "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(600)
-'''
 
 
 @pytest.fixture(scope="module")

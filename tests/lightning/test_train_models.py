@@ -33,15 +33,37 @@ MASKS = [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
 WEIGHTS = [1.0, 2.0, 1.0]
 
 
+def write_record(tmp_path):
+    """The test forest as one JSONL record."""
+    data = tmp_path / "data.jsonl"
+    rec = {"id": "t0", "branches": [{"input_ids": b, "loss_mask": m, "weight": w}
+                                    for b, m, w in zip(BRANCHES, MASKS, WEIGHTS)]}
+    data.write_text(json.dumps(rec) + "\n")
+    return data
+
+
+def transformers_sgd_step(ckpt, with_router_loss):
+    """The training step by hand in transformers (float32 as trained): per-branch loss, plus the
+    router loss (coef 0.1) over the branches, gradient clipped to norm 1, SGD at lr 0.5."""
+    hf = load_hf_oracle(ckpt, dtype=torch.float32, exact=False)
+    loss = hf_branch_loss(hf, BRANCHES, MASKS, WEIGHTS, "token-mean")
+    if with_router_loss:
+        loss = loss + 0.1 * hf_router_loss(hf, BRANCHES, "micro_batch")
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    return hf
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_one_step_on_a_transformers_checkpoint_and_export(tmp_path, name):
     model_type, extra = MODELS[name]
     ckpt = tmp_path / "ckpt"
     random_hf_checkpoint(ckpt, model_type, std=0.1, **TINY, **extra)
-    data = tmp_path / "data.jsonl"
-    rec = {"id": "t0", "branches": [{"input_ids": b, "loss_mask": m, "weight": w}
-                                    for b, m, w in zip(BRANCHES, MASKS, WEIGHTS)]}
-    data.write_text(json.dumps(rec) + "\n")
+    data = write_record(tmp_path)
     out = tmp_path / "run"
     cfg = compose([f"output_dir={out}", *SMALL, f"model.hf_checkpoint={ckpt}", "data=jsonl",
                    f"data.train_path={data}", "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_steps=1"])
@@ -51,16 +73,7 @@ def test_one_step_on_a_transformers_checkpoint_and_export(tmp_path, name):
         assert "router_aux_loss" in summary["metrics"]
 
     # the same step by hand, on the transformers model (float32 as trained)
-    hf = load_hf_oracle(ckpt, dtype=torch.float32, exact=False)
-    loss = hf_branch_loss(hf, BRANCHES, MASKS, WEIGHTS, "token-mean")
-    if name == "qwen3_moe":
-        loss = loss + 0.1 * hf_router_loss(hf, BRANCHES, "micro_batch")
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.grad is not None:
-                p -= 0.5 * p.grad
+    hf = transformers_sgd_step(ckpt, with_router_loss=name == "qwen3_moe")
     exported = out / "hf_checkpoint"
     trained = load_hf_oracle(exported, dtype=torch.float32, exact=False)
     before = load_hf_oracle(ckpt, dtype=torch.float32, exact=False).state_dict()
@@ -117,10 +130,7 @@ def test_hf_auto_trains_and_exports_what_transformers_loads(tmp_path, name):
     model_type, extra = ADAPTER[name]
     ckpt = tmp_path / "ckpt"
     random_hf_checkpoint(ckpt, model_type, std=0.1, **TINY, **extra)
-    data = tmp_path / "data.jsonl"
-    rec = {"id": "t0", "branches": [{"input_ids": b, "loss_mask": m, "weight": w}
-                                    for b, m, w in zip(BRANCHES, MASKS, WEIGHTS)]}
-    data.write_text(json.dumps(rec) + "\n")
+    data = write_record(tmp_path)
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", *[o for o in SMALL if not o.startswith("model.")], "model=hf_auto",
                  f"model.hf_checkpoint={ckpt}", "data=jsonl", f"data.train_path={data}", "optimizer=sgd",
@@ -128,16 +138,7 @@ def test_hf_auto_trains_and_exports_what_transformers_loads(tmp_path, name):
     summary = run(compose(overrides))
     assert summary["global_step"] == 1
 
-    hf = load_hf_oracle(ckpt, dtype=torch.float32, exact=False)
-    loss = hf_branch_loss(hf, BRANCHES, MASKS, WEIGHTS, "token-mean")
-    if name == "qwen3_moe":
-        loss = loss + 0.1 * hf_router_loss(hf, BRANCHES, "micro_batch")
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.grad is not None:
-                p -= 0.5 * p.grad
+    hf = transformers_sgd_step(ckpt, with_router_loss=name == "qwen3_moe")
     exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_checkpoint", dtype=torch.float32)
     adapted = treelit.load_hf_model(out / "hf_checkpoint")
     theirs, ours = hf.state_dict(), exported.state_dict()
