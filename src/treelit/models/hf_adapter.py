@@ -195,12 +195,11 @@ class HFTreeModel(nn.Module):
 
         if self.activation_checkpointing != self._checkpointing_on:  # transformers' own, per layer
             # transformers 5.x names it activation_checkpointing_*; older releases gradient_checkpointing_*
-            new_api = hasattr(self.hf, "activation_checkpointing_enable")
+            kind = "activation" if hasattr(self.hf, "activation_checkpointing_enable") else "gradient"
             if self.activation_checkpointing:
-                enable = self.hf.activation_checkpointing_enable if new_api else self.hf.gradient_checkpointing_enable
-                enable({"use_reentrant": False})
+                getattr(self.hf, f"{kind}_checkpointing_enable")({"use_reentrant": False})
             else:
-                (self.hf.activation_checkpointing_disable if new_api else self.hf.gradient_checkpointing_disable)()
+                getattr(self.hf, f"{kind}_checkpointing_disable")()
             self._checkpointing_on = self.activation_checkpointing
         kw = {"output_router_logits": True} if self.config.moe else {}
         out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
