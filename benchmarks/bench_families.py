@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import treelit  # noqa: E402
 from bench_models import PRESETS, attention_model, compute_weighted_ideal, cost_model  # noqa: E402
 from bench_step import BASE_LINEAR_TOKENS, load_case  # noqa: E402
-from hf_peer import load_peer, peer_step  # noqa: E402
+from hf_peer import grad_diff, load_peer, peer_step  # noqa: E402
 
 CASES = ["grpo_group", "multi_turn", "tool_fanout", "wide_fanout"]
 
@@ -109,18 +109,14 @@ def run_case(name, models, args) -> Dict:
     a.backward()
     b = treelit.tree_loss(adapter, batch)
     b.backward()
-    ga = {n: p.grad for n, p in native.named_parameters()}
-    gb = {n[3:]: p.grad for n, p in adapter.named_parameters() if p.grad is not None}
-    from treelit.models.hf import tune_to_hf_state_dict
-
-    ga = tune_to_hf_state_dict(ga, native.config)
-    grad_diff = max(((ga[k] - gb[k]).norm() / gb[k].norm().clamp_min(1e-30)).item() for k in gb)
+    adapter_grad_diff = grad_diff(native, {n: p.grad for n, p in native.named_parameters()},
+                                  {n[3:]: p.grad for n, p in adapter.named_parameters() if p.grad is not None})
     med = timed(modes, args.reps)
     stats = treelit.TokenTree.from_branches(case.branches, case.masks).stats()
     ideal_moe = compute_weighted_ideal(moe_cost(moe), case.branches, case.masks, batch)
     return {
         "name": name, "flat_tokens": stats["flat_tokens"], "tree_tokens": stats["tree_tokens"],
-        "loss_native": float(a.detach()), "loss_adapter": float(b.detach()), "adapter_grad_diff": grad_diff,
+        "loss_native": float(a.detach()), "loss_adapter": float(b.detach()), "adapter_grad_diff": adapter_grad_diff,
         **{f"time_{m}_s": t for m, t in med.items()},
         "adapter_over_native": med["adapter"] / med["native"],
         "native_vs_hf": med["hf"] / med["native"], "adapter_vs_hf": med["hf"] / med["adapter"],
