@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-__all__ = ["DecoderConfig", "FAMILIES"]
+__all__ = ["DecoderConfig", "FAMILIES", "decode_special_floats", "parse_config_json"]
+
+# transformers 5.x writes the floats JSON has no literal for as {"__float__": "Infinity"}
+# (fla 0.6.0's Mamba2 default dt_limit = (0.0, inf) is one); 4.x wrote Python's bare `Infinity`,
+# which json.loads reads anyway. Its decoder (PreTrainedConfig._decode_special_floats) is private,
+# so the same rules are kept here, and tests/models/test_config_decoding.py holds them equal.
+FLOAT_TAG_KEY = "__float__"
+FLOAT_TAG_VALUES = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(obj: Any) -> Any:
+    """``obj`` with every ``{"__float__": "Infinity" | "-Infinity" | "NaN"}`` replaced by the float,
+    recursively through dicts and lists, as transformers decodes a config.json: a dict whose only
+    key is ``"__float__"`` with another string, or a non-string, is left as it is."""
+    if isinstance(obj, dict):
+        if set(obj) == {FLOAT_TAG_KEY} and isinstance(obj[FLOAT_TAG_KEY], str):
+            return FLOAT_TAG_VALUES.get(obj[FLOAT_TAG_KEY], obj)
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v) for v in obj]
+    return obj
+
+
+def parse_config_json(text: str) -> Any:
+    """The content of a ``config.json`` as transformers reads it (``json.loads``, then
+    :func:`decode_special_floats`); raises ``json.JSONDecodeError``."""
+    return decode_special_floats(json.loads(text))
 
 # family -> (Hugging Face model_type, RoPE rotation style, q/k/v bias, per-head q/k RMSNorm)
 FAMILIES = {

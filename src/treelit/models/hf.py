@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from treelit.models.config import DecoderConfig, check_rope_scaling
+from treelit.models.config import DecoderConfig, check_rope_scaling, decode_special_floats, parse_config_json
 from treelit.models.decoder import TreeDecoder
 from treelit.models.errors import CheckpointError
 from treelit.models.hf_keys import check_config_keys, effective_windows
@@ -135,7 +135,9 @@ def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None, where
     """Translate a Hugging Face ``config.json`` dict into a :class:`DecoderConfig`.
 
     Every key that would change the math but is not supported raises :class:`CheckpointError`
-    naming it (see :mod:`treelit.models.hf_keys`)."""
+    naming it (see :mod:`treelit.models.hf_keys`). Non-finite floats may be tagged as
+    transformers 5.x writes them (``{"__float__": "Infinity"}``)."""
+    cfg = decode_special_floats(cfg)
     mt = cfg.get("model_type")
     check_config_keys(cfg, where, max_seq_len)
     if mt in ("gated_deltanet", "mamba2"):
@@ -403,7 +405,7 @@ def read_config_json(path: Path):
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing config.json")
     try:
-        return json.loads(cfg_file.read_text()), cfg_file
+        return parse_config_json(cfg_file.read_text()), cfg_file
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({exc})") from exc
 

@@ -53,7 +53,10 @@ def config_from_hf_recurrent(cfg: Dict[str, Any], max_seq_len: Optional[int] = N
                          f"({heads} x {cfg.get('head_dim', 64)}) must equal expand x hidden_size ({inner})")
         rec["mlp"] = False
         if cfg.get("dt_limit") is not None:
-            rec["dt_limit"] = tuple(float(v) for v in cfg["dt_limit"])
+            try:
+                rec["dt_limit"] = tuple(float(v) for v in cfg["dt_limit"])
+            except (TypeError, ValueError):
+                raise _error(f"Mamba2 config key 'dt_limit' = {cfg['dt_limit']!r}: expected two numbers") from None
         if cfg.get("hidden_act", "silu") != "silu":
             raise _error(f"Mamba2 hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
         return DecoderConfig(
