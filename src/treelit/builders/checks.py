@@ -67,6 +67,14 @@ def check_needs(rec, branches: List[Dict[str, Any]], limits, est: Optional[str],
                 if (mask is None or mask[t]) and (ref is None or ref[t] is None):
                     raise DataError(f"{src}: {br['_where']}.ref_logprobs: {obj} needs a reference log-prob for "
                                     f"every target token; position {t} has none (or use objective.reference=initial)")
+    if needs.get("behavior_logprobs"):
+        for br in branches:
+            old = br.get("old_logprobs")
+            mask = br.get("loss_mask")
+            for t in range(1, len(br["input_ids"])):
+                if (mask is None or mask[t]) and (old is None or old[t] is None):
+                    raise DataError(f"{src}: {br['_where']}.old_logprobs: {obj} with a behaviour correction needs the "
+                                    f"sampler's log-prob for every target token; position {t} has none")
     if needs.get("pairs"):
         for br in branches:
             if br.get("pair") is None or not isinstance(br.get("chosen"), bool):
@@ -75,14 +83,25 @@ def check_needs(rec, branches: List[Dict[str, Any]], limits, est: Optional[str],
 
 
 def pinned(exc: DataError, members: List[Tuple[Any, int]]) -> DataError:
-    """Re-address a tree-level error to the record(s) and field(s) of the branches at fault."""
+    """Re-address a tree-level error to the record(s) and field(s) of the branches at fault.
+
+    ``exc.branches``: the branches at fault (the message starts with the last one's record;
+    ``{other}`` in ``exc.detail`` names the first); ``exc.others`` (optional): branches named
+    as ``{other}`` without being at fault. The result's ``at_fault`` lists the records of the
+    branches at fault (``on_error=skip`` skips those); empty when the error is the tree's."""
     idx = [b for b in getattr(exc, "branches", ()) if 0 <= b < len(members)]
     if not idx:
-        return DataError(f"{lines([e for e, _ in members])}: {exc.detail if hasattr(exc, 'detail') else exc}")
-    where = [f"{members[b][0].rec.source} {members[b][0].branches[members[b][1]]['_where']}" for b in idx]
+        out = DataError(f"{lines([e for e, _ in members])}: {exc.detail if hasattr(exc, 'detail') else exc}")
+        out.at_fault = []
+        return out
+    named = [b for b in getattr(exc, "others", ()) if 0 <= b < len(members) and b not in idx]
+    where = [f"{members[b][0].rec.source} {members[b][0].branches[members[b][1]]['_where']}" for b in idx + named]
     e, j = members[idx[-1]]
-    detail = getattr(exc, "detail", str(exc)).replace("{other}", where[0] if len(where) > 1 else "another branch")
-    return DataError(f"{e.rec.source}: {e.branches[j]['_where']}.{detail}", branches=())
+    other = next((w for b, w in zip(idx + named, where) if b != idx[-1]), "another branch")
+    detail = getattr(exc, "detail", str(exc)).replace("{other}", other)
+    out = DataError(f"{e.rec.source}: {e.branches[j]['_where']}.{detail}", branches=())
+    out.at_fault = list({id(members[b][0]): members[b][0] for b in idx}.values())
+    return out
 
 
 def check_pairs(members: List[Tuple[Any, int]], objective: str) -> None:
@@ -95,6 +114,8 @@ def check_pairs(members: List[Tuple[Any, int]], objective: str) -> None:
         if flags != [False, True]:
             at = ", ".join(f"{e.rec.source} {e.branches[j]['_where']}" for e, j in ms)
             e, j = ms[-1]
-            raise DataError(f"{e.rec.source}: {e.branches[j]['_where']}.pair: {objective} needs exactly one chosen and "
+            err = DataError(f"{e.rec.source}: {e.branches[j]['_where']}.pair: {objective} needs exactly one chosen and "
                             f"one rejected branch per pair in a tree; pair {p!r} has {len(ms)} branch(es) with chosen="
                             f"{[bool(e.branches[j]['chosen']) for e, j in ms]} ({at})")
+            err.at_fault = list({id(e): e for e, _ in ms}.values())
+            raise err

@@ -84,6 +84,10 @@ def validate_config(cfg: DictConfig) -> None:
     if fsdp and (cfg.get("mode") != "tree" or cfg.get("verify_every")):
         raise ConfigError("mode=linear and verify_every run per-branch passes whose number differs between ranks, "
                           "which FSDP2 (every pass gathers and reduces) cannot align; use trainer=ddp_cpu/ddp or trainer=cpu")
+    correction = (cfg.get("objective") or {}).get("behavior_correction", "none")
+    if correction not in (None, "none") and cfg.get("old_logprobs") != "rollout":
+        raise ConfigError(f"objective.behavior_correction={correction} compares the sampler's log-probs with the "
+                          "trainer's recomputed (proximal) ones: set old_logprobs=rollout")
     part = cfg.get("partition") or {}
     if part.get("name", "none") != "none":
         from treelit.partition import PARTITIONS

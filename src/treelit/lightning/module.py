@@ -117,6 +117,10 @@ class TreeLitModule(pl.LightningModule):
             raise ValueError("ppo_epochs and ppo_minibatches must be >= 1")
         if old_logprobs not in ("data", "rollout"):
             raise ValueError(f"old_logprobs must be 'data' or 'rollout', got {old_logprobs!r}")
+        correction = getattr(objective, "behavior_correction", "none")
+        if correction != "none" and old_logprobs != "rollout":
+            raise ValueError(f"objective.behavior_correction={correction} compares the sampler's log-probs with the "
+                             "trainer's recomputed (proximal) ones: set old_logprobs=rollout")
         self.ppo_epochs = int(ppo_epochs)
         self.ppo_minibatches = int(ppo_minibatches)
         self.old_logprobs = old_logprobs
@@ -223,10 +227,16 @@ class TreeLitModule(pl.LightningModule):
         (they are the rollout's inputs, not what is being compared)."""
         from treelit.loss.linear import linear_branch_logprobs
         from treelit.loss.tree import tree_token_logprobs
+        from treelit.objectives.behavior import split_behavior
         from treelit.partition.engine import policy_logprobs
 
+        keep_behavior = getattr(self.objective, "behavior_correction", "none") != "none"
         for mb in micro_batches:
             br = mb.source_branches
+            if keep_behavior:  # the records' (sampler's) log-probs stay as behaviour log-probs
+                split_behavior(mb)
+                if br is not None:
+                    split_behavior(br)
             if self.mode == "linear" and br is not None:
                 lps, _ = linear_branch_logprobs(self.model, br.tokens, chunk_rows=self.chunk_rows)
                 br.old = [np.concatenate([[np.nan], lp.double().cpu().numpy()]) for lp in lps]

@@ -47,7 +47,8 @@ class Branches:
     a branch's first token); ``n[b]`` its number of targets; ``adv [B]`` (NaN: none),
     ``old[b]`` / ``ref[b]`` ``[L_b]`` (NaN: none) or None; ``fields``: other per-branch values
     (``pair``, ``chosen``, ``group``, ...); ``scope [B]``: the tree a branch belongs to (DPO
-    pair ids are scoped by it)."""
+    pair ids are scoped by it); ``behav[b]`` ``[L_b]``: the sampler's (behaviour) log-probs,
+    kept here when the trainer's proximal ones replace ``old`` (off-policy correction)."""
 
     tokens: List[np.ndarray]
     masks: List[np.ndarray]
@@ -58,6 +59,7 @@ class Branches:
     ref: Optional[List[np.ndarray]] = None
     fields: Dict[str, List[Any]] = field(default_factory=dict)
     scope: Optional[np.ndarray] = None
+    behav: Optional[List[np.ndarray]] = None  # the sampler's log-probs when ``old`` holds the proximal ones
 
     @classmethod
     def build(cls, branches, loss_masks=None, weights=None, *, advantages=None, old_logprobs=None,
@@ -119,7 +121,7 @@ class Branches:
             offset += int(s.max()) + 1 if len(s) else 0
         return cls([t for p in parts for t in p.tokens], [m for p in parts for m in p.masks],
                    np.concatenate([p.weights for p in parts]), np.concatenate([p.n for p in parts]), adv,
-                   cat_opt("old"), cat_opt("ref"), fields, np.concatenate(scope))
+                   cat_opt("old"), cat_opt("ref"), fields, np.concatenate(scope), cat_opt("behav"))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -206,4 +208,5 @@ def as_branches(x) -> Branches:
         branch_fields=x.branch_fields, scope=x.branch_tree.cpu().numpy(),
     )
     out.old, out.ref = per_token(x.branch_old_logp), per_token(x.branch_ref_logp)
+    out.behav = per_token(getattr(x, "branch_behav_logp", None))
     return out

@@ -29,6 +29,13 @@ Old log-probs come from the data (``old_logprobs`` per branch) or, where missing
 equal the current policy's (detached): one on-policy step. Reference log-probs come
 from the data or, with ``reference=initial``, from a frozen copy of the initial model.
 
+**Off-policy correction** (``behavior_correction=tis|decoupled``, ``ppo``/``grpo``/``gspo``):
+the old log-probs are then the trainer's proximal ones and the sampler's are kept as
+behaviour log-probs; a per-token constant weight ``w_t`` (:mod:`treelit.objectives.behavior`)
+multiplies the token's clipped surrogate, which folds as ``w_t (P_t min(r_t, clip(r_t)) +
+N_t g(r_t))``. GSPO counts its sequence term once per target token, each copy weighted by
+that token's ``w_t``: the branch term becomes ``(sum_t c_{b,t} w_t) J_b``.
+
 Every objective has ``tree_loss`` (the fold) and ``linear_loss`` (the plain
 per-branch formula); tests compare both with references written from the papers.
 """
@@ -46,6 +53,7 @@ from treelit.loss.branches import Branches, as_branches
 from treelit.loss.linear import linear_branch_logprobs
 from treelit.loss.tree import prepare_batch, tree_token_logprobs
 from treelit.objectives.base import OBJECTIVES, Objective
+from treelit.objectives.behavior import behavior_metrics, behavior_weights, check_behavior_options
 from treelit.objectives.paths import branch_target_sums
 from treelit.tree.batch import check_aggregation
 
@@ -73,7 +81,9 @@ def _branch_scale(n: np.ndarray, aggregation: str) -> np.ndarray:
 class _PolicyObjective(Objective):
     """Shared plumbing: log-probs in both forms, old/reference log-probs, KL and entropy."""
 
-    def __init__(self, kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0, reference: str = "data"):
+    def __init__(self, kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0, reference: str = "data",
+                 behavior_correction: str = "none", behavior_is_cap: Optional[float] = 2.0):
+        self.behavior_correction, self.behavior_is_cap = check_behavior_options(behavior_correction, behavior_is_cap)
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"objective.kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if reference not in ("data", "initial"):
@@ -117,7 +127,38 @@ class _PolicyObjective(Objective):
 
     def data_needs(self):
         return {"advantage": True, "old_logprobs": True, "pairs": False,
-                "ref_logprobs": bool(self.kl_coef) and self.reference == "data"}
+                "ref_logprobs": bool(self.kl_coef) and self.reference == "data",
+                "behavior_logprobs": self.behavior_correction != "none"}
+
+    # off-policy correction ----------------------------------------------------------------------
+    def _behavior_missing(self) -> ValueError:
+        return ValueError(
+            f"objective.behavior_correction={self.behavior_correction} needs the sampler's log-probs (old_logprobs in "
+            "the records) on every target token, kept as behaviour log-probs while old_logprobs=rollout recomputes the "
+            "proximal ones")
+
+    def _tree_behavior(self, batch, sel, prox, W):
+        """Per-token behaviour weights ``[M]`` (None without correction) and their metrics."""
+        if self.behavior_correction == "none":
+            return None, {}
+        behav = getattr(batch, "token_behav_logp", None)
+        if behav is None or torch.isnan(behav[sel]).any():
+            raise self._behavior_missing()
+        behav = behav[sel].to(prox.device)
+        return (behavior_weights(prox, behav, self.behavior_correction, self.behavior_is_cap),
+                behavior_metrics(prox, behav, W, self.behavior_is_cap))
+
+    def _branch_behavior(self, br: Branches, b: int, prox: torch.Tensor) -> Optional[torch.Tensor]:
+        """Branch ``b``'s behaviour weights for its tokens 1.. (1 where it has no target)."""
+        if self.behavior_correction == "none":
+            return None
+        m = br.masks[b][1:]
+        behav = None if br.behav is None else br.behav[b][1:]
+        if behav is None or np.isnan(behav[m]).any():
+            raise self._behavior_missing()
+        behav = torch.from_numpy(np.where(m, behav, 0.0)).to(prox.device)
+        w = behavior_weights(prox, behav, self.behavior_correction, self.behavior_is_cap)
+        return torch.where(torch.from_numpy(m).to(w.device), w, torch.ones_like(w))
 
     def _Z(self, batch, aggregation, normalizer) -> float:
         if normalizer is not None:
@@ -229,8 +270,10 @@ class PPO(_PolicyObjective):
         g_neg = torch.maximum(r, rc)
         if self.dual_clip is not None:
             g_neg = torch.clamp(g_neg, max=self.dual_clip)
-        term = -(P * torch.minimum(r, rc) + Nn * g_neg).sum()
         W = batch.token_weights(aggregation)[sel]
+        wb, behav_metrics = self._tree_behavior(batch, sel, old, W)
+        folded = P * torch.minimum(r, rc) + Nn * g_neg
+        term = -(folded if wb is None else wb.to(logp.dtype) * folded).sum()
         clipped = ((r.detach() < 1 - self.clip_low) | (r.detach() > 1 + self.clip_high)).double()
         Wsum = max(float(W.sum()), 1e-30)
         adv = batch.branch_adv
@@ -241,6 +284,7 @@ class PPO(_PolicyObjective):
             "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
             "adv_min": float(adv.min()),
             "adv_max": float(adv.max()),
+            **behav_metrics,
         }
         return term, metrics
 
@@ -250,7 +294,8 @@ class PPO(_PolicyObjective):
         J = torch.minimum(r * A, self._clip(r) * A)
         if self.dual_clip is not None and A < 0:
             J = torch.maximum(J, torch.full_like(J, self.dual_clip * A))
-        return -(c * J).sum()
+        wb = self._branch_behavior(br, b, old)
+        return -(c * J).sum() if wb is None else -(c * wb.to(lp.dtype) * J).sum()
 
 
 @OBJECTIVES.register("grpo")
@@ -287,14 +332,21 @@ class GSPO(_PolicyObjective):
         s = torch.exp(S[keep] / torch.from_numpy(n).to(S)[keep])
         A = batch.branch_adv[keep].to(S.dtype)
         J = self._seq_term(s, A)
-        term = -(torch.from_numpy(k).to(S)[keep] * J).sum()
-        return term, {"seq_ratio_mean": float(s.detach().mean()) if keep.numel() else 1.0}
+        k = torch.from_numpy(k).to(S)
+        wb, behav_metrics = self._tree_behavior(batch, sel, old, batch.token_weights(aggregation)[sel])
+        if wb is not None:  # each of the branch's per-token copies of J weighted by its token's w_t
+            x = torch.zeros(batch.num_tokens, dtype=torch.float64, device=logp.device).index_put((sel,), wb)
+            sums = branch_target_sums(batch, x).to(S)
+            k = torch.from_numpy(batch.branch_weight.numpy() * _branch_scale(n, aggregation)).to(S) * sums
+        term = -(k[keep] * J).sum()
+        return term, {"seq_ratio_mean": float(s.detach().mean()) if keep.numel() else 1.0, **behav_metrics}
 
     def _branch_term(self, b, lp, old, c, br, n_b, aggregation):
         mask = torch.from_numpy(br.masks[b][1:].astype(np.float64)).to(lp.device)
         s = torch.exp(((lp - old.to(lp.dtype)) * mask).sum() / n_b)
         A = torch.tensor(float(br.adv[b]), dtype=lp.dtype)
-        return -(c.sum()) * self._seq_term(s, A)
+        wb = self._branch_behavior(br, b, old)
+        return -(c.sum() if wb is None else (c * wb.to(lp.dtype)).sum()) * self._seq_term(s, A)
 
 
 @OBJECTIVES.register("dpo")

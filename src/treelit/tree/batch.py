@@ -35,6 +35,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from treelit.registry import get_registry
+from treelit.tree.errors import TreeInputError
+
 __all__ = ["TreeBatch", "AGGREGATIONS", "pack_trees", "global_normalizer", "check_aggregation"]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum")
@@ -97,6 +100,10 @@ class TreeBatch:
     branch_adv: Optional[torch.Tensor] = None  # [B] float64
     branch_old_logp: Optional[torch.Tensor] = None  # [F] float64
     branch_ref_logp: Optional[torch.Tensor] = None  # [F] float64
+    # the sampler's (behaviour) log-probs, kept when the proximal ones replace token_old_logp
+    # (objective.behavior_correction; see treelit.objectives.behavior)
+    token_behav_logp: Optional[torch.Tensor] = None  # [N] float64
+    branch_behav_logp: Optional[torch.Tensor] = None  # [F] float64
     # the per-branch inputs this row was built from (treelit.loss.branches.Branches), when a
     # tree builder made it from records: the per-branch reference reads these, not the tree
     source_branches: Optional[Any] = None
@@ -320,8 +327,6 @@ class TreeBatch:
 
     def validate_for_model(self, vocab_size: int, max_seq_len: Optional[int]) -> None:
         """Raise a clear error if a token id is outside the vocabulary or a branch is too long."""
-        from treelit.tree.token_tree import TreeInputError
-
         if self.num_tokens == 0:
             raise TreeInputError("empty batch: no tokens")
         bad = (self.input_ids < 0) | (self.input_ids >= vocab_size)
@@ -370,8 +375,9 @@ def segments_from_parents(parent: np.ndarray, breaks: Optional[np.ndarray] = Non
     return seg_start.astype(np.int64), seg_len.astype(np.int64), seg_parent.astype(np.int64)
 
 
-_RL_TOKEN_FIELDS = ("token_old_logp", "token_ref_logp", "adv_pos_sum", "adv_neg_sum", "adv_pos_mean", "adv_neg_mean")
-_RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp")
+_RL_TOKEN_FIELDS = ("token_old_logp", "token_ref_logp", "adv_pos_sum", "adv_neg_sum", "adv_pos_mean", "adv_neg_mean",
+                    "token_behav_logp")
+_RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp", "branch_behav_logp")
 
 
 def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Optional[torch.Tensor]]:
@@ -439,9 +445,7 @@ def global_normalizer(batches: Iterable[TreeBatch], aggregation: str, objective:
         return 1.0
     if objective is None:
         return float(sum(b.norm_contribution(aggregation) for b in batches))
-    if isinstance(objective, str):
-        from treelit.registry import get_registry  # the objective registry; objectives import this module
-
+    if isinstance(objective, str):  # the registry of the objectives layer above (treelit.global_normalizer loads it)
         objective = get_registry("objective").get(objective)()
     if not hasattr(objective, "norm_contribution"):
         raise TypeError(f"objective must be an objective name or instance, got {type(objective).__name__}")
