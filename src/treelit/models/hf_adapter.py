@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from treelit.models.errors import CheckpointError
+from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels
 
 __all__ = ["ATTENTION_NAME", "HFTreeModel", "load_hf_model", "make_hf_model", "check_adapter_config"]
 
@@ -72,6 +73,7 @@ def register_attention() -> None:
 
 # -- what the adapter refuses ----------------------------------------------------------------------
 _RECURRENT_TYPES = {"linear_attention", "mamba", "mamba2", "gated_deltanet", "recurrent", "conv", "hybrid"}
+_HYBRID_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "mlp", "moe"}
 
 
 def check_adapter_config(cfg, where: str = "config.json") -> None:
@@ -88,14 +90,18 @@ def check_adapter_config(cfg, where: str = "config.json") -> None:
         if getattr(cfg, key, None) is not None:
             refuse(key, "multimodal models are not supported; load the text model's checkpoint")
     mt = getattr(cfg, "model_type", "")
-    if mt in ("mamba", "mamba2", "gated_deltanet", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2",
-              "bamba", "falcon_h1", "granitemoehybrid", "qwen3_next", "lfm2", "recurrent_gemma", "xlstm"):
-        refuse("model_type", "recurrent / linear-attention layers need treelit's native decoders "
-                             "(treelit.load_hf_checkpoint: Gated DeltaNet, Mamba2 and hybrids)")
+    hybrid = mt in HYBRID_FAMILIES  # recurrent layers through treelit's tree kernels (hf_kernels)
+    if not hybrid and mt in ("mamba", "mamba2", "gated_deltanet", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2",
+                             "bamba", "falcon_h1", "granitemoehybrid", "qwen3_next", "qwen3_5", "qwen3_5_text",
+                             "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "nemotron_h", "kimi_linear", "lfm2",
+                             "lfm2_moe", "recurrent_gemma", "xlstm"):
+        refuse("model_type", "recurrent / linear-attention layers of this family have no tree-exact kernels yet "
+                             f"(the adapter runs {sorted(HYBRID_FAMILIES)}; fla's Gated DeltaNet / Mamba2 "
+                             "checkpoints load with treelit.load_hf_checkpoint)")
     types = set(getattr(cfg, "layer_types", None) or [])
-    if types & _RECURRENT_TYPES:
+    if types & _RECURRENT_TYPES and not hybrid:
         refuse("layer_types", "recurrent / linear-attention layers need treelit's native decoders")
-    unknown = types - {"full_attention", "sliding_attention"}
+    unknown = types - {"full_attention", "sliding_attention"} - (_HYBRID_LAYER_TYPES if hybrid else set())
     if unknown:
         refuse("layer_types", f"layer types {sorted(unknown)} are not supported")
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
@@ -246,11 +252,14 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     import transformers
 
     from treelit.models.hf import read_config_json
+    from treelit.models.hf_files import check_weight_shapes, weight_files
 
     path = Path(path)
-    _, cfg_file = read_config_json(path)
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(path)
+    raw, cfg_file = read_config_json(path)
+    # shard names stay inside the directory, sizes agree with the weights' headers: before allocating
+    check_weight_shapes(raw, weight_files(path)[0], cfg_file)
+    try:  # never the checkpoint's own Python code (auto_map)
+        cfg = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{cfg_file}: {exc}") from None
     check_adapter_config(cfg, str(cfg_file))
@@ -259,13 +268,18 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     if _moe_options(cfg):
         kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel
     try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **kwargs)
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{path}: transformers cannot load it as a causal LM ({exc})") from None
     if getattr(hf.get_output_embeddings(), "bias", None) is not None:
         raise CheckpointError(f"{path}: a language-model head with a bias is not supported")
     if dtype is not None:
         hf = hf.to(dtype)  # parameters some families keep in float32 follow the requested dtype
+    if cfg.model_type in HYBRID_FAMILIES:
+        try:  # the hybrid layers' kernel entry points -> treelit's tree kernels (never fla's)
+            bind_tree_kernels(hf)
+        except NotImplementedError as exc:
+            raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: {exc}") from None
     return HFTreeModel(hf).to(device)
 
 

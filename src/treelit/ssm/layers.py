@@ -29,7 +29,35 @@ from torch import nn
 from treelit.models.numerics import rms_norm
 from treelit.ssm.scan import chunked_scan, gdn_chunk, gdn_step, segment_scan, ssd_chunk, ssd_step
 
-__all__ = ["ShortConv", "GatedDeltaNet", "Mamba2", "RecurrentBlock", "build_recurrent_layer"]
+__all__ = ["causal_conv", "conv_context_at", "ShortConv", "GatedDeltaNet", "Mamba2", "RecurrentBlock", "build_recurrent_layer"]
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, layout, context: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Depthwise causal convolution over a :class:`~treelit.ssm.layout.RecurrentLayout` (no
+    activation): ``x [T, C]``, ``weight [C, K]`` (``weight[:, K-1]`` multiplies the token itself,
+    ``weight[:, K-1-j]`` its j-th ancestor), ``context [K-1, C]`` the inputs before the row's root
+    (oldest first; zeros when None). Returns ``[T, C]`` in ``x``'s dtype."""
+    K = weight.shape[1]
+    w = weight.to(x.dtype)
+    y = x * w[:, K - 1]
+    if K > 1:
+        ctx = context if context is not None else x.new_zeros(K - 1, x.shape[1])
+        src = torch.cat([x, ctx.to(x.dtype), x.new_zeros(1, x.shape[1])])
+        for j in range(K - 1):
+            y = y + src[layout.conv_src[:, j]] * w[:, j]
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y
+
+
+def conv_context_at(x: torch.Tensor, layout, context: Optional[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """The ``K-1`` convolution inputs ending at each of ``tokens`` (oldest first): the context a
+    child starting right after that token needs. ``x [T, C]`` -> ``[n, K-1, C]``."""
+    ctx = context if context is not None else x.new_zeros(layout.K - 1, x.shape[1])
+    src = torch.cat([x, ctx.to(x.dtype), x.new_zeros(1, x.shape[1])])
+    cols = torch.cat([layout.conv_src[tokens][:, 1:], tokens[:, None]], dim=1)  # lags K-2..1, then the token
+    return src[cols]
 
 
 class ShortConv(nn.Module):
@@ -45,26 +73,11 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, layout, context: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [T, C]``; ``context [K-1, C]``: the inputs before the row's root (oldest first)."""
-        K = self.kernel_size
-        w = self.weight[:, 0, :].to(x.dtype)  # [C, K]; w[:, K-1] multiplies the current token
-        y = x * w[:, K - 1]
-        if K > 1:
-            ctx = context if context is not None else x.new_zeros(K - 1, x.shape[1])
-            src = torch.cat([x, ctx.to(x.dtype), x.new_zeros(1, x.shape[1])])
-            for j in range(K - 1):
-                y = y + src[layout.conv_src[:, j]] * w[:, j]
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return F.silu(y)
+        return F.silu(causal_conv(x, self.weight[:, 0, :], layout, context, self.bias))
 
     def context_at(self, x: torch.Tensor, layout, context: Optional[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        """The ``K-1`` inputs ending at each of ``tokens`` (oldest first): the context a child
-        starting right after that token needs. ``[n, K-1, C]``."""
-        K = self.kernel_size
-        ctx = context if context is not None else x.new_zeros(K - 1, x.shape[1])
-        src = torch.cat([x, ctx.to(x.dtype), x.new_zeros(1, x.shape[1])])
-        cols = torch.cat([layout.conv_src[tokens][:, 1:], tokens[:, None]], dim=1)  # lags K-2..1, then the token
-        return src[cols]
+        """See :func:`conv_context_at`."""
+        return conv_context_at(x, layout, context, tokens)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
