@@ -29,19 +29,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from treelit.tree.batch import TreeBatch
+from treelit.tree.errors import TreeInputError
+
 __all__ = ["TokenTree", "TreeInputError"]
-
-
-class TreeInputError(ValueError):
-    """Malformed branches, masks or weights (raised before any compute).
-
-    ``branches`` holds the indices of the branches at fault when the error is about
-    specific branches (a builder maps them back to the records they came from)."""
-
-    def __init__(self, message: str, *, branches: Sequence[int] = (), detail: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.branches = tuple(int(b) for b in branches)
-        self.detail = detail or message
 
 
 class _Seg:
@@ -79,6 +70,8 @@ class _Seg:
 def _as_token_array(branch: Any, b: int, source: str) -> np.ndarray:
     try:
         arr = np.asarray(branch)
+    except MemoryError:
+        raise  # out of memory says nothing about the data (the reader names the record)
     except Exception as exc:  # ragged or non-numeric
         raise TreeInputError(f"{source}branch {b}: token ids must be a flat list of integers ({exc})") from exc
     if arr.ndim != 1:
@@ -434,8 +427,6 @@ class TokenTree:
 
     def to_batch(self):
         """Serialize into a :class:`~treelit.tree.batch.TreeBatch` (one packed row)."""
-        from treelit.tree.batch import TreeBatch
-
         batch = TreeBatch.from_tree(self)
         batch.source_branches = getattr(self, "source_branches", None)  # set by the tree builders
         return batch
