@@ -8,6 +8,10 @@ points in the group ``treelit.<kind>`` and are loaded lazily, the first time a
 name is looked up or the registry is listed. Unknown or duplicate names fail
 loudly, listing what is known and where each entry came from, so a typo in a
 config never turns into a silent fallback.
+
+This module is the bottom of the package: it imports nothing of treelit and knows
+no entries. The complete listing (every kind, its module imported) is
+:func:`treelit.components.all_registries`, where the entries are known.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Dict, Iterator, List, Optional
 
-__all__ = ["Registry", "RegistryError", "get_registry", "all_registries"]
+__all__ = ["Registry", "RegistryError", "get_registry", "registries"]
 
 
 class RegistryError(KeyError):
@@ -148,8 +152,7 @@ def get_registry(kind: str, builtin_modules: Optional[List[str]] = None) -> Regi
     return reg
 
 
-def all_registries() -> Dict[str, Registry]:
-    """Every registry treelit knows, importing the modules that define them."""
-    importlib.import_module("treelit.components")
+def registries() -> Dict[str, Registry]:
+    """The registries created so far, by kind (all of them: :func:`treelit.components.all_registries`)."""
     return dict(sorted(_REGISTRIES.items()))
 

@@ -9,7 +9,7 @@ import pytest
 
 from treelit.cli.config import compose
 from treelit.cli.main import NAME_KEY, SELECT, config_options, main
-from treelit.registry import all_registries
+from treelit.components import all_registries
 
 
 def test_every_listed_name_works_as_the_option_it_is_listed_under():

@@ -51,7 +51,7 @@ def config_options(group: str) -> List[str]:
 
 
 def _list() -> int:
-    from treelit.registry import all_registries
+    from treelit.components import all_registries
 
     for kind, reg in all_registries().items():
         how = SELECT.get(kind)

@@ -28,6 +28,7 @@ from typing import Any, Optional, Union
 
 from treelit.attention.base import AttentionBackend
 from treelit.loss.tree import prepare_batch
+from treelit.objectives.base import make_objective
 from treelit.partition.engine import PartitionStats, run_micro_batch
 from treelit.tree.batch import TreeBatch, global_normalizer
 from treelit.tree.token_tree import TokenTree
@@ -66,8 +67,6 @@ def tree_backward(
     if partition not in ("none", "redundancy_free"):
         raise ValueError(f"unknown partition strategy {partition!r}; known: none, redundancy_free")
     if isinstance(objective, str):
-        from treelit.objectives import make_objective
-
         objective = make_objective(objective, **objective_options)
     elif objective_options:
         raise TypeError("objective options are given with an objective name, not with an objective instance")

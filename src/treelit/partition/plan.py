@@ -25,7 +25,14 @@ from typing import List
 
 import numpy as np
 
-__all__ = ["Partition", "PartitionPlan", "plan_partitions", "BudgetError"]
+from treelit.registry import get_registry
+
+__all__ = ["PARTITIONS", "Partition", "PartitionPlan", "plan_partitions", "BudgetError"]
+
+# the strategies (the ``partition`` config group); the engine runs both
+PARTITIONS = get_registry("partition", ["treelit.partition.plan"])
+PARTITIONS.register("none", "none")
+PARTITIONS.register("redundancy_free", "redundancy_free")
 
 
 class BudgetError(ValueError):
