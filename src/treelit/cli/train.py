@@ -240,6 +240,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
             budget_tokens=cfg.partition.get("budget_tokens"),
         )
         callbacks = _instantiate_all(cfg.get("callbacks"))
+        if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
+            callbacks.append(build(cfg.publish))
         loggers = _build_loggers(cfg.get("logger"), resume)
     tidy_library_logging()
     if loggers:
