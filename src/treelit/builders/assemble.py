@@ -301,18 +301,65 @@ class Assembler:
         return out
 
     def _close(self, unit: _Unit) -> List[BuiltTree]:
-        encs = sorted(unit.encs, key=lambda e: e.index)
-        try:
-            if self.estimator is not None:
-                self._fill_advantages(encs)
-            return self._trees(encs)
-        except DataError as exc:
-            self._fail(exc, len(encs))
-            return []
+        """The unit's trees. Under ``on_error=skip`` an error pinned to records (``at_fault``)
+        skips those records only, and what remains is built again as the units it now forms
+        (advantages over the records left); an error of the whole unit skips all its records."""
+        pending = [sorted(unit.encs, key=lambda e: e.index)]
+        out: List[BuiltTree] = []
+        while pending:
+            encs = pending.pop(0)
+            try:
+                counts = self._fill_advantages(encs) if self.estimator is not None else (0, 0)
+                trees = self._trees(encs)
+            except DataError as exc:
+                bad = {id(e) for e in getattr(exc, "at_fault", None) or ()}
+                rest = [e for e in encs if id(e) not in bad]
+                if not bad or not rest or self.on_error == "raise":
+                    self._fail(exc, len(encs), encs)
+                else:
+                    self._fail(exc, len(encs) - len(rest))
+                    pending[:0] = self._components(rest)
+                continue
+            self.groups += counts[0]
+            self.singletons += counts[1]
+            out += trees
+        return out
 
-    def _fill_advantages(self, encs: List[_Enc]) -> None:
+    def _components(self, encs: List[_Enc]) -> List[List[_Enc]]:
+        """``encs`` split into the units they form on their own (records linked by a shared
+        tree or advantage-group key), each in stream order."""
+        parent = list(range(len(encs)))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        first: Dict[Any, int] = {}
+        for i, e in enumerate(encs):
+            keys = {k for k in e.tree_keys + e.adv_keys if not isinstance(k, _Own)}
+            if self.scope == "batch":
+                keys.add(_BATCH)
+            for k in keys:
+                if k in first:
+                    parent[root(i)] = root(first[k])
+                else:
+                    first[k] = i
+        comps: "OrderedDict[int, List[_Enc]]" = OrderedDict()
+        for i, e in enumerate(encs):
+            comps.setdefault(root(i), []).append(e)
+        return list(comps.values())
+
+    def _fill_advantages(self, encs: List[_Enc]) -> Tuple[int, int]:
+        """Advantages of the branches without one; returns (groups, groups of one sample). Advantages
+        filled by an earlier attempt on these records are computed again."""
         from treelit.rl.advantages import AdvantageError, compute_advantages, groups_of
 
+        for e in encs:
+            for br in e.branches:
+                if br.pop("_computed_advantage", False):
+                    br.pop("advantage", None)
         if self.b.reward_per_record:
             todo = [(e, None) for e in encs]
             rewards = [float(self.b.reward_of(e.rec)) for e in encs]
@@ -322,11 +369,11 @@ class Assembler:
             rewards = [float(e.branches[j]["reward"]) for e, j in todo]
             keys = [e.adv_keys[j] for e, j in todo]
         if not todo:
-            return
+            return 0, 0
+        counts = (0, 0)
         if self.scope == "group":
             sizes = [len(ix) for ix in groups_of(keys).values()]
-            self.groups += len(sizes)
-            self.singletons += sum(1 for s in sizes if s == 1)
+            counts = (len(sizes), sum(1 for s in sizes if s == 1))
         try:
             adv = compute_advantages(self.estimator, rewards, keys, key_name=self.b.group_field, check_singletons=False,
                                      **self.b.advantage_options)
@@ -335,6 +382,8 @@ class Assembler:
         for (e, j), a in zip(todo, adv):
             for br in (e.branches if j is None else [e.branches[j]]):
                 br["advantage"] = float(a)
+                br["_computed_advantage"] = True
+        return counts
 
     def _trees(self, encs: List[_Enc]) -> List[BuiltTree]:
         groups: "OrderedDict[Any, List[Tuple[_Enc, int]]]" = OrderedDict()
@@ -360,7 +409,12 @@ class Assembler:
             out.append(built)
         return out
 
-    def _fail(self, exc: DataError, records: int) -> None:
+    def _fail(self, exc: DataError, records: int, encs: Optional[List[_Enc]] = None) -> None:
+        """Raise, or skip ``records`` records; ``encs``: every record skipped, named in the message
+        when there are several (an error of a whole unit)."""
         if self.on_error == "raise":
             raise exc
+        if encs is not None and len(encs) > 1:
+            exc = DataError(f"{exc} (skipped with it, all {len(encs)} records of its unit: "
+                            f"{', '.join(e.rec.source for e in encs)})")
         self.stats.skip(exc, records)

@@ -131,8 +131,12 @@ def build_tree_from_branches(
     if any(b.get("advantage") is not None for b in branches):
         missing = [i for i, b in enumerate(branches) if b.get("advantage") is None]
         if missing:
-            raise DataError(f"{source}: branches[{missing[0]}] has no advantage while others of its tree do",
-                            branches=(missing[0],), detail="advantage: missing while other branches of its tree have one")
+            has = next(i for i, b in enumerate(branches) if b.get("advantage") is not None)
+            err = DataError(f"{source}: branches[{missing[0]}] has no advantage while branches[{has}] of its tree has one",
+                            branches=(missing[0],),
+                            detail="advantage: missing while {other} of its tree has one")
+            err.others = (has,)  # named in the message, not at fault
+            raise err
         adv = [b["advantage"] for b in branches]
     lp = {k: ([b.get(k) for b in branches] if any(b.get(k) is not None for b in branches) else None)
           for k in ("old_logprobs", "ref_logprobs")}
