@@ -17,7 +17,10 @@ way in memory and on a stream:
 3. **Per unit**: advantages from rewards (within groups, or over the whole batch for
    batch-scoped estimators such as ``reinforce_pp``), then one tree per tree key. An
    error here (disagreeing log-probs of two records, a broken DPO pair, a group whose
-   advantages are not finite) names the records' lines; ``skip`` skips the unit.
+   advantages are not finite) names the records' lines. ``skip`` skips the records at
+   fault (both of two that disagree) and builds what remains again, as the units it now
+   forms, advantages computed over the records left; an error of the unit itself (no
+   record at fault) skips all its records, the message naming every one.
 
 Group keys keep their JSON type (``7`` and ``"7"`` are different groups). Records
 without a key are told apart by their position, never by their ``id``; where an ``id``
