@@ -33,16 +33,35 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.checks import check_limits, check_needs, check_pairs, lines, pinned
 from treelit.data.records import DataError, ReadStats, Record
+from treelit.rl.advantages import AdvantageError, compute_advantages, estimator_scope, groups_of
+from treelit.tree.token_tree import TokenTree
 
-__all__ = ["Assembler", "Limits"]
+if TYPE_CHECKING:  # annotations only: the interface (builders.base) runs this module, not the reverse
+    from treelit.builders.base import TreeBuilder
+
+__all__ = ["Assembler", "BuiltTree", "Limits"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltTree:
+    """A tree and where it came from: ``source`` is its first record's, ``positions`` the
+    positions of all its records in the data source (used to resume a stream)."""
+
+    id: str
+    tree: TokenTree
+    source: str
+    positions: List[Any] = field(default_factory=list)
+    sources: List[str] = field(default_factory=list)
+    unit: List[Any] = field(default_factory=list)  # positions of the records its advantages were computed over
+    unit_index: int = 0  # its place among the trees of that unit
+    epoch: int = 0  # the data epoch a stream served it in
 
 
 @dataclass
@@ -119,8 +138,6 @@ class Assembler:
         self.estimator = builder.advantage if (needs is None or needs.get("advantage")) else None
         self.scope = None
         if self.estimator is not None:
-            from treelit.rl.advantages import estimator_scope
-
             self.scope = estimator_scope(self.estimator)
             if self.scope == "batch" and window is not None:
                 raise DataError(
@@ -357,8 +374,6 @@ class Assembler:
     def _fill_advantages(self, encs: List[_Enc]) -> Tuple[int, int]:
         """Advantages of the branches without one; returns (groups, groups of one sample). Advantages
         filled by an earlier attempt on these records are computed again."""
-        from treelit.rl.advantages import AdvantageError, compute_advantages, groups_of
-
         for e in encs:
             for br in e.branches:
                 if br.pop("_computed_advantage", False):

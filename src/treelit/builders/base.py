@@ -19,12 +19,13 @@ memory, without per-record skipping or streaming.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from treelit.builders.assemble import Assembler, BuiltTree
 from treelit.data.records import DataError, Record, validate_token_record
-from treelit.registry import get_registry
 from treelit.loss.branches import Branches
+from treelit.registry import get_registry
+from treelit.rl.advantages import ADVANTAGES
 from treelit.tree.token_tree import TokenTree, TreeInputError
 
 __all__ = ["TREE_BUILDERS", "BuiltTree", "TreeBuilder", "TokenBuilder", "build_tree_from_branches",
@@ -35,21 +36,6 @@ TREE_BUILDERS = get_registry(
 )
 
 BRANCH_FIELDS = ("group", "reward", "advantage", "old_logprobs", "ref_logprobs", "chosen", "pair")
-
-
-@dataclass
-class BuiltTree:
-    """A tree and where it came from: ``source`` is its first record's, ``positions`` the
-    positions of all its records in the data source (used to resume a stream)."""
-
-    id: str
-    tree: TokenTree
-    source: str
-    positions: List[Any] = field(default_factory=list)
-    sources: List[str] = field(default_factory=list)
-    unit: List[Any] = field(default_factory=list)  # positions of the records its advantages were computed over
-    unit_index: int = 0  # its place among the trees of that unit
-    epoch: int = 0  # the data epoch a stream served it in
 
 
 class TreeBuilder:
@@ -100,8 +86,6 @@ class TreeBuilder:
 
     def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
         """All trees of ``records`` (in memory, ``on_error=raise``, no model checks)."""
-        from treelit.builders.assemble import Assembler
-
         asm = Assembler(self)
         out: List[BuiltTree] = []
         for r in records:
@@ -180,8 +164,6 @@ class TokenBuilder(TreeBuilder):
         if logprob_conflict not in ("raise", "split"):
             raise ValueError(f"tree_builder.logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
         if advantage is not None:
-            from treelit.rl.advantages import ADVANTAGES
-
             ADVANTAGES.get(advantage)  # unknown names list the known ones
         self.advantage = advantage
         self.advantage_options = advantage_options

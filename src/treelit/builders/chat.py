@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from treelit.builders.base import TREE_BUILDERS, TreeBuilder
 from treelit.data.records import DataError, Record, check_key, check_text, finite_number
+from treelit.rl.advantages import ADVANTAGES
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -164,8 +165,6 @@ class ChatBuilder(TreeBuilder):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer at {tokenizer_path!r} has no chat template")
         if advantage is not None:
-            from treelit.rl.advantages import ADVANTAGES
-
             ADVANTAGES.get(advantage)
         self.tok = tokenizer
         self.export = export
