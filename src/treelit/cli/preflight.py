@@ -8,6 +8,13 @@ checkpoint and the final export (estimated from the model's parameter bytes; a r
 whose later checkpoints may not fit gets a warning with the numbers). Under
 ``treelit-train`` the first check also runs as a Hydra callback, before Hydra itself
 creates the directory, so the user sees one clear line instead of a traceback.
+
+The output directory belongs to one run: :func:`lock_output_dir` takes its lock
+(:mod:`treelit.utils.dir_lock`) before anything is written there, so a second run given
+the same ``output_dir`` while the first one runs is refused with one line naming the
+holder. Under ``treelit-train`` the Hydra callback takes it before Hydra writes its
+``.hydra/`` files and ``train.log``; it then redacts credentials from those files
+(:mod:`treelit.utils.redact`) before the run starts.
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 
 from treelit.cli.config import ConfigError
+from treelit.cli.console import process_rank
+from treelit.utils.dir_lock import DirLock, DirLocked
+from treelit.utils.redact import redact_config, redact_text
 
-__all__ = ["check_writable", "check_space", "free_bytes", "OutputDirCheck"]
+__all__ = ["check_writable", "check_space", "free_bytes", "lock_output_dir", "OutputDirCheck"]
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +118,68 @@ def check_space(out: Path, model: Any, checkpoint: Optional[Any], max_steps: int
                     ", the export and MLflow copies" if tracked else " and the export")
 
 
+def lock_output_dir(out: Path) -> Optional[DirLock]:
+    """Take (or, in this process, take again) the lock of ``out``; :class:`ConfigError`
+    naming the holder (pid, start time) if another live process holds it. ``None`` in a
+    process started by a multi-process launcher (rank > 0): the launching process holds it.
+    Release with ``.release()``."""
+    if process_rank() != 0:
+        return None
+    try:
+        return DirLock.of(Path(out)).acquire()
+    except DirLocked as exc:
+        raise ConfigError(f"output_dir {str(out)!r} is {exc}: wait for that run to end, or choose another "
+                          "directory with output_dir=DIR") from None
+    except OSError as exc:
+        raise ConfigError(f"output_dir {str(out)!r}: cannot lock it: {exc.strerror or exc}; "
+                          "choose another directory with output_dir=DIR") from None
+
+
+def redact_hydra_files(output_dir: Path, subdir: Optional[str]) -> None:
+    """Rewrite Hydra's ``<output_dir>/<subdir>/{config,hydra,overrides}.yaml`` with
+    credentials redacted (they hold the command-line overrides as typed)."""
+    if subdir is None:
+        return
+    import yaml
+
+    for path in (Path(output_dir) / subdir).glob("*.yaml"):
+        try:
+            text = path.read_text()
+            clean = yaml.safe_dump(redact_config(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
+        except (OSError, yaml.YAMLError):  # not Hydra's: redact as text
+            clean = redact_text(text)
+        if clean != text:
+            path.write_text(clean)
+
+
 class OutputDirCheck(Callback):
-    """Hydra callback: :func:`check_writable` on ``hydra.run.dir`` before Hydra creates it
-    and writes its own files there; a failure prints ``error: ...`` and exits with status 1
-    (the traceback only with ``HYDRA_FULL_ERROR=1``)."""
+    """Hydra callback: :func:`check_writable` and :func:`lock_output_dir` on
+    ``hydra.run.dir`` before Hydra creates it and writes its own files there (a failure
+    prints ``error: ...`` and exits with status 1, the traceback before it only with
+    ``HYDRA_FULL_ERROR=1``: Hydra would turn an exception into a warning and go on); credentials redacted from Hydra's files once written; the
+    lock released when the run ends."""
+
+    def __init__(self) -> None:
+        self.lock: Optional[DirLock] = None
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         try:
-            check_writable(Path(str(config.hydra.run.dir)))
-        except ConfigError as exc:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            print(f"error: {exc}", file=sys.stderr)
+            out = Path(str(config.hydra.run.dir))
+            check_writable(out)
+            self.lock = lock_output_dir(out)
+        except ConfigError as exc:  # Hydra turns a callback's exception into a warning and goes on: exit here
+            # the user's HYDRA_FULL_ERROR (treelit-train sets it to 1 while Hydra starts, keeping the user's)
+            if os.environ.get("HYDRA_FULL_ERROR_USER", os.environ.get("HYDRA_FULL_ERROR")) == "1":
+                import traceback
+
+                traceback.print_exc()
+            print(f"error: {redact_text(str(exc))}", file=sys.stderr)
             sys.exit(1)
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        redact_hydra_files(Path(str(config.hydra.runtime.output_dir)), config.hydra.output_subdir)
+
+    def on_run_end(self, config: Any, **kwargs: Any) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None

@@ -36,12 +36,14 @@ def build_summary(
     wall_seconds: float,
     resume: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """Collect the run's results from the trainer, its callbacks and loggers (JSON-ready)."""
+    """Collect the run's results from the trainer, its callbacks and loggers (JSON-ready;
+    credentials in URIs redacted, see :mod:`treelit.utils.redact`)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from treelit.lightning.callbacks import HFExport, StepMetrics
+    from treelit.lightning.callbacks import HFExport, RewardMargin, StepMetrics
     from treelit.lightning.mlflow_logger import TreeMLFlowLogger
     from treelit.utils.mlflow_store import ui_command
+    from treelit.utils.redact import redact_config
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     s: Dict[str, Any] = {
@@ -55,6 +57,10 @@ def build_summary(
     for cb in trainer.callbacks:
         if isinstance(cb, StepMetrics) and cb.last is not None:
             s["loss"] = {"first": list(cb.first), "last": list(cb.last)}
+        if isinstance(cb, StepMetrics) and cb.rl_last:
+            s["rl"] = {"first": dict(cb.rl_first), "last": dict(cb.rl_last)}
+        elif isinstance(cb, RewardMargin) and cb.history:
+            s["reward_margin"] = {"first": dict(cb.history[0]), "last": dict(cb.history[-1])}
         elif isinstance(cb, ModelCheckpoint) and cb.last_model_path:
             s["checkpoint"] = cb.last_model_path
         elif isinstance(cb, HFExport) and cb.saved is not None:
@@ -74,19 +80,43 @@ def build_summary(
                 "continued": lg.reopened,
                 "ui": ui_command(lg.tracking_uri),
             }
-    return s
+    return redact_config(s)
+
+
+def _rl_rows(s: Dict[str, Any], row: Any) -> None:
+    """What an RL user reads, first step -> last: the mean reward of the step's branches, the
+    reward margin (mean log-prob per token of high- minus low-reward branches), the KL to the
+    reference / rollout policy, the clip fraction."""
+    rl, margin = s.get("rl"), s.get("reward_margin")
+    if rl:
+        a, b = rl["first"], rl["last"]
+        span = f"(step {a['step']} -> {b['step']})"
+        if "reward_mean" in a and "reward_mean" in b:
+            row("reward", f"mean {a['reward_mean']:.3f} -> {b['reward_mean']:.3f} over the step's branches {span}")
+        parts = [f"{label} {a[k]:.4f} -> {b[k]:.4f}" for k, label in
+                 (("kl_ref", "KL to reference"), ("approx_kl", "KL to rollout policy"), ("clip_frac", "clip fraction"))
+                 if k in a and k in b]
+        if parts:
+            row("policy", f"{', '.join(parts)} {span}")
+    if margin:
+        a, b = margin["first"], margin["last"]
+        row("margin", f"{a['margin']:.2f} -> {b['margin']:.2f} nats (step {a['step']} -> {b['step']}): mean "
+                      f"log-prob per token of high- minus low-reward branches ({b['logp_high']:.2f} vs "
+                      f"{b['logp_low']:.2f} at the end)")
 
 
 def format_summary(s: Dict[str, Any]) -> str:
     """A few aligned lines for the console."""
-    head = f"done: {s['global_step']} steps in {_duration(s['wall_seconds'])}"
-    if "loss" in s:
+    head = f"done: {s['global_step']} step{'s' if s['global_step'] != 1 else ''} in {_duration(s['wall_seconds'])}"
+    if "loss" in s and "rl" not in s:  # a clipped policy loss starts near 0 and says little: the RL rows below
         (a, la), (b, lb) = s["loss"]["first"], s["loss"]["last"]
         head += f"; loss {la:.3f} (step {a}) -> {lb:.3f} (step {b})"
     lines: List[str] = [head]
 
     def row(key: str, text: str) -> None:
         lines.append(f"  {key:<11} {text}")
+
+    _rl_rows(s, row)
 
     if "resumed_from" in s:
         r = s["resumed_from"]

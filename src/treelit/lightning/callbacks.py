@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Tuple
@@ -20,7 +22,30 @@ class TreeProgressBar(TQDMProgressBar):
     """TQDM bar over optimizer steps: the data stream is endless, so the total is
     ``max_steps`` and the position ``trainer.global_step`` (right after a resume too, and
     with several optimizer updates per step batch); shows loss, tree tokens/s and effective
-    (flat) tokens/s."""
+    (flat) tokens/s.
+
+    When standard output is not a terminal (a file, a pipe, a job log) the bar's redrawn
+    frames would fill the log; plain lines replace them: the first step, then one line every
+    ``log_every_s`` seconds, and the last step, e.g.
+    ``step 40/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (20s, about 2m10s left)``.
+    ``plain``: ``None`` decides from the terminal, ``True``/``False`` forces lines/the bar.
+    """
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
+                 plain: Optional[bool] = None, log_every_s: float = 20.0) -> None:
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
+        self.plain = plain
+        self.log_every_s = float(log_every_s)
+        self._lines = False  # printing plain lines instead of the bar
+        self._start: Optional[Tuple[float, int]] = None  # (time, global step) when training started
+        self._last_line: Optional[Tuple[float, int]] = None  # (time, step) of the last line printed
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # disables the bar on ranks other than 0
+        plain = not _is_terminal(sys.stdout) if self.plain is None else bool(self.plain)
+        if self.is_enabled and plain:
+            self._lines = True
+            self.disable()  # Lightning's bars are created disabled: they write nothing
 
     def _over_steps(self, trainer: pl.Trainer) -> None:
         bar = self.train_progress_bar
@@ -34,22 +59,72 @@ class TreeProgressBar(TQDMProgressBar):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._over_steps(trainer)  # a resumed run starts mid-epoch: no on_train_epoch_start
+        self._start, self._last_line = (time.monotonic(), int(trainer.global_step)), None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         self._over_steps(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._lines:
+            now = time.monotonic()
+            last = trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+            if self._last_line is None or last or now - self._last_line[0] >= self.log_every_s:
+                self._print_line(trainer, pl_module, now)
+            return
         bar = self.train_progress_bar
         n = trainer.global_step
         if bar is not None and self.is_enabled and (n % self.refresh_rate == 0 or n == bar.total):
             bar.n = n
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self._lines and self._last_line is not None and self._last_line[1] != trainer.global_step:
+            self._print_line(trainer, pl_module, time.monotonic())  # stopped before max_steps
+
+    def _print_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, now: float) -> None:
+        n, total = int(trainer.global_step), trainer.max_steps
+        self._last_line = (now, n)
+        head = f"step {n}/{total}" if total and total > 0 else f"step {n}"
+        metrics = ", ".join(f"{k} {_number(v)}" for k, v in self.get_metrics(trainer, pl_module).items())
+        t0, n0 = self._start or (now, 0)
+        elapsed = now - t0
+        tail = _duration(elapsed)
+        if total and total > 0 and n > n0 and n < total:
+            tail += f", about {_duration(elapsed / (n - n0) * (total - n))} left"
+        log.info("%s%s (%s)", head, f": {metrics}" if metrics else "", tail)
+
     def get_metrics(self, trainer, pl_module):
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         return items
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _number(v: Any) -> str:
+    """A metric for a plain progress line: ``5.812``, ``2,954``, ``-2.2e-09``."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if x != x or abs(x) == float("inf"):
+        return str(x)
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.4g}"
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 class TreeCheckpoint(ModelCheckpoint):
@@ -65,20 +140,50 @@ class TreeCheckpoint(ModelCheckpoint):
     a run killed while writing leaves the previous checkpoint (``last.ckpt`` included) intact.
     (Lightning stages the file in the system temporary directory and *moves* it, which is a
     copy, not an atomic rename, when that directory is on another filesystem.) A resumed run
-    writes to its own ``output_dir``.
+    writes to its ``output_dir``: the folder it resumed from (``output_dir=`` that run's folder)
+    or a new one.
+
+    Before each write it checks that the checkpoints this run wrote earlier are still there:
+    Lightning would recreate a deleted directory and write only the new file, so a folder
+    removed mid-run would silently lose every earlier checkpoint. The loss is logged as a
+    warning naming the directory and the files.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._written: dict = {}  # the files this run wrote and still expects (an ordered set)
+
+    def _check_written(self, filepath: str) -> None:
+        import os
+
+        gone = [p for p in self._written if not os.path.exists(p)]
+        if not gone:
+            return
+        for p in gone:
+            del self._written[p]
+        where = os.path.dirname(os.path.abspath(gone[0]))
+        names = ", ".join(os.path.basename(p) for p in gone)
+        if not os.path.isdir(where):
+            log.warning("checkpoint directory %s was deleted during the run: the earlier checkpoints (%s) are lost; "
+                        "writing %s into a new one", where, names, os.path.basename(filepath))
+        else:
+            log.warning("checkpoints deleted from %s during the run (not by this run): %s are lost; writing %s",
+                        where, names, os.path.basename(filepath))
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         import os
         import shutil
         from weakref import proxy
 
+        if trainer.is_global_zero:
+            self._check_written(filepath)
         partial = f"{filepath}.partial"
         trainer.save_checkpoint(partial, self.save_weights_only)  # ends with a barrier
         if trainer.is_global_zero and os.path.exists(partial):
             if os.path.isdir(partial) and os.path.isdir(filepath):  # a sharded checkpoint directory
                 shutil.rmtree(filepath)
             os.replace(partial, filepath)
+            self._written[filepath] = None
         trainer.strategy.barrier("TreeCheckpoint.rename")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
@@ -91,8 +196,12 @@ class TreeCheckpoint(ModelCheckpoint):
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             super().on_train_batch_end(*args, **kwargs)
 
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        self._written.pop(filepath, None)
+        super()._remove_checkpoint(trainer, filepath)
+
     def load_state_dict(self, state_dict: Any) -> None:
-        # a resumed run writes its checkpoints to its own output_dir, by design
+        # a resumed run writes its checkpoints to its output_dir, which may be a new folder
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The dirpath has changed from")
             super().load_state_dict(state_dict)
@@ -102,11 +211,21 @@ class StepMetrics(pl.Callback):
     """Logs the metrics of the first and of the last optimizer step whatever
     ``trainer.log_every_n_steps`` says (so a 3-step run still logs its loss, and every run
     logs where it started and ended), and keeps ``(global_step, loss)`` of this run's first
-    and latest step (``first``, ``last``) for the end-of-run summary."""
+    and latest step (``first``, ``last``) for the end-of-run summary.
+
+    For RL it also keeps, in ``rl_first`` / ``rl_last``, what an RL user reads of those two
+    steps: the mean reward of the step's branches (``reward_mean``, from the data: in a
+    multi-process run, this process's branches), and the objective's ``clip_frac``,
+    ``approx_kl`` (against the rollout policy) and ``kl_ref`` (against the reference) when it
+    logs them."""
+
+    RL_KEYS = ("clip_frac", "approx_kl", "kl_ref")
 
     def __init__(self) -> None:
         self.first: Optional[Tuple[int, float]] = None
         self.last: Optional[Tuple[int, float]] = None
+        self.rl_first: dict = {}
+        self.rl_last: dict = {}
         self._every: Optional[int] = None
         self._first_batch = True
 
@@ -126,12 +245,26 @@ class StepMetrics(pl.Callback):
         if loss is not None:
             self.last = (int(trainer.global_step), float(loss))
             self.first = self.first or self.last
+        rl = self._rl_metrics(trainer, batch)
+        if rl:
+            self.rl_last = {"step": int(trainer.global_step), **rl}
+            self.rl_first = self.rl_first or self.rl_last
         last = bool(trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
         if (self._first_batch or last) and trainer.log_every_n_steps != 1:
             # Lightning decides right after this hook, from this attribute, whether to log
             self._every = trainer.log_every_n_steps
             trainer.log_every_n_steps = 1
         self._first_batch = False
+
+    def _rl_metrics(self, trainer: pl.Trainer, batch: Any) -> dict:
+        out = {}
+        rewards = [float(r) for mb in getattr(batch, "micro_batches", ())
+                   for r in (getattr(mb, "branch_fields", {}) or {}).get("reward") or () if r is not None]
+        if rewards:
+            out["reward_mean"] = sum(rewards) / len(rewards)
+        metrics = trainer.callback_metrics  # this step's values, logged by training_step
+        out.update({k: float(metrics[k]) for k in self.RL_KEYS if k in metrics})
+        return out if set(out) & set(self.RL_KEYS) else {}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore(trainer)

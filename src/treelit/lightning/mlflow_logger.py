@@ -40,6 +40,7 @@ from treelit.utils.mlflow_store import (
     resolve_tracking_uri,
     store_lock,
 )
+from treelit.utils.redact import redact_text
 
 __all__ = ["TreeMLFlowLogger", "MLflowRunInCheckpoint", "CHECKPOINT_KEY"]
 
@@ -108,7 +109,7 @@ class TreeMLFlowLogger(MLFlowLogger):
         with store_lock(self._tracking_uri):
             if self.reopened and not self._reopenable():
                 log.warning("MLflow: the checkpoint's run %s is not in %s (or was deleted): starting a new run",
-                            self._run_id, self._tracking_uri)
+                            self._run_id, redact_text(self._tracking_uri))
                 self._run_id, self.reopened = None, False
             client = MLFlowLogger.experiment.fget(self)  # get/create experiment, create run
             killed = mark_dead_runs_killed(client, self._experiment_id, keep=self._run_id)
@@ -155,20 +156,22 @@ class TreeMLFlowLogger(MLFlowLogger):
                 reason = f"interrupted ({type(exc).__name__})"
             else:
                 reason = f"failed: {type(exc).__name__}: {exc}"
-            self.experiment.set_tag(self.run_id, TAG_END, reason[:4000])
+            self.experiment.set_tag(self.run_id, TAG_END, redact_text(reason)[:4000])
         super().finalize(status)
 
 
 class MLflowRunInCheckpoint(pl.Callback):
     """Stores the MLflow run (id, store, experiment) in every Lightning checkpoint under
-    ``checkpoint["treelit_mlflow"]``, so resuming from it continues the same run."""
+    ``checkpoint["treelit_mlflow"]``, so resuming from it continues the same run. The store's
+    URI is stored with its credentials redacted (:mod:`treelit.utils.redact`): a checkpoint
+    handed to someone else carries no password."""
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Dict[str, Any]) -> None:
         for lg in trainer.loggers:
             if isinstance(lg, MLFlowLogger) and lg.run_id:
                 checkpoint[CHECKPOINT_KEY] = {
                     "run_id": lg.run_id,
-                    "tracking_uri": resolve_tracking_uri(lg._tracking_uri),
+                    "tracking_uri": redact_text(resolve_tracking_uri(lg._tracking_uri)),  # no credentials
                     "experiment_id": lg.experiment_id,
                 }
                 return

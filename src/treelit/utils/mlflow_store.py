@@ -25,6 +25,7 @@ to the working directory), so the database and its artifacts stay together.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -42,6 +43,8 @@ __all__ = [
     "mark_dead_runs_killed",
     "ui_command",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 TAG_MACHINE = "treelit.machine"
@@ -64,9 +67,13 @@ def sqlite_path(uri: str) -> Optional[Path]:
 
 
 def resolve_tracking_uri(uri: str) -> str:
-    """``uri`` with a sqlite path made absolute (the same database from any directory)."""
+    """``uri`` with a sqlite path made absolute (the same database from any directory);
+    its query string, if any, is kept."""
     path = sqlite_path(uri)
-    return f"sqlite:///{path.resolve()}" if path is not None else uri
+    if path is None:
+        return uri
+    query = uri.split("?", 1)[1] if "?" in uri else None
+    return f"sqlite:///{path.resolve()}" + (f"?{query}" if query is not None else "")
 
 
 def ui_command(uri: str) -> str:
@@ -77,9 +84,11 @@ def ui_command(uri: str) -> str:
 
 
 @contextmanager
-def store_lock(uri: str, timeout: float = 600.0) -> Iterator[None]:
+def store_lock(uri: str, timeout: float = 600.0, report_every: float = 10.0) -> Iterator[None]:
     """Exclusive lock of a local sqlite store (``<database>.lock``); a no-op for other
-    stores (a tracking server serialises its own migrations). Waits up to ``timeout`` s."""
+    stores (a tracking server serialises its own migrations). Waits up to ``timeout`` s,
+    saying every ``report_every`` s what it waits for (the lock file and its holder); the
+    holder writes its pid, host and start time into the lock file."""
     path = sqlite_path(uri)
     try:
         import fcntl
@@ -88,22 +97,35 @@ def store_lock(uri: str, timeout: float = 600.0) -> Iterator[None]:
     if path is None or fcntl is None:
         yield
         return
+    from treelit.utils.dir_lock import holder_text, read_holder, write_holder
+
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_file = path.with_name(path.name + ".lock")
-    with open(lock_file, "a") as f:
-        deadline = time.monotonic() + timeout
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start = time.monotonic()
+        next_report = start + report_every
         while True:
             try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{lock_file}: still locked by another process after {timeout:.0f} s")
+                now = time.monotonic()
+                if now - start > timeout:
+                    raise TimeoutError(f"{lock_file}: still locked by {holder_text(read_holder(lock_file))} "
+                                       f"after {timeout:.0f} s") from None
+                if now >= next_report:
+                    log.warning("MLflow: waiting for the store lock %s, held by %s (%.0f s so far, giving up "
+                                "after %.0f s)", lock_file, holder_text(read_holder(lock_file)), now - start, timeout)
+                    next_report += report_every
                 time.sleep(0.05)
         try:
+            write_holder(fd)
             yield
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def default_artifact_location(uri: str) -> Optional[str]:
