@@ -2,6 +2,7 @@
 
     treelit list                          # every component, and the config option that selects it
     treelit stats DATA                    # flat/tree tokens, POR, ideal speedup of a data file
+    treelit stats 'shards/*.jsonl.gz' more/   # files, globs, directories: as data=stream reads them
     treelit stats tau_bench_airline/gpt-4o-airline.json.gz --group-key task_id   # a bundled file, chat data
 
 ``treelit list`` prints names as they are used in ``treelit-train`` options: a kind that
@@ -84,24 +85,34 @@ def _detect_builder(path: str) -> str:
     return "sequences"
 
 
-def _resolve_data_path(path: str) -> str:
-    """``path``, or the bundled data file of that name (``synthetic_agentic.jsonl.gz``)."""
-    if Path(path).exists():
-        return path
+def _resolve_data_paths(paths: List[str]) -> List[str]:
+    """The data files of ``paths`` as ``data=stream`` expands them (files, directories, globs;
+    :class:`~treelit.data.sources.FileSource`), where a name that is none of those may be a
+    bundled data file (``synthetic_agentic.jsonl.gz``)."""
     from treelit.cli.config import ConfigError, bundled_path
+    from treelit.data.records import DataError
+    from treelit.data.sources import FileSource
 
+    items = []
+    for p in paths:
+        if not Path(p).expanduser().exists() and not any(c in p for c in "*?["):
+            try:
+                p = bundled_path(p)
+            except ConfigError:
+                raise FileNotFoundError(2, "no such data file (nor a bundled one of that name)", p) from None
+        items.append(p)
     try:
-        return bundled_path(path)
-    except ConfigError:
-        raise FileNotFoundError(2, "no such data file (nor a bundled one of that name)", path) from None
+        return FileSource(items).shards()
+    except DataError as exc:  # its messages name the training option; here the paths are arguments
+        raise DataError(str(exc).replace("data.source.paths: ", "", 1)) from None
 
 
-def _stats(path: str, builder: str, tokenizer: Optional[str], group_key: Optional[str]) -> int:
+def _stats(paths: List[str], builder: str, tokenizer: Optional[str], group_key: Optional[str]) -> int:
     from treelit.builders.base import make_tree_builder
     from treelit.data.stats import stream_stats
 
-    path = _resolve_data_path(path)
-    name = _detect_builder(path) if builder == "auto" else builder
+    files = _resolve_data_paths(paths)
+    name = _detect_builder(files[0]) if builder == "auto" else builder
     options = {}
     if name == "chat":
         from treelit.data.tokenizers import qwen_tokenizer_dir
@@ -109,8 +120,8 @@ def _stats(path: str, builder: str, tokenizer: Optional[str], group_key: Optiona
         options["tokenizer_path"] = tokenizer or qwen_tokenizer_dir()
     if group_key:
         options["group_key" if name == "chat" else "key"] = group_key
-    stats = stream_stats(path, make_tree_builder(name, **options))  # streamed: any size, progress bar
-    print(f"{'file':>16}: {path}")
+    stats = stream_stats(files, make_tree_builder(name, **options))  # streamed: any size, progress bar
+    print(f"{'file':>16}: {files[0]}" if len(files) == 1 else f"{'files':>16}: {len(files):,} ({files[0]} ... {files[-1]})")
     print(f"{'builder':>16}: {name}" + (f" (tokenizer {options['tokenizer_path']})" if name == "chat" else ""))
     for k, v in stats.items():
         print(f"{k:>16}: {v:.4f}" if isinstance(v, float) else f"{k:>16}: {v:,}")
@@ -122,7 +133,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="list registered components (built-in and plugins) and how to select them")
     st = sub.add_parser("stats", help="tree statistics of a data file (or of a bundled one, by name)")
-    st.add_argument("path", help="a .jsonl/.json/.parquet file (.gz for JSON), or a bundled file's name")
+    st.add_argument("path", nargs="+", help="data files (.jsonl/.json/.parquet, .gz for JSON), directories, "
+                    "globs ('shards/*.jsonl.gz', quoted) as data=stream takes them, or a bundled file's name")
     st.add_argument("--builder", default="auto", help="auto (chat for conversations, else sequences), "
                     "sequences, groups, chat, or a plugin's tree builder")
     st.add_argument("--tokenizer", default=None, help="chat data: a Hugging Face tokenizer directory "
