@@ -417,6 +417,10 @@ class TreeLitModule(pl.LightningModule):
         tree_tok, flat_tok = batch.tree_tokens, batch.flat_tokens
         loss = sum(u["loss"] for u in updates[: len(groups)])  # the step's loss before any update
         loss = self._comm().sum(loss)  # each rank holds its trees' share (divided by the global Z)
+        # One step axis, the optimizer step's: this step's metrics at the index of its last optimizer
+        # step (k - 1 for step k), where the callbacks log too. Lightning's default axis counts data
+        # steps, which ppo_epochs / ppo_minibatches > 1 turn into several optimizer steps each.
+        self.log_dict({"step": float(self.global_step - 1), "epoch": float(self.current_epoch)})
         self.log("loss", loss, prog_bar=True)
         self.log_dict(
             {
@@ -431,6 +435,9 @@ class TreeLitModule(pl.LightningModule):
             }
         )
         self.log_dict({"tree_tok/s": tree_tok / dt, "flat_tok/s": flat_tok / dt}, prog_bar=True)
+        data_metrics = getattr(getattr(self.trainer, "datamodule", None), "step_metrics", None) if self._trainer else None
+        if data_metrics:  # e.g. rollout staleness (treelit.lightning.staleness)
+            self.log_dict(data_metrics)
         if self.verify_every and (self.global_step % self.verify_every == 0):
             self.log_dict(self.verify(micro[0], self.step_normalizer(micro), self.router_normalizer(micro)))
         return torch.tensor(loss)

@@ -307,8 +307,9 @@ class PolicyPublisher:
 
 class PublishPolicy(pl.Callback):
     """Lightning callback: publish version 0 before the first step (a resumed run: the
-    restored step, unless ``latest.json`` already names it) and version N after every
-    ``every_n_steps``-th optimizer step N. Logs, every step, the last publish's
+    restored step, unless ``latest.json`` already names it) and, after a step batch whose
+    updates reached or passed a multiple of ``every_n_steps``, version N = the optimizer step
+    count after it. Logs, every step, the last publish's
     ``publish/seconds`` and ``publish/bytes``, ``publish/version`` and the hook failures so
     far (``publish/hook_failures``). ``version`` is the last published
     version: the trainer's policy version that rollout staleness is measured against."""
@@ -358,8 +359,8 @@ class PublishPolicy(pl.Callback):
         self._publish(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = int(trainer.global_step)
-        if step % self.every_n_steps == 0 and step != self.version:
+        step = int(trainer.global_step)  # a step batch may take several updates (ppo_epochs, ppo_minibatches)
+        if self.version is None or step // self.every_n_steps > self.version // self.every_n_steps:
             self._publish(trainer, pl_module)
         if self.last is not None:  # the latest publish's cost, logged with every step (rank 0's)
             pl_module.log_dict({"publish/seconds": self.last.seconds, "publish/bytes": float(self.last.bytes),

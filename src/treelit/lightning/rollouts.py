@@ -39,6 +39,7 @@ from treelit.builders.sequences import SequencesBuilder
 from treelit.data.records import DataError, ReadStats
 from treelit.lightning.data import (StepBatch, _assign, _empty_batch, _pack_indices, _tree_cost, build_trees,
                                     conform_batches)
+from treelit.lightning.staleness import StalenessGate, trainer_policy_version
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["RolloutDirDataModule"]
@@ -76,6 +77,9 @@ class RolloutDirDataModule(pl.LightningDataModule):
         poll_s: how often to look.
         on_error: ``raise`` or ``skip`` for bad records (skips counted and logged).
         mark_consumed: rename each trained file to ``<name>.consumed``.
+        max_staleness: skip or refuse (``on_stale``: ``skip`` | ``raise``) a file sampled more than
+            this many policy versions behind the trainer (records' ``policy_version``; null: no
+            limit), see :mod:`treelit.lightning.staleness`.
     """
 
     def __init__(
@@ -90,6 +94,8 @@ class RolloutDirDataModule(pl.LightningDataModule):
         mark_consumed: bool = True,
         attention_cost: float = 1.0 / 1024,
         sample_trees: int = 64,
+        max_staleness: Optional[int] = None,
+        on_stale: str = "skip",
     ) -> None:
         super().__init__()
         if not directory:
@@ -105,6 +111,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
         self.on_error, self.mark_consumed = on_error, bool(mark_consumed)
         self.attention_cost, self.sample_trees = float(attention_cost), int(sample_trees)
         self.limits = Limits()
+        self.staleness = StalenessGate(max_staleness, on_stale)
         self.read_stats = ReadStats()
         self.rank, self.world = 0, 1
         self.consumed_steps = 0
@@ -132,7 +139,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
 
     # files ------------------------------------------------------------------------------------------
     def _candidates(self) -> List[Path]:
-        done = set(self.step_files.values())
+        done = set(self.step_files.values()) | self.staleness.names()
         return sorted(p for p in self.directory.glob(self.pattern) if p.is_file() and p.name not in done)
 
     def _wait_next(self, index: int) -> Path:
@@ -156,11 +163,14 @@ class RolloutDirDataModule(pl.LightningDataModule):
                 if src.exists():
                     os.replace(src, self.directory / (name + CONSUMED))
                 self.marked.add(name)
+        self.staleness.mark(self.directory, upto)
 
     def load_step(self, index: int) -> StepBatch:
         """Wait for the next file, build its trees and pack this rank's share (step ``index``)."""
         self._mark(index)
         path = self._wait_next(index)
+        while not self.staleness.admit(path, index, self.policy_version()):
+            path = self._wait_next(index)  # that file was too stale (data.max_staleness) and is skipped
         self.step_files[index] = path.name
         trees = build_trees(str(path), self.builder, on_error=self.on_error, limits=self.limits, stats=self.read_stats)
         if not trees:
@@ -183,6 +193,15 @@ class RolloutDirDataModule(pl.LightningDataModule):
         mean = sum(loads) / len(loads)
         return StepBatch(mine, index, max(loads) / mean if mean > 0 else 1.0)
 
+    def policy_version(self) -> int:
+        """The trainer's policy version, which rollout staleness is measured against."""
+        return trainer_policy_version(getattr(self, "trainer", None))
+
+    @property
+    def step_metrics(self) -> Dict[str, float]:
+        """``rollout/staleness_max``, ``rollout/staleness_mean`` (the last file), ``rollout/files_skipped_stale``."""
+        return dict(self.staleness.metrics)
+
     # Lightning hooks ----------------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         self.setup()
@@ -198,9 +217,11 @@ class RolloutDirDataModule(pl.LightningDataModule):
 
     def state_dict(self) -> Dict[str, Any]:
         c = self.consumed_steps
-        return {"consumed_steps": c, "files": [self.step_files[i] for i in sorted(self.step_files) if i < c]}
+        return {"consumed_steps": c, "files": [self.step_files[i] for i in sorted(self.step_files) if i < c],
+                "stale": self.staleness.state(c)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.consumed_steps = int(state.get("consumed_steps", 0))
         self.step_files = {i: name for i, name in enumerate(state.get("files", []))}
         self.marked = set()
+        self.staleness.load(state.get("stale"))
