@@ -265,7 +265,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     check_adapter_config(cfg, str(cfg_file))
     register_attention()
     kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME}
-    if _moe_options(cfg):
+    if _moe_options(cfg) or getattr(cfg, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **kwargs)

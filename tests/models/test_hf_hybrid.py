@@ -1,0 +1,168 @@
+"""transformers' hybrid checkpoints in tree mode: the adapter's tree kernels (hf_kernels) against
+the same transformers model run branch by branch with its own torch kernel functions.
+
+Families (tiny random configs): Qwen3.5 text (Gated DeltaNet, grouped value heads, gated
+norm), Qwen3-Next (Gated DeltaNet + MoE with the router loss on), Nemotron-H (Mamba2 with
+n_groups > 1 and a conv bias, attention, MoE), Bamba (Mamba2, n_groups > 1), LFM2 (short
+convolution with a bias). Loss and every parameter gradient, float64 <= 1e-10 with
+transformers' float32 upcasts kept in float64 on both sides (``KeepFloat64``), float32 <= 1e-4;
+``sdpa_dense`` and ``segment``; unpartitioned and partitioned (states and convolution contexts
+relayed across partitions); hypothesis forests with one-token segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+
+import treelit
+from float64_mode import KeepFloat64
+from helpers import assert_trains, grad_floor, max_rel_grad_diff, negligible_grad
+from hf_oracle import hf_branch_loss, hf_router_loss, load_hf_oracle, random_hf_checkpoint
+from strategies import examples, forests
+from treelit.attention.segment import SegmentAttention
+from treelit.models.hf import CheckpointError
+from treelit.models.hf_kernels import bind_torch_kernels
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=12, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, max_position_embeddings=64)
+GDN = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+           linear_conv_kernel_dim=3)
+HYBRID = {
+    "qwen3_5": ("qwen3_5_text", dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                     **GDN)),
+    "qwen3_next": ("qwen3_next", dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                      moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4,
+                                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.3,
+                                      **GDN)),
+    "nemotron_h": ("nemotron_h", dict(BASE, layers_block_type=["mamba", "attention", "moe", "mamba"], ssm_state_size=4,
+                                      mamba_num_heads=4, mamba_head_dim=8, n_groups=2, conv_kernel=3, chunk_size=4,
+                                      use_conv_bias=True, n_routed_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=8, moe_shared_expert_intermediate_size=8)),
+    "bamba": ("bamba", dict(BASE, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                            mamba_n_groups=2, mamba_d_state=4, mamba_d_conv=3, mamba_chunk_size=4)),
+    "lfm2": ("lfm2", dict(BASE, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3,
+                          conv_bias=True, block_auto_adjust_ff_dim=False)),
+}
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+# one-token segments: a chain whose every token branches, and a root with one-token children
+ONE_TOKEN = ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7], [1, 2, 3, 4, 8, 9], [1, 2, 3, 4, 8, 10], [3, 5]],
+             [[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1], [1, 1], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1]],
+             [1.0, 0.5, 2.0, 1.0, 1.5, 1.0, 1.0])
+_MODELS = {}
+
+
+def hybrid_models(family, dtype, tmp_path_factory):
+    """(adapted model, transformers reference on its own torch kernels) from one random checkpoint."""
+    key = (family, dtype)
+    if key not in _MODELS:
+        path = tmp_path_factory.mktemp(family)
+        model_type, cfg = HYBRID[family]
+        random_hf_checkpoint(path, model_type, **cfg)
+        ours = treelit.load_hf_model(path, dtype=dtype)
+        # (.to: parameters a family keeps in float32, e.g. Nemotron-H's router, follow dtype as in the adapter)
+        ref = load_hf_oracle(path, dtype=dtype, exact=False).to(dtype)
+        assert bind_torch_kernels(ref) > 0
+        _MODELS[key] = (ours, ref)
+    return _MODELS[key]
+
+
+def exact(dtype):
+    return KeepFloat64() if dtype == torch.float64 else contextlib.nullcontext()
+
+
+def _grads(model, strip=""):
+    out = {n[len(strip):]: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def compare(family, dtype, attention, aggregation, data, tmp_path_factory, budgets=(None,)):
+    branches, masks, weights = data
+    assert_trains(branches, masks, weights)
+    ours, ref = hybrid_models(family, dtype, tmp_path_factory)
+    coef = ours.config.moe.get("router_aux_loss_coef", 0.0)
+    with exact(dtype):
+        ref.zero_grad(set_to_none=True)
+        expected = hf_branch_loss(ref, branches, masks, weights, aggregation)
+        if coef:
+            expected = expected + coef * hf_router_loss(ref, branches, "micro_batch")
+        expected.backward()
+        theirs = _grads(ref)
+        batch = treelit.TokenTree.from_branches(branches, masks, weights).to_batch()
+        backend = SegmentAttention(batch_below=3, window_block=2) if attention == "segment" else attention
+        for budget in budgets:
+            ours.zero_grad(set_to_none=True)
+            if budget is None:
+                loss = treelit.tree_loss(ours, batch, aggregation, backend)
+                loss.backward()
+                value = loss.item()
+            else:
+                value = treelit.tree_backward(ours, batch, aggregation, "redundancy_free", budget, attention=backend)
+            mine = _grads(ours, strip="hf.")
+            what = f"{family}/{aggregation}/{attention}/budget={budget}"
+            assert mine.keys() == theirs.keys(), (what, sorted(set(mine) ^ set(theirs)))
+            assert abs(value - expected.item()) <= TOL[dtype] * abs(expected.item()), (what, value, expected.item())
+            err = max_rel_grad_diff(mine, theirs, grad_floor(dtype), negligible_grad(dtype))
+            assert err <= TOL[dtype], f"{what}: max relative gradient difference {err:.2e}"
+
+
+@pytest.mark.parametrize("attention", ["sdpa_dense", "segment"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("family", sorted(HYBRID))
+@settings(max_examples=examples(2))
+@given(data=forests(max_branches=5, max_len=8, vocab=6))
+@example(data=ONE_TOKEN)
+def test_hybrid_tree_equals_transformers_branch_by_branch(family, dtype, attention, data, tmp_path_factory):
+    compare(family, dtype, attention, "token-mean", data, tmp_path_factory)
+
+
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
+@pytest.mark.parametrize("family", sorted(HYBRID))
+def test_hybrid_every_aggregation_and_partitioned(family, aggregation, tmp_path_factory):
+    """Partitions of 6 and 7 tokens (the longest branch has 6) cut inside segments and between one-token segments: the
+    recurrent states and convolution contexts cross partitions (with their gradients)."""
+    compare(family, torch.float64, "sdpa_dense", aggregation, ONE_TOKEN, tmp_path_factory, budgets=(None, 6, 7))
+
+
+def test_plain_forward_and_direct_calls_never_reach_fla(tmp_path):
+    """The adapted model's own forward (causal rows through the tree kernels) and a direct call
+    of one of its hybrid layers without a tree context (transformers' torch functions) run on
+    CPU and agree with the reference; the family's modelling module and class are untouched."""
+    model_type, cfg = HYBRID["qwen3_5"]
+    random_hf_checkpoint(tmp_path, model_type, **cfg)
+    ours = treelit.load_hf_model(tmp_path, dtype=torch.float64)
+    ref = load_hf_oracle(tmp_path, dtype=torch.float64, exact=False)
+    bind_torch_kernels(ref)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad(), KeepFloat64():
+        expected = ref(input_ids=ids).logits
+        torch.testing.assert_close(ours(ids), expected, rtol=1e-10, atol=1e-10)
+        layer = ours.hf.model.layers[0].linear_attn
+        h = torch.randn(2, 5, BASE["hidden_size"], dtype=torch.float64)
+        torch.testing.assert_close(layer(h), ref.model.layers[0].linear_attn(h), rtol=1e-12, atol=1e-12)
+    module = sys.modules[type(layer).__module__]
+    assert "forward" in vars(layer) and type(layer).forward is not layer._treelit_forward
+    assert module.torch_chunk_gated_delta_rule.__name__ == "torch_chunk_gated_delta_rule"  # not rebound globally
+
+
+UNSUPPORTED = {
+    "olmo_hybrid": dict(BASE, num_hidden_layers=2),
+    "kimi_linear": dict(BASE, num_hidden_layers=2),
+    "granitemoehybrid": dict(BASE, num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16),
+    "falcon_h1": dict(BASE, num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64),
+    "qwen3_5_moe_text": dict(BASE, num_hidden_layers=2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))
+def test_hybrids_without_tree_kernels_refused_at_load(tmp_path, model_type):
+    transformers.AutoConfig.for_model(model_type, **UNSUPPORTED[model_type]).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="'model_type'"):
+        treelit.load_hf_model(tmp_path)
