@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from treelit.ssm.layout import causal_layout, tree_layout
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["CausalContext", "TreeContext", "TreeLayout", "ExternalKV"]
@@ -53,8 +54,6 @@ class CausalContext(_RouterRecord):
     def recurrent_layout(self, K: int, B: int, L: int, device=None):
         key = (K, B, L)
         if key not in self._layouts:
-            from treelit.ssm.layout import causal_layout
-
             self._layouts[key] = causal_layout(B, L, self.lengths, K, device)
         return self._layouts[key]
 
@@ -193,8 +192,6 @@ class TreeContext(_RouterRecord):
 
     def recurrent_layout(self, K: int, B: int = 1, L: int = 0, device=None):
         if K not in self._layouts:
-            from treelit.ssm.layout import tree_layout
-
             ext = self.external is not None and bool(self.external.state)
             self._layouts[K] = tree_layout(self.batch, K, external=ext, capture=self.capture_tokens)
         return self._layouts[K]

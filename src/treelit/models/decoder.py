@@ -39,10 +39,13 @@ from torchtune.modules import (
 )
 
 from treelit.models.config import DecoderConfig
-from treelit.models.numerics import compute_dtype as _compute_dtype
-from treelit.models.numerics import rms_norm
+from treelit.models.context import CausalContext
 from treelit.models.moe import MoEFeedForward, record_pass
-from treelit.models.rope import TreeRoPE
+from treelit.models.rope import TreeRoPE, rotate
+from treelit.ssm.layers import build_recurrent_layer
+from treelit.utils.blocks import call_block
+from treelit.utils.numerics import compute_dtype as _compute_dtype
+from treelit.utils.numerics import rms_norm
 
 __all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "in_forward", "output_weight", "rope_style_of"]
 
@@ -59,8 +62,6 @@ class TreeDecoder(TransformerDecoder):
             if kind == "attention":
                 layers.append(_attention_layer(c, rope, i))
             else:
-                from treelit.ssm.layers import build_recurrent_layer
-
                 layers.append(build_recurrent_layer(c, kind, i))
         tok = nn.Embedding(c.vocab_size, c.embed_dim)
         output = TiedLinear(tok) if c.tie_word_embeddings else nn.Linear(c.embed_dim, c.vocab_size, bias=False)
@@ -111,8 +112,6 @@ class TreeDecoder(TransformerDecoder):
                 raise NotImplementedError(
                     f"torchtune's forward arguments {sorted(kwargs)} are not supported for this model "
                     "(q/k norms or sliding windows); call it with token ids only")
-            from treelit.models.context import CausalContext
-
             B, L = tokens.shape
             pos = torch.arange(L, device=tokens.device).expand(B, L)
             return self.output(decoder_hidden(self, tokens, pos, CausalContext()))
@@ -193,24 +192,10 @@ def apply_rope(rope: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Ten
     """Rotate ``x [B, L, H, D]`` by positions ``pos [B, L]`` using ``rope``'s frequencies.
 
     Angles are formed in float64 from the module's ``theta`` so that float64 models are
-    exact; the rotation runs in the input's precision (float32 for half types).
+    exact; the rotation runs in the input's precision (float32 for half types). The
+    arithmetic is :func:`treelit.models.rope.rotate`; this picks the layout of ``rope``'s type.
     """
-    theta = rope.theta.to(torch.float64)
-    ang = pos.to(torch.float64).unsqueeze(-1) * theta  # [B, L, D/2]
-    dt = _compute_dtype(x)
-    scale = getattr(rope, "attention_scaling", 1.0)  # yarn's attention factor
-    cos = (ang.cos() * scale).to(dt).unsqueeze(2)  # [B, L, 1, D/2]
-    sin = (ang.sin() * scale).to(dt).unsqueeze(2)
-    xf = x.to(dt)
-    if rope_style_of(rope) == "half":
-        half = x.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:
-        xs = xf.reshape(*xf.shape[:-1], -1, 2)
-        x1, x2 = xs[..., 0], xs[..., 1]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    return rotate(rope, x, pos, rope_style_of(rope))
 
 
 def output_weight(model: TransformerDecoder) -> torch.Tensor:
@@ -282,8 +267,6 @@ def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_
     """
     if hasattr(model, "tree_hidden_states"):
         return model.tree_hidden_states(input_ids, position_ids, ctx)
-    from treelit.utils.blocks import call_block
-
     ckpt = bool(getattr(model, "activation_checkpointing", False))
     guard = getattr(ctx, "oom_guard", None)
     h = _embed(model, input_ids, ctx)

@@ -8,7 +8,7 @@ are refused in :func:`treelit.models.config.check_rope_scaling`.
 Frequencies are computed in float32 with the same operations, in the same order, as
 the published Hugging Face implementation, so both sides rotate with bitwise-equal
 inverse frequencies; angles, cos and sin are then formed in float64 by
-:func:`treelit.models.decoder.apply_rope`, which keeps float64 models exact. yarn's
+:func:`rotate`, which keeps float64 models exact. yarn's
 attention factor multiplies cos and sin (it scales q·k by its square).
 """
 
@@ -20,7 +20,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["TreeRoPE", "rope_frequencies"]
+from treelit.utils.numerics import compute_dtype
+
+__all__ = ["TreeRoPE", "rope_frequencies", "rotate"]
 
 
 def _default(dim: int, base: float) -> torch.Tensor:
@@ -89,6 +91,31 @@ def rope_frequencies(dim: int, base: float, scaling: Optional[Dict[str, Any]] = 
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
+def rotate(rope: nn.Module, x: torch.Tensor, pos: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotate ``x [B, L, H, D]`` by positions ``pos [B, L]`` with ``rope.theta [D/2]`` (and its
+    ``attention_scaling``), pairing channels ``half``-split or ``interleaved`` (``style``).
+
+    Angles are formed in float64 so that float64 models are exact; the rotation runs in the
+    input's precision (float32 for half types).
+    """
+    theta = rope.theta.to(torch.float64)
+    ang = pos.to(torch.float64).unsqueeze(-1) * theta  # [B, L, D/2]
+    dt = compute_dtype(x)
+    scale = getattr(rope, "attention_scaling", 1.0)  # yarn's attention factor
+    cos = (ang.cos() * scale).to(dt).unsqueeze(2)  # [B, L, 1, D/2]
+    sin = (ang.sin() * scale).to(dt).unsqueeze(2)
+    xf = x.to(dt)
+    if style == "half":
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        xs = xf.reshape(*xf.shape[:-1], -1, 2)
+        x1, x2 = xs[..., 0], xs[..., 1]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
 class TreeRoPE(nn.Module):
     """RoPE over ``head_dim`` channels, rotating ``half``-split or ``interleaved`` pairs.
 
@@ -114,11 +141,9 @@ class TreeRoPE(nn.Module):
         self.theta = theta.to(self.theta.device)
 
     def forward(self, x: torch.Tensor, *, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from treelit.models.decoder import apply_rope
-
         b, s = x.shape[:2]
         pos = input_pos if input_pos is not None else torch.arange(s, device=x.device).expand(b, s)
-        return apply_rope(self, x, pos)
+        return rotate(self, x, pos, self.style)
 
     def extra_repr(self) -> str:
         kind = self.scaling["rope_type"] if self.scaling else "default"

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treelit.models.numerics import rms_norm
+from treelit.ssm.fla_backend import gdn_scan_fla, ssd_scan_fla
 from treelit.ssm.scan import chunked_scan, gdn_chunk, gdn_step, segment_scan, ssd_chunk, ssd_step
+from treelit.utils.numerics import rms_norm
 
 __all__ = ["causal_conv", "conv_context_at", "ShortConv", "GatedDeltaNet", "Mamba2", "RecurrentBlock", "build_recurrent_layer"]
 
@@ -189,8 +190,6 @@ class GatedDeltaNet(nn.Module):
 
     def _scan(self, q, k, v, beta, g, layout, init):
         if self.backend == "fla":
-            from treelit.ssm.fla_backend import gdn_scan_fla
-
             return gdn_scan_fla(q, k, v, beta, g, layout, init, self.dk**-0.5)
         shapes = (self.HV, self.dk, self.dv), (self.HV, self.dv)
         if self.chunk_size > 1:
@@ -289,8 +288,6 @@ class Mamba2(nn.Module):
 
     def _scan(self, xs, dt, A, Bh, Ch, D, layout, init):
         if self.backend == "fla":
-            from treelit.ssm.fla_backend import ssd_scan_fla
-
             return ssd_scan_fla(xs, dt, A, Bh, Ch, D, layout, init)
         shapes = (self.H, self.P, self.N), (self.H, self.P)
         if self.chunk_size > 1:
@@ -319,7 +316,7 @@ class RecurrentBlock(nn.Module):
 
 def build_recurrent_layer(config, kind: str, index: int) -> RecurrentBlock:
     """A GDN or Mamba2 block for layer ``index`` of a :class:`~treelit.models.config.DecoderConfig`."""
-    from torchtune.modules import FeedForward, RMSNorm
+    from torchtune.modules import FeedForward, RMSNorm  # heavy (loads torchao, datasets): only where a model is built
 
     opts = dict((config.recurrent or {}).get(kind, {}))
     mlp_opt = opts.pop("mlp", kind == "gdn")

@@ -24,6 +24,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from treelit.tree.batch import segments_from_parents
+
 __all__ = ["RecurrentLayout", "tree_layout", "causal_layout"]
 
 
@@ -86,8 +88,6 @@ def tree_layout(batch, K: int, external: bool = False, capture: Optional[np.ndar
     Segments are cut after every ``capture`` token so that its state is a segment's final one."""
     parent = batch.parent.cpu().numpy()
     if capture is not None and len(capture):
-        from treelit.tree.batch import segments_from_parents
-
         seg_start, seg_len, seg_parent = segments_from_parents(parent, np.asarray(capture, dtype=np.int64))
     else:
         seg_start = batch.seg_start.cpu().numpy()

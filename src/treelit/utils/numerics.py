@@ -1,4 +1,5 @@
-"""Numerics shared by every layer (attention blocks, recurrent blocks): kept below both.
+"""Numerics shared by every layer (attention blocks, recurrent blocks): kept below both
+(``treelit.ssm`` builds recurrent blocks without importing ``treelit.models``).
 
 Float32 and float64 inputs are computed in their own precision, so float64 models are
 exact; half-precision inputs are computed in float32, as torchtune and transformers do.
