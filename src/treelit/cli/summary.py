@@ -45,7 +45,7 @@ def build_summary(
     from treelit.utils.mlflow_store import ui_command
     from treelit.utils.redact import redact_config
 
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k not in ("step", "epoch")}  # axes
     s: Dict[str, Any] = {
         "output_dir": str(out),
         "global_step": int(trainer.global_step),
@@ -72,9 +72,12 @@ def build_summary(
         s["resumed_from"] = {"checkpoint": resume["path"], "step": resume.get("global_step")}
     for lg in trainer.loggers:
         if isinstance(lg, TreeMLFlowLogger) and lg.run_id:
+            # only rank 0 opens the store: elsewhere lg.experiment is Lightning's no-op stand-in,
+            # whose get_run returns None (the run's name is then unknown here)
+            run = lg.experiment.get_run(lg.run_id)
             s["mlflow"] = {
                 "run_id": lg.run_id,
-                "run_name": lg.experiment.get_run(lg.run_id).info.run_name,
+                "run_name": getattr(getattr(run, "info", None), "run_name", None),
                 "experiment": lg._experiment_name,
                 "tracking_uri": lg.tracking_uri,
                 "continued": lg.reopened,
@@ -142,6 +145,6 @@ def format_summary(s: Dict[str, Any]) -> str:
     m = s.get("mlflow")
     if m:
         cont = ", continued" if m.get("continued") else ""
-        row("MLflow", f"run {m['run_name']} (id {m['run_id']}{cont}), experiment '{m['experiment']}'")
+        row("MLflow", f"run {m['run_name'] or '?'} (id {m['run_id']}{cont}), experiment '{m['experiment']}'")
         row("MLflow UI", f"{m['ui']}  then open http://127.0.0.1:5000")
     return "\n".join(lines)

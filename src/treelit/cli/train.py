@@ -262,9 +262,9 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
 
     summary = build_summary(out=out, trainer=trainer, data_stats=data_stats,
                             wall_seconds=time.monotonic() - started, resume=resume)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    _log_artifacts(loggers, out, summary)
-    if trainer.is_global_zero:
+    if trainer.is_global_zero:  # one summary.json: the other ranks of a multi-process run hold no MLflow run
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        _log_artifacts(loggers, out, summary)
         log.info("%s", format_summary(summary))
     return summary
 
