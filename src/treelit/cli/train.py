@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -28,7 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from treelit.cli.config import CONF_DIR, register_resolvers, validate_config
 from treelit.cli.console import SetupError, full_error_requested, tidy_library_logging, user_error_message
-from treelit.cli.preflight import check_space, check_writable
+from treelit.cli.preflight import check_space, check_writable, lock_output_dir
+from treelit.utils.redact import redact_config, redact_text
 
 log = logging.getLogger("treelit.train")
 
@@ -63,7 +65,7 @@ def _flat_params(cfg: DictConfig) -> Dict[str, Any]:
         else:
             flat[prefix] = node
 
-    walk("", OmegaConf.to_container(cfg, resolve=True))
+    walk("", redact_config(OmegaConf.to_container(cfg, resolve=True)))
     return {k: v for k, v in flat.items() if not k.startswith("hydra")}
 
 
@@ -157,11 +159,12 @@ def _build_loggers(group: Any, resume: Optional[Dict[str, Any]]) -> List[Any]:
         link = (resume or {}).get("mlflow")
         if link and str(node.get("_target_", "")).endswith("TreeMLFlowLogger"):
             uri = node.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-            if resolve_tracking_uri(str(uri)) == link.get("tracking_uri"):
+            # checkpoints hold the store's URI with its credentials redacted
+            if redact_text(resolve_tracking_uri(str(uri))) == redact_text(str(link.get("tracking_uri"))):
                 kwargs["run_id"] = link["run_id"]
             else:
                 log.info("resume_from: the checkpoint's MLflow run is in %s, this run logs to %s: starting a new run",
-                         link.get("tracking_uri"), uri)
+                         redact_text(str(link.get("tracking_uri"))), redact_text(str(uri)))
         loggers.append(build(node, **kwargs))
     return loggers
 
@@ -191,6 +194,25 @@ def _log_artifacts(loggers: List[Any], out: Path, summary: Dict[str, Any]) -> No
 
 
 def run(cfg: DictConfig) -> Dict[str, Any]:
+    """Train as ``cfg`` says and return the summary. The run holds the lock of its
+    ``output_dir`` (taken here unless ``treelit-train``'s Hydra callback took it already)
+    until it ends; another run on the same folder is refused meanwhile."""
+    started = time.monotonic()
+    validate_config(cfg)
+    out = Path(cfg.output_dir)
+    check_writable(out)
+    lock = lock_output_dir(out)  # None in processes started by a multi-process launcher
+    if lock is not None and lock.took_over:
+        log.info("output_dir %s: took over the lock left by %s, which is no longer running", out, lock.took_over)
+        lock.took_over = None
+    try:
+        return _train(cfg, out, started)
+    finally:
+        if lock is not None:
+            lock.release(all=True)  # the run is over, whoever took the lock
+
+
+def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -198,13 +220,10 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
     from treelit.lightning.module import TreeLitModule
 
-    started = time.monotonic()
-    validate_config(cfg)
-    out = Path(cfg.output_dir)
-    check_writable(out)
     resume = read_resume_checkpoint(str(cfg.resume_from)) if cfg.get("resume_from") else None
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    # resolved, credentials redacted (the loggers receive the real values)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(redact_config(OmegaConf.to_container(cfg, resolve=True))))
 
     with _setup_errors():
         model = build(cfg.model)
@@ -255,7 +274,10 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         for lg in loggers:
             lg.finalize("failed")
         raise
-    with _torch_threads(cfg.get("torch_threads", "auto"), model, str(cfg.trainer.get("accelerator", "cpu"))):
+    with _torch_threads(cfg.get("torch_threads", "auto"), model, str(cfg.trainer.get("accelerator", "cpu"))), \
+            warnings.catch_warnings():
+        if resume:  # resumed in its own folder, the run finds its earlier checkpoints there: expected
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from)
 
     from treelit.cli.summary import build_summary, format_summary
