@@ -23,6 +23,7 @@ import torch
 from treelit.models.config import DecoderConfig, check_rope_scaling, decode_special_floats, parse_config_json
 from treelit.models.decoder import TreeDecoder
 from treelit.models.errors import CheckpointError
+from treelit.models.hf_files import SAFE_INDEX, check_weight_shapes, weight_files
 from treelit.models.hf_keys import check_config_keys, effective_windows
 
 log = logging.getLogger(__name__)
@@ -236,10 +237,6 @@ def _permute_out(t: torch.Tensor, heads: int, hd: int) -> torch.Tensor:
     return t.reshape(heads, hd // 2, 2, *rest).transpose(1, 2).reshape(heads * hd, *rest)
 
 
-SAFE_INDEX = "model.safetensors.index.json"
-BIN_INDEX = "pytorch_model.bin.index.json"
-
-
 def _load_file(f: Path) -> Dict[str, torch.Tensor]:
     """One weights file, its errors naming it (a truncated or corrupt file is a user error)."""
     try:
@@ -253,35 +250,16 @@ def _load_file(f: Path) -> Dict[str, torch.Tensor]:
 
 
 def _read_state_dict(path: Path) -> Dict[str, torch.Tensor]:
-    """All weights of a checkpoint directory: the shards an index file lists (sharded
-    checkpoints), else ``model.safetensors``, else every ``*.safetensors`` / ``pytorch_model*.bin``."""
-    for index_name in (SAFE_INDEX, BIN_INDEX):
-        index = path / index_name
-        if not index.is_file():
-            continue
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a valid index file ({exc})") from None
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: shard files {', '.join(missing[:4])} are missing")
-        sd: Dict[str, torch.Tensor] = {}
-        for shard in shards:
-            sd.update(_load_file(path / shard))
+    """All weights of a checkpoint directory (its :func:`~treelit.models.hf_files.weight_files`,
+    shard names confined to the directory)."""
+    files, index, weight_map = weight_files(path)
+    sd: Dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(_load_file(f))
+    if index is not None:
         absent = sorted(set(weight_map) - set(sd))
         if absent:
             raise CheckpointError(f"{index}: weights {', '.join(absent[:8])} are not in their shards")
-        return sd
-    if (path / "model.safetensors").is_file():
-        return _load_file(path / "model.safetensors")
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
-    sd = {}
-    for f in files:
-        sd.update(_load_file(f))
     return sd
 
 
@@ -434,10 +412,13 @@ def load_hf_checkpoint(
             raise CheckpointError(f"{cfg_file}: invalid treelit_config ({exc})") from exc
         if max_seq_len:
             config.max_seq_len = int(max_seq_len)
-        tune_sd = _read_state_dict(path)
     else:
         config = config_from_hf(cfg, max_seq_len, where=str(cfg_file))
-        tune_sd = _hf_weights_to_tune(_read_state_dict(path), config, path)
+    # the sizes config.json states against the weights' headers, before anything is read or allocated
+    check_weight_shapes(cfg, weight_files(path)[0], cfg_file)
+    tune_sd = _read_state_dict(path)
+    if cfg.get("model_type") != NATIVE_MODEL_TYPE:
+        tune_sd = _hf_weights_to_tune(tune_sd, config, path)
     model = TreeDecoder(config)
     expected = set(model.state_dict().keys())
     missing = sorted(expected - set(tune_sd))

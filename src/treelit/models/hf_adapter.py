@@ -256,13 +256,18 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 
     path = Path(path)
     raw, cfg_file = read_config_json(path)
-    # shard names stay inside the directory, sizes agree with the weights' headers: before allocating
-    check_weight_shapes(raw, weight_files(path)[0], cfg_file)
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config validators raise it
+
     try:  # never the checkpoint's own Python code (auto_map)
         cfg = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as exc:
-        raise CheckpointError(f"{cfg_file}: {exc}") from None
+    except (ValueError, KeyError, OSError, StrictDataclassError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise CheckpointError(f"{cfg_file}: the checkpoint needs its own Python code (auto_map); treelit never "
+                                  "runs code from a checkpoint (trust_remote_code=False)") from None
+        raise CheckpointError(f"{cfg_file}: {' '.join(str(exc).split())}") from None
     check_adapter_config(cfg, str(cfg_file))
+    # shard names stay inside the directory, sizes agree with the weights' headers: before allocating
+    check_weight_shapes(raw, weight_files(path)[0], cfg_file)
     register_attention()
     kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME}
     if _moe_options(cfg) or getattr(cfg, "num_experts_per_tok", None):

@@ -1,0 +1,103 @@
+"""Reading a Lightning checkpoint someone handed over without running code from it.
+
+A ``.ckpt`` file is a pickle, and unpickling can call any function the file names
+(``os.system``). treelit reads checkpoints with ``torch.load(weights_only=True)``:
+tensors, containers and plain values only (a checkpoint treelit writes holds nothing
+else), anything else refused before it is built. ``resume_from`` reads the file this
+way first (its step and MLflow run), and Lightning's own restore is given
+``weights_only=True`` too.
+
+A sharded checkpoint (a directory, ``trainer=fsdp2*``) has two more files: ``meta.pt``
+(read as above) and torch's distributed-checkpoint ``.metadata``, which torch's
+``FileSystemReader`` reads with plain ``pickle.load`` whatever ``weights_only`` says.
+:func:`check_sharded_metadata` unpickles it first with an unpickler that builds only
+torch's checkpoint-metadata types and refuses any other global, so a crafted
+``.metadata`` is refused before torch reads it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Union
+
+from treelit.models.errors import CheckpointError
+
+__all__ = ["load_checkpoint", "check_sharded_metadata"]
+
+
+def _refusal(exc: BaseException) -> str:
+    text = str(exc)
+    m = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if m:
+        return f"it names {m.group(1)}, which is not tensor or plain data"
+    m = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
+    return m.group(1).strip() if m else (text.strip().splitlines() or [type(exc).__name__])[0]
+
+
+def load_checkpoint(path: Union[str, Path], what: str = "resume_from") -> Any:
+    """``torch.load(path, weights_only=True)`` on CPU (memory-mapped when the file is a zip
+    archive). A file that names anything but tensors and plain data is refused with a
+    :class:`CheckpointError` naming it; so is an unreadable one."""
+    import torch
+
+    p = Path(path)
+    try:
+        try:
+            return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError:
+            raise
+        except Exception:  # not a zip archive (mmap needs one): a plain load says what is wrong
+            return torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" in str(exc):
+            raise CheckpointError(f"{what}: {p} is refused: {_refusal(exc)} (checkpoints are read as tensors and "
+                                  "plain data only; code in them is never run)") from None
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{what}: {p} is not a readable Lightning checkpoint "
+                              f"(truncated or not a checkpoint file: {why})") from None
+    except Exception as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{what}: {p} is not a readable Lightning checkpoint "
+                              f"(truncated or not a checkpoint file: {why})") from None
+
+
+# what torch's distributed checkpoint writes into .metadata (torch 2.13): its metadata dataclasses,
+# tensor sizes, dtypes, layouts and memory formats, the file name of each item
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not distributed-checkpoint metadata")
+
+
+def check_sharded_metadata(directory: Union[str, Path], what: str = "resume_from") -> None:
+    """Refuse a sharded checkpoint whose ``.metadata`` files name anything but torch's
+    checkpoint-metadata types (torch reads them with plain ``pickle.load``)."""
+    d = Path(directory)
+    names = {f.name for f in d.glob("*.metadata")} | ({".metadata"} if (d / ".metadata").is_file() else set())
+    for f in (d / name for name in sorted(names)):
+        try:
+            _MetadataUnpickler(io.BytesIO(f.read_bytes())).load()
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{what}: {f} is refused: {exc} (it would run code when torch reads it)") from None
+        except Exception as exc:
+            raise CheckpointError(f"{what}: {f} is not readable distributed-checkpoint metadata "
+                                  f"({type(exc).__name__}: {exc})") from None
