@@ -15,12 +15,14 @@ import torch
 
 from treelit.attention.base import AttentionBackend
 from treelit.loss.branches import Branches
+from treelit.loss.linear import _group_loss, linear_micro_batches
 from treelit.loss.router import moe_options, router_aux
-from treelit.objectives import Objective, make_objective
-from treelit.tree.batch import TreeBatch
+from treelit.objectives.base import Objective, make_objective
+# global_normalizer is treelit.global_normalizer from here: objective names resolve, the objectives are loaded
+from treelit.tree.batch import TreeBatch, global_normalizer
 from treelit.tree.token_tree import TokenTree
 
-__all__ = ["tree_loss", "linear_loss", "linear_backward"]
+__all__ = ["tree_loss", "linear_loss", "linear_backward", "global_normalizer"]
 
 
 def _objective(objective: Union[str, Objective], options) -> Objective:
@@ -133,8 +135,6 @@ def linear_backward(
     """Per-branch SFT step as a trainer runs it: forward and backward per micro-batch of
     branches, accumulating ``.grad``. Returns the loss value. (A mixture-of-experts model
     whose router loss is on needs every branch's routing before any backward: one graph then.)"""
-    from treelit.loss.linear import _group_loss, linear_micro_batches
-
     if moe_options(model) is not None:
         loss = linear_loss(model, branches, loss_masks, weights, aggregation, normalizer=normalizer,
                            max_tokens=max_tokens, chunk_rows=chunk_rows)

@@ -22,14 +22,16 @@ __all__ = ["lazy_exports"]
 
 def lazy_exports(package: str, exports: Dict[str, str]) -> Tuple[Callable[[str], Any], Callable[[], List[str]]]:
     """``(__getattr__, __dir__)`` for package ``package`` whose name ``n`` lives in module
-    ``exports[n]``. Unknown names raise :class:`AttributeError` (so ``from package import
-    submodule`` still finds submodules)."""
+    ``exports[n]`` (``n`` itself when ``exports[n]`` is ``package.n``: a subpackage reached as an
+    attribute, ``treelit.models`` after ``import treelit``). Unknown names raise
+    :class:`AttributeError` (so ``from package import submodule`` still finds submodules)."""
 
     def __getattr__(name: str) -> Any:
         where = exports.get(name)
         if where is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(where), name)
+        module = importlib.import_module(where)
+        value = module if where == f"{package}.{name}" else getattr(module, name)
         setattr(sys.modules[package], name, value)  # the next access does not come here
         return value
 

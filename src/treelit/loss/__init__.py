@@ -2,12 +2,32 @@
 
 The entry points (``treelit.tree_loss``, ``treelit.linear_loss``) live in :mod:`treelit.api`:
 objective -> these primitives -> decoder -> attention backend.
+
+The names below are imported on first use (:mod:`treelit.lazy`): the tree builders read
+:mod:`treelit.loss.branches` (per-branch inputs) without loading the decoder.
 """
 
-from treelit.loss.branches import Branches, as_branches
-from treelit.loss.linear import linear_branch_logprobs, sft_linear_loss
-from treelit.loss.logprobs import token_logprobs
-from treelit.loss.tree import sft_tree_loss, tree_hidden, tree_token_logprobs
+from typing import TYPE_CHECKING
+
+from treelit.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from treelit.loss.branches import Branches, as_branches
+    from treelit.loss.linear import linear_branch_logprobs, sft_linear_loss
+    from treelit.loss.logprobs import token_logprobs
+    from treelit.loss.tree import sft_tree_loss, tree_hidden, tree_token_logprobs
+
+_EXPORTS = {
+    "Branches": "treelit.loss.branches",
+    "as_branches": "treelit.loss.branches",
+    "linear_branch_logprobs": "treelit.loss.linear",
+    "sft_linear_loss": "treelit.loss.linear",
+    "token_logprobs": "treelit.loss.logprobs",
+    "sft_tree_loss": "treelit.loss.tree",
+    "tree_hidden": "treelit.loss.tree",
+    "tree_token_logprobs": "treelit.loss.tree",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["Branches", "as_branches", "linear_branch_logprobs", "sft_linear_loss", "sft_tree_loss", "token_logprobs",
            "tree_hidden", "tree_token_logprobs"]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from treelit.loss.branches import Branches
-from treelit.loss.logprobs import weighted_nll
+from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.models.context import CausalContext
 from treelit.models.decoder import decoder_hidden, in_forward, output_weight
 
@@ -83,8 +83,6 @@ def sft_linear_loss(model, branches: Branches, aggregation: str = "token-mean", 
 def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_tokens: int = 8192, chunk_rows=None):
     """Per branch (run as its own causal sequence), the log-prob of each token from position 1
     on, and optionally the entropy of each predicting distribution: lists of ``[L_b - 1]``."""
-    from treelit.loss.logprobs import token_logprobs
-
     toks = [np.asarray(b, dtype=np.int64) for b in branches]
     device = next(model.parameters()).device
     logps: List[torch.Tensor] = [None] * len(toks)  # type: ignore[list-item]

@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from treelit.attention.base import AttentionBackend, resolve_backend
-from treelit.loss.logprobs import weighted_nll
+from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.decoder import decoder_hidden, in_forward, output_weight
 from treelit.tree.batch import TreeBatch, global_normalizer
@@ -92,8 +92,6 @@ def tree_token_logprobs(
 
     Returns ``(select [M], logp [M], entropy [M] or None)``.
     """
-    from treelit.loss.logprobs import token_logprobs
-
     batch = prepare_batch(model, batch)
     if select is None:
         select = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)

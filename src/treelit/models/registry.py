@@ -7,11 +7,14 @@ weights come from a Hugging Face checkpoint via ``model.hf_checkpoint``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from treelit import models  # the package face: the decoder (torchtune) is imported when a preset is built
 from treelit.models.config import DecoderConfig
-from treelit.models.decoder import TreeDecoder
 from treelit.registry import get_registry
+
+if TYPE_CHECKING:
+    from treelit.models.decoder import TreeDecoder
 
 __all__ = ["MODELS", "build_model"]
 
@@ -22,7 +25,7 @@ _TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermedia
 
 def _preset(name: str, **defaults: Any) -> None:
     def make(**overrides: Any) -> TreeDecoder:
-        return TreeDecoder(DecoderConfig(**{**defaults, **overrides}))
+        return models.TreeDecoder(DecoderConfig(**{**defaults, **overrides}))
 
     make.__name__ = name
     make.__doc__ = f"Build the {name!r} preset; keyword arguments override its DecoderConfig fields."

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from treelit.registry import get_registry
+from treelit.tree.batch import global_normalizer
 
 __all__ = ["OBJECTIVES", "Objective", "make_objective"]
 
@@ -42,8 +43,6 @@ class Objective:
         """The step normaliser ``Z`` of ``micro_batches`` for this objective: pass it as
         ``normalizer=Z`` to each micro-batch's loss (gradient accumulation; under data
         parallelism sum the contributions over ranks as well)."""
-        from treelit.tree.batch import global_normalizer
-
         return global_normalizer(micro_batches, aggregation, objective=self)
 
     def tree_loss(

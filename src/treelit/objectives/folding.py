@@ -31,6 +31,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from treelit.objectives.base import Objective
+from treelit.objectives.paths import branch_target_sums
+from treelit.objectives.rl import DPO, GSPO, _pairs, _PolicyObjective
+from treelit.objectives.sft import SFT
+from treelit.tree.batch import check_aggregation, global_normalizer
 
 __all__ = ["FoldSpec", "fold_spec", "loss_from_logprobs", "target_selection"]
 
@@ -46,9 +50,6 @@ class FoldSpec:
 
 
 def fold_spec(objective: Objective) -> FoldSpec:
-    from treelit.objectives.rl import DPO, GSPO, _PolicyObjective
-    from treelit.objectives.sft import SFT
-
     if hasattr(objective, "loss_from_logprobs"):
         return FoldSpec(bool(getattr(objective, "token_separable", False)),
                         bool(getattr(objective, "needs_entropy", False)), False, False)
@@ -90,11 +91,6 @@ def loss_from_logprobs(
         ref: ``[N]`` float64 reference log-probs of every tree token (NaN where unknown),
             from a reference model's pass; None: the objective reads them from the data.
     """
-    from treelit.objectives.paths import branch_target_sums
-    from treelit.objectives.rl import DPO, _pairs, _PolicyObjective
-    from treelit.objectives.sft import SFT
-    from treelit.tree.batch import check_aggregation, global_normalizer
-
     check_aggregation(aggregation)
     if hasattr(objective, "loss_from_logprobs"):
         return objective.loss_from_logprobs(batch, sel, logp, ent, aggregation=aggregation, normalizer=normalizer, ref=ref)
