@@ -11,6 +11,7 @@ nasty cases (packed rows of several trees, so positions reset inside a row).
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -18,17 +19,21 @@ import torch
 from hypothesis import example, given, settings
 
 import treelit
+from float64_mode import KeepFloat64
 from helpers import assert_trains, grad_floor, max_rel_grad_diff, negligible_grad, tol
 from hf_oracle import hf_branch_loss, hf_router_loss, load_hf_oracle, make_exact, random_hf_checkpoint
 from strategies import examples, forests
 from treelit.attention.segment import SegmentAttention
 from treelit.models.hf import CheckpointError
+from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_torch_kernels
 
 transformers = pytest.importorskip("transformers")
 
 TINY = dict(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 IDS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)
+GDN = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+           linear_conv_kernel_dim=3)
 FAMILIES = {
     "llama": ("llama", {}),
     "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
@@ -39,6 +44,17 @@ FAMILIES = {
                                    layer_types=["sliding_attention", "full_attention"], **IDS)),
     "phi3": ("phi3", IDS),
     "olmo2": ("olmo2", IDS),
+    # hybrids (tree kernels of treelit.models.hf_kernels; more configurations in test_hf_hybrid.py)
+    "qwen3_5": ("qwen3_5_text", dict(layer_types=["linear_attention", "full_attention"], **GDN)),
+    "qwen3_next": ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"], moe_intermediate_size=8,
+                                      shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                                      output_router_logits=True, router_aux_loss_coef=0.3, **GDN)),
+    "nemotron_h": ("nemotron_h", dict(layers_block_type=["mamba", "attention"], ssm_state_size=4, mamba_num_heads=4,
+                                      mamba_head_dim=8, n_groups=2, conv_kernel=3, chunk_size=4)),
+    "bamba": ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                            mamba_d_state=4, mamba_d_conv=3, mamba_chunk_size=4)),
+    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"], conv_L_cache=3, conv_bias=True,
+                          block_auto_adjust_ff_dim=False)),
 }
 FIXED = ([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9], [4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 10, 2]],
          [[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1], [0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]],
@@ -55,11 +71,20 @@ def models(family, dtype, tmp_path_factory):
         random_hf_checkpoint(path, model_type, **TINY, **extra)
         ours = treelit.load_hf_model(path, dtype=dtype)
         ref = load_hf_oracle(path, dtype=dtype, exact=False)
-        if dtype == torch.float64:
+        if model_type in HYBRID_FAMILIES:  # transformers' torch kernels; float64 kept by KeepFloat64 (see exact)
+            bind_torch_kernels(ref.to(dtype))
+        elif dtype == torch.float64:
             make_exact(ours.hf)
             make_exact(ref)
         _MODELS[key] = (ours, ref)
     return _MODELS[key]
+
+
+def exact(family, dtype):
+    """Hybrids in float64: transformers' float32 upcasts (their recurrent kernels included) kept in
+    float64 on both sides."""
+    hybrid = FAMILIES[family][0] in HYBRID_FAMILIES
+    return KeepFloat64() if hybrid and dtype == torch.float64 else contextlib.nullcontext()
 
 
 def _grads(model, strip=""):
@@ -80,31 +105,32 @@ def test_adapter_tree_equals_transformers_branch_by_branch(family, aggregation, 
     branches, masks, weights = data
     assert_trains(branches, masks, weights)
     ours, ref = models(family, dtype, tmp_path_factory)
-    coef = ours.config.moe.get("router_aux_loss_coef", 0.0)
-    ref.zero_grad(set_to_none=True)
-    expected = hf_branch_loss(ref, branches, masks, weights, aggregation)
-    if coef:
-        expected = expected + coef * hf_router_loss(ref, branches, "micro_batch")
-    expected.backward()
-    theirs = _grads(ref)
-    limit = tol(dtype)
-    batch = treelit.TokenTree.from_branches(branches, masks, weights).to_batch()
-    backend = SegmentAttention(batch_below=3, window_block=2) if attention == "segment" else attention
-    longest = max(len(b) for b in branches)
-    for budget in (None, longest):
-        ours.zero_grad(set_to_none=True)
-        if budget is None:
-            loss = treelit.tree_loss(ours, batch, aggregation, backend)
-            loss.backward()
-            value = loss.item()
-        else:  # (the router loss takes every token's routing in a no-gradient pass first)
-            value = treelit.tree_backward(ours, batch, aggregation, "redundancy_free", budget, attention=backend)
-        mine = _grads(ours, strip="hf.")
-        what = f"{family}/{aggregation}/{attention}/budget={budget}"
-        assert mine.keys() == theirs.keys(), what
-        assert abs(value - expected.item()) <= limit * abs(expected.item()), (what, value, expected.item())
-        err = max_rel_grad_diff(mine, theirs, grad_floor(dtype), negligible_grad(dtype))
-        assert err <= limit, f"{what}: max relative gradient difference {err:.2e}"
+    with exact(family, dtype):
+        coef = ours.config.moe.get("router_aux_loss_coef", 0.0)
+        ref.zero_grad(set_to_none=True)
+        expected = hf_branch_loss(ref, branches, masks, weights, aggregation)
+        if coef:
+            expected = expected + coef * hf_router_loss(ref, branches, "micro_batch")
+        expected.backward()
+        theirs = _grads(ref)
+        limit = tol(dtype)
+        batch = treelit.TokenTree.from_branches(branches, masks, weights).to_batch()
+        backend = SegmentAttention(batch_below=3, window_block=2) if attention == "segment" else attention
+        longest = max(len(b) for b in branches)
+        for budget in (None, longest):
+            ours.zero_grad(set_to_none=True)
+            if budget is None:
+                loss = treelit.tree_loss(ours, batch, aggregation, backend)
+                loss.backward()
+                value = loss.item()
+            else:  # (the router loss takes every token's routing in a no-gradient pass first)
+                value = treelit.tree_backward(ours, batch, aggregation, "redundancy_free", budget, attention=backend)
+            mine = _grads(ours, strip="hf.")
+            what = f"{family}/{aggregation}/{attention}/budget={budget}"
+            assert mine.keys() == theirs.keys(), what
+            assert abs(value - expected.item()) <= limit * abs(expected.item()), (what, value, expected.item())
+            err = max_rel_grad_diff(mine, theirs, grad_floor(dtype), negligible_grad(dtype))
+            assert err <= limit, f"{what}: max relative gradient difference {err:.2e}"
 
 
 def test_adapter_parameters_keep_transformers_names_and_export_identical(tmp_path):

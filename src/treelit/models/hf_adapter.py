@@ -282,9 +282,13 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
         hf = hf.to(dtype)  # parameters some families keep in float32 follow the requested dtype
     if cfg.model_type in HYBRID_FAMILIES:
         try:  # the hybrid layers' kernel entry points -> treelit's tree kernels (never fla's)
-            bind_tree_kernels(hf)
-        except NotImplementedError as exc:
+            bound = bind_tree_kernels(hf)
+        except (NotImplementedError, RuntimeError) as exc:
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: {exc}") from None
+        if not bound:  # this transformers release no longer calls the entry points by name
+            raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
+                                  f"transformers {transformers.__version__} model calls a kernel entry point "
+                                  "treelit can replace; its recurrent layers cannot run in tree mode")
     return HFTreeModel(hf).to(device)
 
 
