@@ -49,9 +49,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treelit import loss as primitives  # the loss face: the decoder (torchtune) is imported on the first loss
 from treelit.loss.branches import Branches, as_branches
-from treelit.loss.linear import linear_branch_logprobs
-from treelit.loss.tree import prepare_batch, tree_token_logprobs
 from treelit.objectives.base import OBJECTIVES, Objective
 from treelit.objectives.behavior import behavior_metrics, behavior_weights, check_behavior_options
 from treelit.objectives.paths import branch_target_sums
@@ -103,7 +102,7 @@ class _PolicyObjective(Objective):
     def _tree_ref(self, model, batch, sel, attention):
         if self.reference == "initial":
             with torch.no_grad():
-                _, ref, _ = tree_token_logprobs(self._reference_model(model), batch, attention, select=sel)
+                _, ref, _ = primitives.tree_token_logprobs(self._reference_model(model), batch, attention, select=sel)
             return ref.to(torch.float64)
         if batch.token_ref_logp is None or torch.isnan(batch.token_ref_logp[sel]).any():
             raise ValueError("kl_coef > 0 needs ref_logprobs for every target token in the data, or objective.reference=initial")
@@ -114,7 +113,7 @@ class _PolicyObjective(Objective):
         if self.reference == "initial":
             if not hasattr(self, "_lin_ref_cache") or self._lin_ref_cache[0] is not br:
                 with torch.no_grad():
-                    refs, _ = linear_branch_logprobs(self._reference_model(model), br.tokens)
+                    refs, _ = primitives.linear_branch_logprobs(self._reference_model(model), br.tokens)
                 self._lin_ref_cache = (br, refs)
             return self._lin_ref_cache[1][b].to(torch.float64)
         if br.ref is None:
@@ -198,11 +197,11 @@ class _PolicyObjective(Objective):
     def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
         check_aggregation(aggregation)
         self._check_advantages(batch)
-        batch = prepare_batch(model, batch)
+        batch = primitives.prepare_batch(model, batch)
         Z = self._Z(batch, aggregation, normalizer)
         sel = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
         need_ent = bool(self.entropy_coef)
-        _, logp, ent = tree_token_logprobs(model, batch, attention, select=sel, with_entropy=need_ent, chunk_rows=chunk_rows)
+        _, logp, ent = primitives.tree_token_logprobs(model, batch, attention, select=sel, with_entropy=need_ent, chunk_rows=chunk_rows)
         old = self._old_or_current(None if batch.token_old_logp is None else batch.token_old_logp[sel], logp)
         W = batch.token_weights(aggregation)[sel]
         main, metrics = self._tree_term(batch, sel, logp, old, aggregation)
@@ -218,7 +217,7 @@ class _PolicyObjective(Objective):
         br.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
         self._check_advantages(br)
         Z = self._Z(br, aggregation, normalizer)
-        logps, ents = linear_branch_logprobs(model, br.tokens, with_entropy=bool(self.entropy_coef),
+        logps, ents = primitives.linear_branch_logprobs(model, br.tokens, with_entropy=bool(self.entropy_coef),
                                              max_tokens=max_tokens, chunk_rows=chunk_rows)
         coef = br.weights * _branch_scale(br.n, aggregation)
         total = logps[0].new_zeros(())
@@ -394,7 +393,7 @@ class DPO(_PolicyObjective):
         """Per-branch reference sequence log-probs from the tree row ``batch``."""
         if self.reference == "initial":
             with torch.no_grad():
-                sel, lp, _ = tree_token_logprobs(self._reference_model(model), batch, attention)
+                sel, lp, _ = primitives.tree_token_logprobs(self._reference_model(model), batch, attention)
             x = torch.zeros(batch.num_tokens, dtype=torch.float64).index_put((sel,), lp.double())
             return branch_target_sums(batch, x)
         if batch.branch_ref_logp is None:
@@ -405,7 +404,7 @@ class DPO(_PolicyObjective):
         """Per-branch reference sequence log-probs, branch by branch (no tree)."""
         if self.reference == "initial":
             with torch.no_grad():
-                lps, _ = linear_branch_logprobs(self._reference_model(model), br.tokens)
+                lps, _ = primitives.linear_branch_logprobs(self._reference_model(model), br.tokens)
             return torch.stack([(lp.double().cpu() * torch.from_numpy(m[1:].astype(np.float64))).sum()
                                 for lp, m in zip(lps, br.masks)])
         if br.ref is None:
@@ -427,8 +426,8 @@ class DPO(_PolicyObjective):
 
     def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
         check_aggregation(aggregation)
-        batch = prepare_batch(model, batch)
-        sel, logp, _ = tree_token_logprobs(model, batch, attention, chunk_rows=chunk_rows)
+        batch = primitives.prepare_batch(model, batch)
+        sel, logp, _ = primitives.tree_token_logprobs(model, batch, attention, chunk_rows=chunk_rows)
         x = torch.zeros(batch.num_tokens, dtype=logp.dtype, device=logp.device).index_put((sel,), logp)
         pi = branch_target_sums(batch, x)
         ref = self._ref_seq(model, batch, attention)
@@ -440,7 +439,7 @@ class DPO(_PolicyObjective):
         check_aggregation(aggregation)
         br = as_branches(branches)
         br.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
-        lps, _ = linear_branch_logprobs(model, br.tokens, max_tokens=max_tokens, chunk_rows=chunk_rows)
+        lps, _ = primitives.linear_branch_logprobs(model, br.tokens, max_tokens=max_tokens, chunk_rows=chunk_rows)
         pi = torch.stack([(lp * torch.from_numpy(m[1:].astype(np.float64)).to(lp)).sum() for lp, m in zip(lps, br.masks)])
         ref = self._ref_seq_linear(model, br)
         return self._loss_from_seq(pi, ref, br.pairs(), br.weights, self._Z(br, aggregation, normalizer)), {}
