@@ -123,3 +123,90 @@ def test_rl_metrics_share_the_optimizer_step_axis(tmp_path, mlflow_db):
              for k in ("loss", "clip_frac", "epoch", "reward/margin")}
     assert steps["loss"] == steps["clip_frac"] == steps["epoch"] == [1, 3, 5], steps
     assert steps["reward/margin"] == [0, 2, 4, 6], steps
+
+
+# small messages ------------------------------------------------------------------------------------
+
+
+def test_invalid_json_control_character_says_at_once(tmp_path):
+    from treelit.data.records import DataError, iter_file
+
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"branches": [{"input_ids": [1, 2]}]}\n{"id": "a\x01b", "branches": []}\n')
+    errors = [str(x) for x in iter_file(str(p)) if isinstance(x, DataError)]
+    assert len(errors) == 1 and errors[0].endswith("d.jsonl:2: invalid JSON (Invalid control character at column 10)")
+    q = tmp_path / "d.json"
+    q.write_bytes(b'[{"id": "a\x01b"}]')
+    errors = [str(x) for x in iter_file(str(q)) if isinstance(x, DataError)]
+    assert len(errors) == 1 and "at at" not in errors[0] and "Invalid control character at column" in errors[0]
+
+
+def test_one_skipped_record_is_one_record(tmp_path, caplog):
+    import logging
+
+    from treelit.builders.base import make_tree_builder
+    from treelit.lightning.data import TreeDataModule
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"branches": [{"input_ids": [1, 2, 3]}]}\nnot json\n')
+    with caplog.at_level(logging.WARNING):
+        dm = TreeDataModule(str(p), tree_builder=make_tree_builder("sequences"), on_error="skip", shuffle=False)
+        dm.check_against(100, 64)
+    assert dm.read_stats.skipped == 1
+    assert "skipped 1 malformed record (data.on_error=skip)" in caplog.text
+
+
+def test_done_line_says_one_step():
+    from treelit.cli.summary import format_summary
+
+    s = {"global_step": 1, "wall_seconds": 2.0, "config": "out/config.yaml", "data": {}}
+    assert format_summary(s).splitlines()[0] == "done: 1 step in 2s"
+    assert format_summary({**s, "global_step": 2}).splitlines()[0] == "done: 2 steps in 2s"
+
+
+def test_one_group_of_one_sample_is_the_only_group(caplog):
+    import logging
+
+    from treelit.rl.advantages import AdvantageError, compute_advantages
+
+    with pytest.raises(AdvantageError, match=r"the only group \(samples sharing 'group'\) has a single sample"):
+        compute_advantages("grpo", [1.0], ["g"])
+    with caplog.at_level(logging.WARNING):
+        compute_advantages("grpo", [1.0, 0.0, 1.0], ["g", "g", "h"])
+    assert "1 of 2 groups (samples sharing 'group') has a single sample; its advantage is 0" in caplog.text
+
+
+@pytest.mark.parametrize("value", [-1, 0])
+def test_max_steps_not_positive_says_why_for_any_data(value):
+    from treelit.cli.config import ConfigError, compose, validate_config
+
+    for data in ("synthetic_agentic", "stream"):  # in memory and streamed alike
+        cfg = compose([f"trainer.max_steps={value}", f"data={data}"])
+        with pytest.raises(ConfigError) as err:
+            validate_config(cfg)
+        msg = str(err.value)
+        assert msg.startswith(f"trainer.max_steps must be a positive number of optimizer steps, got {value}")
+        assert "endless" not in msg
+
+
+def test_output_dir_that_is_a_file_is_one_line_naming_option_and_path(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from treelit.cli.config import ConfigError
+    from treelit.cli.preflight import check_writable
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=rf"output_dir '{f}' is a file, not a directory"):
+        check_writable(f)
+    with pytest.raises(ConfigError, match=rf"output_dir '{f / 'sub'}': '{f}' is a file, not a directory"):
+        check_writable(f / "sub")
+    exe = str(Path(sys.executable).with_name("treelit-train"))
+    r = subprocess.run([exe, f"output_dir={f}", "trainer.max_steps=1", "logger=none"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode != 0
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert err == [f"error: output_dir '{f}' is a file, not a directory; choose a directory with output_dir=DIR"], r.stderr
+    assert f.read_text() == "x"

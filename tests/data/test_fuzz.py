@@ -36,7 +36,7 @@ TOKEN_CONFIGS = [("sequences", None, "sft"), ("groups", None, "sft"), ("sequence
                  ("groups", "grpo", "grpo"), ("groups", None, "ppo")]
 CHAT_CONFIGS = [("per_call", None, "sft"), ("trajectory", "grpo", "grpo"), ("per_call", "grpo", "grpo"),
                 ("trajectory", None, "sft")]
-DATASET_LEVEL = ("no trees to train on", "have a single sample", "group_key is not set")
+DATASET_LEVEL = ("no trees to train on", "have a single sample", "has a single sample", "group_key is not set")
 UNREADABLE = object()
 
 

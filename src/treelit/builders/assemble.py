@@ -115,6 +115,10 @@ class _Unit:
 _BATCH = ("__batch__",)
 
 
+def _all_groups(n: int) -> str:
+    return "the only group" if n == 1 else f"all {n} groups"
+
+
 class Assembler:
     """Args:
         builder: the tree builder.
@@ -254,15 +258,18 @@ class Assembler:
                     "naming the prompt or task, or use tree_builder.advantage=reinforce_pp (normalised over the batch)"
                 )
             raise DataError(
-                f"{self.name}: advantage estimator {self.estimator!r}: all {self.groups} groups (samples sharing '{key}') have a "
-                "single sample, so every advantage would be 0 and training would have no signal; give the rollouts "
+                f"{self.name}: advantage estimator {self.estimator!r}: {_all_groups(self.groups)} (samples sharing '{key}') "
+                f"{'has' if self.groups == 1 else 'have'} a single sample, so every advantage would be 0 and training "
+                "would have no signal; give the rollouts "
                 f"of one prompt the same '{key}' value, or use tree_builder.advantage=reinforce_pp (normalised over "
                 "the batch)"
             )
         if self.singletons and not self._warned:
             self._warned = True
-            log.warning("%s: advantage estimator %r: %d of %d groups (samples sharing '%s') have a single sample; "
-                        "their advantage is 0", self.name, self.estimator, self.singletons, self.groups, key)
+            one = self.singletons == 1
+            log.warning("%s: advantage estimator %r: %d of %d groups (samples sharing '%s') %s a single sample; "
+                        "%s advantage is 0", self.name, self.estimator, self.singletons, self.groups, key,
+                        "has" if one else "have", "its" if one else "their")
 
     # per record ------------------------------------------------------------------------------
     def _encode(self, rec: Record, index: int) -> _Enc:

@@ -74,7 +74,8 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {cfg.get('aggregation')!r}")
     tr = cfg.get("trainer") or {}
     if not tr.get("max_steps") or int(tr.get("max_steps")) <= 0:
-        raise ConfigError("trainer.max_steps must be a positive number of optimizer steps (the data stream is endless)")
+        raise ConfigError(f"trainer.max_steps must be a positive number of optimizer steps, got {tr.get('max_steps')!r}: "
+                          "training runs by steps, serving the data epoch after epoch until max_steps is reached")
     accel = tr.get("accelerator")
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")

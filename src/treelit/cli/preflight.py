@@ -62,6 +62,11 @@ def check_writable(out: Path) -> None:
     (naming ``output_dir``) if any of it fails."""
     out = Path(out)
     probe = out / f".treelit-write-probe-{os.getpid()}"
+    there = next((p for p in (out, *out.parents) if p.exists()), None)
+    if there is not None and not there.is_dir():
+        what = "" if there == out else f": {str(there)!r}"
+        raise ConfigError(f"output_dir {str(out)!r}{what} is a file, not a directory; choose a directory with "
+                          "output_dir=DIR")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as f:

@@ -195,6 +195,12 @@ def data_format(path: Union[str, Path]) -> str:
     raise DataError(f"{path}: unsupported data file type (use .jsonl, .json, .parquet, or .jsonl.gz / .json.gz)")
 
 
+def _json_problem(exc: json.JSONDecodeError) -> str:
+    """``exc``'s message and column (Python's "Invalid control character at" already ends in "at")."""
+    msg = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+    return f"{msg} at column {exc.colno}"
+
+
 def _parse(raw: bytes, src: str) -> Union[Any, DataError]:
     try:
         text = raw.decode("utf-8")
@@ -204,7 +210,7 @@ def _parse(raw: bytes, src: str) -> Union[Any, DataError]:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        return DataError(f"{src}: invalid JSON ({exc.msg} at column {exc.colno})")
+        return DataError(f"{src}: invalid JSON ({_json_problem(exc)})")
     except RecursionError:
         return DataError(f"{src}: invalid JSON (nested too deeply to parse)")
     except ValueError as exc:  # e.g. an integer literal of more than 4300 digits
@@ -270,7 +276,7 @@ def _iter_json_items(path: Path, start: Optional[int]) -> Iterator[Union["Record
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        yield DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})")
+        yield DataError(f"{path}:{exc.lineno}: invalid JSON ({_json_problem(exc)})")
         return
     except RecursionError:
         yield DataError(f"{path}:1: invalid JSON (nested too deeply to parse)")

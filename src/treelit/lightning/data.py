@@ -260,7 +260,8 @@ class TreeDataModule(pl.LightningDataModule):
         self._cost = np.array([_tree_cost(b, self.attention_cost) for b in self._batches])
         self._epoch_cache, self._epoch_len = {}, {}
         if self.read_stats.skipped:
-            log.warning("%s: skipped %d malformed records (data.on_error=skip)", self.train_path, self.read_stats.skipped)
+            n = self.read_stats.skipped
+            log.warning("%s: skipped %d malformed record%s (data.on_error=skip)", self.train_path, n, "s" if n != 1 else "")
 
     def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None) -> None:
         """Build the trees checked against the model (vocabulary, context length) and what

@@ -138,14 +138,16 @@ def compute_advantages(
         single = sum(1 for idx in groups.values() if len(idx) == 1)
         if single == len(groups):
             raise AdvantageError(
-                f"advantage estimator {name!r}: all {len(groups)} groups (samples sharing '{key_name}') have a single "
-                f"sample, so every advantage would be 0 and training would have no signal; give the rollouts of one "
+                f"advantage estimator {name!r}: {'the only group' if len(groups) == 1 else f'all {len(groups)} groups'} "
+                f"(samples sharing '{key_name}') {'has' if len(groups) == 1 else 'have'} a single sample, so every "
+                "advantage would be 0 and training would have no signal; give the rollouts of one "
                 f"prompt the same '{key_name}' value, or use advantage=reinforce_pp (normalised over the batch)"
             )
         if single:
             log.warning(
-                "advantage estimator %r: %d of %d groups (samples sharing '%s') have a single sample; "
-                "their advantage is 0", name, single, len(groups), key_name,
+                "advantage estimator %r: %d of %d groups (samples sharing '%s') %s a single sample; "
+                "%s advantage is 0", name, single, len(groups), key_name,
+                "has" if single == 1 else "have", "its" if single == 1 else "their",
             )
     if scope == "batch" and len(r) < 2:
         raise AdvantageError(f"advantage estimator {name!r} normalises over the batch and needs at least two samples, got {len(r)}")
