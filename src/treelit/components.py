@@ -17,6 +17,7 @@ from treelit.objectives import base as _objectives  # noqa: F401
 from treelit.partition import plan as _partitions  # noqa: F401
 from treelit.registry import Registry, registries
 from treelit.rl import advantages as _advantages  # noqa: F401
+from treelit.rl import rewards as _rewards  # noqa: F401
 from treelit.ssm import SSM_BACKENDS as _ssm  # noqa: F401
 
 __all__ = ["all_registries"]

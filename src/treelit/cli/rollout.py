@@ -1,0 +1,259 @@
+"""``treelit-rollout``: a reference sampler worker that closes the online RL loop on one machine.
+
+    treelit-rollout --publish-dir P --prompts F --out D --n N --max-new-tokens T \\
+        --reward NAME|module:function --steps K --max-staleness S
+
+For users without an inference server, and for the tests. For step i (0-based) it waits
+until the policy the trainer published (``P/latest.json``) is recent enough: version
+>= (i - S) x ``--versions-per-step`` (the trainer's version when it takes file i, one
+version per file by default: ``ppo_epochs=1 ppo_minibatches=1 publish.every_n_steps=1``).
+``S=0`` is synchronous (file i is sampled from the weights after i files); ``S=k`` lets the
+sampler run up to k versions ahead of training. It (re)loads the newest version, samples
+``--n`` completions per prompt at temperature 1 (no top-k/top-p), records each sampled
+token's log-prob, scores each completion with the reward (:mod:`treelit.rl.rewards`), and
+writes ``D/step-<i>.jsonl`` (under a temporary name, then renamed): one record per prompt,
+``{"id", "policy_version", "branches": [{"input_ids", "loss_mask", "old_logprobs", "reward",
+"group"}]}``, the prompt masked out and its log-probs null. Restarted, it continues after
+the files already in ``D`` (consumed or skipped ones included). Prompts: JSONL records
+``{"id", "input_ids"}`` or ``{"id", "messages"}`` (rendered with the published tokenizer's
+chat template; a bundled file may be named alone); their other fields go to the reward
+function as keywords. A per-step JSON line on stdout says the version, the mean reward and
+the seconds spent waiting for a version, loading it and sampling.
+
+Hugging Face checkpoints are sampled with transformers (one forward per token, KV cache);
+a checkpoint in treelit's own format (a layer mix no Hugging Face model holds) with
+treelit's decoder, recomputing the prefix for every token (small models only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["main", "Sampler", "read_prompts", "next_step"]
+
+
+def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[str, Any]]:
+    """``[{"id", "input_ids", **fields}]`` from a prompt JSONL file (chat messages rendered)."""
+    out, tok = [], None
+    if not os.path.exists(path):
+        from treelit.cli.config import ConfigError, bundled_path
+
+        try:
+            path = bundled_path(path)  # a file shipped with treelit, by name
+        except ConfigError:
+            raise ValueError(f"--prompts: no file {path!r} (nor a bundled one of that name)") from None
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict) or ("input_ids" not in rec and "messages" not in rec):
+                raise ValueError(f"{path}:{n}: a prompt record needs 'input_ids' (token ids) or 'messages'")
+            if "messages" in rec:
+                if tok is None:
+                    if tokenizer_dir is None:
+                        raise ValueError(f"{path}:{n}: chat messages need a tokenizer in the published checkpoint")
+                    from transformers import AutoTokenizer
+
+                    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+                ids = tok.apply_chat_template(rec.pop("messages"), add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)
+                rec["input_ids"] = list(ids)
+            ids = rec["input_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError(f"{path}:{n}: input_ids must be a non-empty list of token ids")
+            rec.setdefault("id", f"p{n}")
+            out.append(rec)
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+class Sampler:
+    """The newest published policy, sampled at temperature 1 with per-token log-probs."""
+
+    def __init__(self, publish_dir: str, dtype: str = "float32") -> None:
+        import torch
+
+        self.dir = Path(publish_dir)
+        self.dtype = getattr(torch, dtype)
+        self.version: Optional[int] = None
+        self.path: Optional[Path] = None
+        self.model = None
+        self.native = False
+        self.eos: Optional[int] = None
+
+    def latest(self) -> Optional[Dict[str, Any]]:
+        from treelit.lightning.publish import read_latest
+
+        return read_latest(self.dir)
+
+    def load(self, latest: Dict[str, Any]) -> None:
+        import torch
+
+        path = Path(latest["path"])
+        cfg = json.loads((path / "config.json").read_text())
+        self.native = cfg.get("model_type") == "treelit"
+        if self.native:
+            import treelit
+
+            self.model = treelit.load_hf_checkpoint(path, dtype=self.dtype).eval()
+        else:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).eval()
+        gen = path / "generation_config.json"
+        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+        self.eos = eos[0] if isinstance(eos, list) else eos
+        self.version, self.path = int(latest["version"]), path
+        torch.set_grad_enabled(False)
+
+    def _logits(self, ids, past):
+        if self.native:
+            import torch
+
+            from treelit.models.context import CausalContext
+            from treelit.models.decoder import decoder_hidden, output_weight
+
+            pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+            h = decoder_hidden(self.model, ids, pos, CausalContext())
+            return (h[:, -1] @ output_weight(self.model).t()), None
+        import inspect
+
+        # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` before)
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(input_ids=ids if past is None else ids[:, -1:], use_cache=True, **{name: past})
+        return out.logits[:, -1], (out.cache if hasattr(out, "cache") else out.past_key_values)
+
+    def sample(self, prompt: List[int], n: int, max_new_tokens: int, generator) -> List[Tuple[List[int], List[float]]]:
+        """``n`` completions of ``prompt``: (token ids, their log-probs), each cut after EOS."""
+        import torch
+
+        ids = torch.tensor([prompt] * n)
+        past, toks, lps = None, [], []
+        done = torch.zeros(n, dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            logits, past = self._logits(ids, past)
+            logp = torch.log_softmax(logits.double(), -1)
+            nxt = torch.multinomial(logp.exp(), 1, generator=generator)
+            toks.append(nxt[:, 0])
+            lps.append(logp.gather(1, nxt)[:, 0])
+            ids = torch.cat([ids, nxt], 1)
+            if self.eos is not None:
+                done |= nxt[:, 0] == self.eos
+                if bool(done.all()):
+                    break
+        T, L = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
+        out = []
+        for t, lp in zip(T, L):
+            k = t.index(self.eos) + 1 if self.eos is not None and self.eos in t else len(t)
+            out.append((t[:k], lp[:k]))
+        return out
+
+
+def next_step(out: Path) -> int:
+    """The first step without a file in ``out`` (consumed or skipped files count)."""
+    steps = [int(p.name[5:].split(".")[0]) for p in out.glob("step-*.jsonl*") if p.name[5:].split(".")[0].isdigit()]
+    return max(steps) + 1 if steps else 0
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="treelit-rollout", description=__doc__.split("\n\n")[0])
+    p.add_argument("--publish-dir", required=True, help="the trainer's publish.dir (latest.json)")
+    p.add_argument("--prompts", required=True, help="JSONL of {id, input_ids} or {id, messages}")
+    p.add_argument("--out", required=True, help="the trainer's data.directory")
+    p.add_argument("--n", type=int, default=8, help="completions per prompt (a group)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--reward", required=True, help="a reward name (treelit list) or module:function")
+    p.add_argument("--steps", type=int, required=True, help="files to write (training steps)")
+    p.add_argument("--max-staleness", type=int, default=0, help="versions the sampler may run ahead (0: synchronous)")
+    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per file (default: all)")
+    p.add_argument("--versions-per-step", type=int, default=1, help="policy versions the trainer publishes per file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for a version")
+    p.add_argument("--poll-s", type=float, default=0.1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    a = p.parse_args(argv)
+    for name in ("n", "max_new_tokens", "steps", "versions_per_step"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.max_staleness < 0:
+        p.error("--max-staleness must be >= 0")
+    return a
+
+
+def run(a) -> int:
+    import torch
+
+    from treelit.rl.rewards import resolve_reward
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    reward = resolve_reward(a.reward)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sampler = Sampler(a.publish_dir, a.dtype)
+    prompts = None
+    start = next_step(out)
+    for i in range(start, a.steps):
+        t0 = time.monotonic()
+        need = max(0, (i - a.max_staleness) * a.versions_per_step)
+        while True:
+            latest = sampler.latest()
+            if latest is not None and latest["version"] >= need:
+                break
+            if time.monotonic() - t0 > a.timeout_s:
+                raise TimeoutError(f"{a.publish_dir}: no policy version >= {need} within --timeout-s={a.timeout_s:g}s")
+            time.sleep(a.poll_s)
+        t_wait = time.monotonic()
+        if latest["version"] != sampler.version:
+            sampler.load(latest)
+        if prompts is None:
+            prompts = read_prompts(a.prompts, sampler.path)
+        t1 = time.monotonic()
+        B = a.prompts_per_step or len(prompts)
+        gen = torch.Generator().manual_seed(a.seed * 1_000_003 + i)
+        records, rewards = [], []
+        for j in range(B):
+            rec = dict(prompts[(i * B + j) % len(prompts)])
+            prompt = rec.pop("input_ids")
+            pid = str(rec.get("id"))
+            fields = {k: v for k, v in rec.items() if k != "id"}
+            key = f"{pid}@{i}"
+            branches = []
+            for comp, lps in sampler.sample(prompt, a.n, a.max_new_tokens, gen):
+                r = float(reward(prompt_ids=list(prompt), completion_ids=comp, **fields))
+                rewards.append(r)
+                branches.append({"input_ids": prompt + comp, "loss_mask": [0] * len(prompt) + [1] * len(comp),
+                                 "old_logprobs": [None] * len(prompt) + lps, "reward": r, "group": key})
+            records.append({"id": key, "policy_version": sampler.version, "branches": branches})
+        name = f"step-{i:06d}.jsonl"
+        tmp = out / f".{name}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, out / name)
+        print(json.dumps({"step": i, "policy_version": sampler.version, "reward_mean": sum(rewards) / len(rewards),
+                          "wait_s": round(t_wait - t0, 4), "load_s": round(t1 - t_wait, 4),
+                          "sample_s": round(time.monotonic() - t1, 4)}), flush=True)
+    return 0
+
+
+def main(argv=None) -> None:
+    a = _args(argv)
+    try:
+        sys.exit(run(a))
+    except (ValueError, KeyError, FileNotFoundError, TimeoutError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
