@@ -22,18 +22,70 @@ Explicit ``branches`` (concurrent tool calls, sub-agents, ...) are exported one 
 one and merged; records sharing ``group_key`` (e.g. the trials of one task) are merged
 into one tree. The loss covers assistant tokens (content, tool calls and end-of-turn
 token), never the role header the template writes before them.
+
+Bounds. A chat template is code from the tokenizer directory: one render may take at most
+``render_timeout_s`` seconds (a SIGALRM timer, in the main thread, where training reads
+its data; elsewhere no limit applies), so a template that loops without end fails naming
+the record instead of hanging the run. Messages nested more than :data:`MAX_DEPTH`
+levels are refused before anything recurses through them (Python's recursion limit would
+otherwise end the run). Both are data errors: ``on_error=skip`` skips the record.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from treelit.builders.base import TREE_BUILDERS, TreeBuilder
 from treelit.data.records import DataError, Record, check_key, check_text, finite_number
 from treelit.rl.advantages import ADVANTAGES
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_DEPTH = 64  # nesting levels of a conversation (list > message > tool call > function > arguments > ...)
+
+
+class _RenderTimeout(BaseException):
+    """Raised by the timer inside a render (a BaseException: no ``except Exception`` in the
+    template engine swallows it)."""
+
+
+@contextmanager
+def _time_limit(seconds: Optional[float]) -> Iterator[None]:
+    """Raise :class:`_RenderTimeout` in the block after ``seconds`` (main thread only)."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+    active = [True]
+
+    def on_alarm(signum, frame):
+        if active[0]:
+            raise _RenderTimeout()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, float(seconds))
+    try:
+        yield
+    finally:
+        try:
+            active[0] = False  # a timer firing from here on is ignored
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+def _too_deep(x: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than ``limit`` levels in ``x`` (no recursion)."""
+    stack = [(x, 1)] if isinstance(x, (dict, list)) else []
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return True
+        items = v.values() if isinstance(v, dict) else v
+        stack.extend((c, d + 1) for c in items if isinstance(c, (dict, list)))
+    return False
 
 
 def _strings(x: Any, where: str) -> None:
@@ -76,6 +128,9 @@ def validate_chat_record(rec: Dict[str, Any], source: str, group_key: Optional[s
         where = f"{source}: {field}"
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: must be a non-empty list of messages")
+        if _too_deep(msgs, MAX_DEPTH):
+            raise DataError(f"{where}: lists and objects nested more than {MAX_DEPTH} levels deep (messages, tool "
+                            "calls and their arguments need a few)")
         for i, m in enumerate(msgs):
             at = f"{where}[{i}]"
             if not isinstance(m, dict):
@@ -143,6 +198,8 @@ class ChatBuilder(TreeBuilder):
             branches, within the groups of ``group_key`` (``grpo``, ``rloo``,
             ``reinforce_pp_baseline``) or over the batch (``reinforce_pp``); None: no RL data.
             Each conversation counts once in its group, however many calls it has.
+        render_timeout_s: the longest one chat-template render may take (None: no limit); a
+            longer one fails naming the record (see the module docstring).
     """
 
     reward_per_record = True
@@ -154,10 +211,16 @@ class ChatBuilder(TreeBuilder):
         group_key: Optional[str] = "group",
         tokenizer: Any = None,
         advantage: Optional[str] = None,
+        render_timeout_s: Optional[float] = 10.0,
         **advantage_options: Any,
     ) -> None:
         if export not in ("per_call", "trajectory"):
             raise ValueError(f"tree_builder.export must be 'per_call' or 'trajectory', got {export!r}")
+        if render_timeout_s is not None and (isinstance(render_timeout_s, bool) or
+                                             not isinstance(render_timeout_s, (int, float)) or
+                                             not 0 < render_timeout_s < float("inf")):
+            raise ValueError(f"tree_builder.render_timeout_s must be a positive number of seconds or null, "
+                             f"got {render_timeout_s!r}")
         if tokenizer is None:
             if not tokenizer_path:
                 raise ValueError("the chat tree builder needs tree_builder.tokenizer_path (a local tokenizer directory)")
@@ -172,13 +235,15 @@ class ChatBuilder(TreeBuilder):
         self.group_field = group_key or "group"
         self.advantage = advantage
         self.advantage_options = advantage_options
+        self.render_timeout_s = None if render_timeout_s is None else float(render_timeout_s)
 
     def validate(self, rec: Any, source: str) -> None:
         validate_chat_record(rec, source, self.group_key)
 
     # rendering -------------------------------------------------------------------------
     def _render(self, msgs: List[Dict[str, Any]], gen: bool = False) -> str:
-        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        with _time_limit(self.render_timeout_s):
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
     def _encode(self, msgs: List[Dict[str, Any]], train: List[int], source: str) -> Tuple[List[int], List[int]]:
         """Token ids and loss mask of ``msgs``, training the assistant messages in ``train``."""
@@ -226,6 +291,12 @@ class ChatBuilder(TreeBuilder):
             return out
         except DataError:
             raise
+        except _RenderTimeout:
+            raise DataError(f"{source}: {field}: rendering the chat template took longer than "
+                            f"tree_builder.render_timeout_s={self.render_timeout_s:g} s (a template that never ends? "
+                            "raise the option if the conversation is genuinely that long)") from None
+        except MemoryError:
+            raise  # not a data error: the reader reports it naming the record
         except Exception as exc:  # the template or tokenizer failed on this record's content
             raise DataError(f"{source}: {field}: the chat template or tokenizer failed on this conversation "
                             f"({type(exc).__name__}: {exc})") from None
@@ -235,7 +306,11 @@ class ChatBuilder(TreeBuilder):
         out = []
         reward = record.data.get("reward")
         for field, msgs in _conversations(record.data, record.source):
-            for ids, mask, where in self._branches(copy.deepcopy(msgs), record.source, field):
+            try:
+                msgs = copy.deepcopy(msgs)
+            except RecursionError:  # validate() refuses deep nesting first; this is a backstop
+                raise DataError(f"{record.source}: {field}: nested too deeply to copy") from None
+            for ids, mask, where in self._branches(msgs, record.source, field):
                 out.append({"input_ids": ids, "loss_mask": mask, "reward": reward, "_where": where})
         return out
 

@@ -4,8 +4,11 @@ A source is a list of *shards* (files, or row ranges of a Hugging Face dataset) 
 lazily, one record at a time, from any position: every record it yields carries its
 ``position`` and the ``next`` position, so a reader can stop anywhere and resume
 exactly there (see :mod:`treelit.data.stream`). Sources never hold more than the
-record being read (a ``.json`` list file is parsed whole: JSON lists do not stream;
-use JSONL or Parquet for large data).
+record being read (a ``.json`` list file is parsed whole: JSON lists do not stream, so
+the whole file obeys ``data.max_record_bytes``; use JSONL or Parquet for large data).
+A source reads within its :attr:`DataSource.read_limits` (set by the data module from
+the ``data.max_*`` options, see :mod:`treelit.data.limits`): a record over a limit is a
+:class:`DataError` naming it.
 
 Built-ins:
 
@@ -26,6 +29,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
+from treelit.data.limits import ReadLimits, branch_count
 from treelit.data.records import DataError, Record, data_format, iter_file
 from treelit.registry import get_registry
 
@@ -39,9 +43,11 @@ _SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 class DataSource:
     """Interface: ``shards()`` names the shards; ``read(shard, start)`` yields the records (or
     the :class:`DataError` of an unreadable one) of shard ``shard`` from position ``start``
-    (None: its beginning), each with ``.position`` and ``.next`` (None after the last)."""
+    (None: its beginning), each with ``.position`` and ``.next`` (None after the last), within
+    ``read_limits`` (a record over a limit is yielded as a :class:`DataError`)."""
 
     name = "?"
+    read_limits: ReadLimits = ReadLimits()
 
     def shards(self) -> List[str]:
         raise NotImplementedError
@@ -101,7 +107,7 @@ class FileSource(DataSource):
         return self.paths
 
     def read(self, shard: int, start: Any = None) -> Iterator[Union[Record, DataError]]:
-        return iter_file(self.paths[shard], start)
+        return iter_file(self.paths[shard], start, self.read_limits)
 
 
 @DATA_SOURCES.register("hf_dataset")
@@ -149,8 +155,17 @@ class HFDatasetSource(DataSource):
 
     def read(self, shard: int, start: Any = None) -> Iterator[Union[Record, DataError]]:
         a, b = self.bounds[shard]
+        limit = self.read_limits.max_branches_per_record
         for i in range(a if start is None else int(start), b):
-            yield Record(self.ds[i], f"{self.label}:row {i}", i, i + 1 if i + 1 < b else None)
+            rec, src, nxt = self.ds[i], f"{self.label}:row {i}", i + 1 if i + 1 < b else None
+            n = branch_count(rec)
+            if n > limit:
+                err = DataError(f"{src}: the record has {n} branches, more than data.max_branches_per_record={limit} "
+                                "(raise data.max_branches_per_record to read it)")
+                err.position, err.next = i, nxt
+                yield err
+                continue
+            yield Record(rec, src, i, nxt)
 
 
 def make_data_source(name: str, **options: Any) -> DataSource:

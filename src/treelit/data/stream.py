@@ -17,6 +17,10 @@ read next, the random generator's state, the open groups and the buffered trees 
 the positions of their records - from which :meth:`TreeStream.load` rebuilds the
 same stream exactly (buffered trees are re-read and rebuilt; the data files must not
 change in between).
+
+Bounds: each record is read within the source's ``read_limits`` (``data.max_*``, see
+:mod:`treelit.data.limits`); a ``MemoryError`` while a record is built is reported as
+running out of memory on that record, never as bad data.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from treelit.builders.assemble import Assembler, Limits
 from treelit.builders.base import BuiltTree, TreeBuilder
+from treelit.data.limits import out_of_memory
 from treelit.data.records import DataError, ReadStats, Record
 from treelit.data.sources import DataSource
 
@@ -97,14 +102,21 @@ class TreeStream:
             else:
                 item.position = [shard, item.position]
                 self.stats.read += 1
-                self.buffer += self.asm.add(item)
+                try:
+                    self.buffer += self.asm.add(item)
+                except MemoryError:
+                    raise out_of_memory(item.source, self.source.read_limits) from None
             if item.next is None:
                 self._end_shard()
             return True
         return False
 
     def _end_shard(self) -> None:
-        self.buffer += self.asm.flush()  # a group never spans two shards
+        try:
+            self.buffer += self.asm.flush()  # a group never spans two shards
+        except MemoryError:
+            shard = self.source.shards()[self.order[self.k]]
+            raise out_of_memory(f"{shard} (building the trees of its last groups)", self.source.read_limits) from None
         self.k += 1
         self.cursor, self._it = None, None
 

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from treelit.builders.assemble import Limits
 from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.sequences import SequencesBuilder
+from treelit.data.limits import MiB, ReadLimits
 from treelit.data.records import DataError, ReadStats
 from treelit.lightning.data import (StepBatch, _assign, _empty_batch, _pack_indices, _tree_cost, build_trees,
                                     conform_batches)
@@ -80,6 +81,9 @@ class RolloutDirDataModule(pl.LightningDataModule):
         max_staleness: skip or refuse (``on_stale``: ``skip`` | ``raise``) a file sampled more than
             this many policy versions behind the trainer (records' ``policy_version``; null: no
             limit), see :mod:`treelit.lightning.staleness`.
+        max_record_bytes, max_branches_per_record, max_expansion_ratio: what reading one
+            record may cost (:class:`~treelit.data.limits.ReadLimits`); a record over a limit
+            is a data error naming it (``on_error=skip`` skips it).
     """
 
     def __init__(
@@ -94,10 +98,14 @@ class RolloutDirDataModule(pl.LightningDataModule):
         mark_consumed: bool = True,
         attention_cost: float = 1.0 / 1024,
         sample_trees: int = 64,
+        max_record_bytes: int = 64 * MiB,
+        max_branches_per_record: int = 65_536,
+        max_expansion_ratio: int = 100,
         max_staleness: Optional[int] = None,
         on_stale: str = "skip",
     ) -> None:
         super().__init__()
+        self.read_limits = ReadLimits(max_record_bytes, max_branches_per_record, max_expansion_ratio)
         if not directory:
             raise ValueError("data.directory is required: the directory the rollout engine writes files into")
         if micro_batch_tokens <= 0 or timeout_s <= 0 or poll_s <= 0:
@@ -172,7 +180,8 @@ class RolloutDirDataModule(pl.LightningDataModule):
         while not self.staleness.admit(path, index, self.policy_version()):
             path = self._wait_next(index)  # that file was too stale (data.max_staleness) and is skipped
         self.step_files[index] = path.name
-        trees = build_trees(str(path), self.builder, on_error=self.on_error, limits=self.limits, stats=self.read_stats)
+        trees = build_trees(str(path), self.builder, on_error=self.on_error, limits=self.limits, stats=self.read_stats,
+                            read_limits=self.read_limits)
         if not trees:
             raise DataError(f"{path}: no trees to train on ({self.read_stats.skipped} records skipped so far)")
         if len(self.trees) < self.sample_trees:

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from treelit.builders.assemble import Limits
 from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.sequences import SequencesBuilder
+from treelit.data.limits import MiB, ReadLimits
 from treelit.data.records import DataError, ReadStats
 from treelit.data.sources import DataSource
 from treelit.data.stream import TreeStream
@@ -70,6 +71,9 @@ class StreamingTreeDataModule(pl.LightningDataModule):
         num_readers: logical readers (default: the number of processes).
         sample_trees: the first trees served are kept in ``trees`` for callbacks (e.g. the
             reward-margin plot).
+        max_record_bytes, max_branches_per_record, max_expansion_ratio: what reading one
+            record may cost (:class:`~treelit.data.limits.ReadLimits`, given to the source as
+            its ``read_limits``); a record over a limit is a data error naming it.
     """
 
     def __init__(
@@ -86,10 +90,14 @@ class StreamingTreeDataModule(pl.LightningDataModule):
         num_readers: Optional[int] = None,
         attention_cost: float = 1.0 / 1024,
         sample_trees: int = 64,
+        max_record_bytes: int = 64 * MiB,
+        max_branches_per_record: int = 65_536,
+        max_expansion_ratio: int = 100,
     ) -> None:
         super().__init__()
         if not isinstance(source, DataSource):
             raise ValueError(f"data.source must be a data source (see `treelit list`), got {type(source).__name__}")
+        source.read_limits = ReadLimits(max_record_bytes, max_branches_per_record, max_expansion_ratio)
         if micro_batch_tokens <= 0 or micro_batches_per_step <= 0:
             raise ValueError("data.micro_batch_tokens and data.micro_batches_per_step must be positive")
         if on_error not in ("raise", "skip"):
