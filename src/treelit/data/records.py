@@ -19,6 +19,11 @@ turned into token branches by the ``chat`` tree builder.
 Reading never lets a raw decoding error through: a line that is not UTF-8, not JSON,
 nested deeper than Python can parse, or cut short by a truncated ``.gz`` stream is a
 :class:`DataError` naming the file and the line (``on_error=skip`` skips and counts it).
+Reading is bounded (:mod:`treelit.data.limits`): a record longer than
+``data.max_record_bytes`` is refused without being held, one with more branches than
+``data.max_branches_per_record`` before it is built, a ``.gz`` file expanding past
+``data.max_expansion_ratio`` times its size is refused, and running out of memory is
+reported as such (:class:`~treelit.data.limits.ReadMemoryError`), never as bad data.
 Every record carries its ``source`` (``file:line``, ``file:record i`` or ``file:row i``)
 and a ``position`` from which a reader can resume (see :mod:`treelit.data.sources`).
 """
@@ -35,10 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
+from treelit.data.limits import ReadLimits, ReadMemoryError, branch_count, out_of_memory, skip_blank_lines, skip_line
 from treelit.tree.token_tree import TreeInputError
 
 __all__ = [
     "Record", "read_records", "iter_file", "validate_token_record", "DataError", "ReadStats", "check_key", "data_format",
+    "ReadLimits", "ReadMemoryError",
 ]
 
 log = logging.getLogger(__name__)
@@ -225,45 +232,103 @@ def _at(item, position, nxt):
     return item
 
 
-def _iter_jsonl(path: Path, start: Optional[Tuple[int, int]] = None) -> Iterator[Union["Record", DataError]]:
-    lineno, offset = start or (0, 0)
+def _iter_jsonl(path: Path, start: Optional[Tuple[int, ...]] = None, limits: Optional[ReadLimits] = None
+                ) -> Iterator[Union["Record", DataError]]:
+    """Lines of at most ``limits.max_record_bytes`` bytes are parsed; a longer one is reported
+    after reading ``max_record_bytes + 1`` bytes of it, and skipped (in bounded pieces) only if
+    reading goes on: its ``next`` position ``(line, offset of the line, 1)`` says "skip the line
+    at offset" so a reader resuming there skips it too."""
+    limits = limits or ReadLimits()
+    cap = limits.expanded_cap(path)
+    lineno, offset, *skip = start or (0, 0)
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rb") as f:
         if offset:
             f.seek(offset)
+        blank = False
         while True:
+            pos = (lineno, offset)
+            if cap is not None and offset > cap:
+                yield _at(DataError(limits.expansion_message(path, lineno)), pos, None)
+                return
             try:
-                raw = f.readline()
+                if skip:  # the rest of an over-long line
+                    skip = []
+                    n, _ = skip_line(f, cap, offset)
+                    offset += n
+                    continue
+                if blank:  # a run of blank lines, at buffer speed
+                    blank = False
+                    n, lines = skip_blank_lines(f, None if cap is None else cap - offset)
+                    offset, lineno = offset + n, lineno + lines
+                    continue
+                raw = f.readline(limits.max_record_bytes + 1)
             except _GZIP_ERRORS as exc:
                 yield _at(DataError(f"{path}:{lineno + 1}: truncated or corrupt gzip data after line {lineno} ({exc})"),
-                          (lineno, offset), None)
+                          pos, None)
                 return
+            except MemoryError:
+                raise out_of_memory(f"{path}:{lineno + 1}", limits) from None
             if not raw:
                 return
-            pos = (lineno, offset)
             lineno += 1
             offset += len(raw)
+            if len(raw) > limits.max_record_bytes and not raw.endswith(b"\n"):
+                del raw
+                skip = [1]
+                yield _at(DataError(limits.record_message(f"{path}:{lineno}")), pos, (lineno, pos[1], 1))
+                continue  # reading goes on: skip the rest of the line
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]  # a UTF-8 byte-order mark
             if not raw.strip():
+                blank = True
                 continue
             src = f"{path}:{lineno}"
-            item = _parse(raw, src)
+            try:
+                item = _checked(_parse(raw, src), src, limits)
+            except MemoryError:
+                raise out_of_memory(src, limits) from None
             yield _at(item if isinstance(item, DataError) else Record(item, src), pos, (lineno, offset))
 
 
-def _iter_json(path: Path, start: Optional[int] = None) -> Iterator[Union["Record", DataError]]:
-    for item in _iter_json_items(path, start):
-        yield item if isinstance(item, Record) else _at(item, 0, None)
+def _checked(item: Union[Any, DataError], src: str, limits: ReadLimits) -> Union[Any, DataError]:
+    """A parsed record, or the error of one with more branches than the limit allows."""
+    if not isinstance(item, DataError):
+        n = branch_count(item)
+        if n > limits.max_branches_per_record:
+            return DataError(f"{src}: the record has {n} branches, more than data.max_branches_per_record="
+                             f"{limits.max_branches_per_record} (raise data.max_branches_per_record to read it)")
+    return item
 
 
-def _iter_json_items(path: Path, start: Optional[int]) -> Iterator[Union["Record", DataError]]:
+def _iter_json(path: Path, start: Optional[int] = None, limits: Optional[ReadLimits] = None
+               ) -> Iterator[Union["Record", DataError]]:
+    limits = limits or ReadLimits()
+    try:
+        for item in _iter_json_items(path, start, limits):
+            if isinstance(item, DataError):
+                yield _at(item, 0, None)
+                continue
+            checked = _checked(item.data, item.source, limits)
+            yield item if checked is item.data else _at(checked, item.position, item.next)
+    except MemoryError:
+        raise out_of_memory(f"{path} (a .json file is read whole)", limits) from None
+
+
+def _iter_json_items(path: Path, start: Optional[int], limits: ReadLimits) -> Iterator[Union["Record", DataError]]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(limits.max_record_bytes + 1)
     except _GZIP_ERRORS as exc:
         yield DataError(f"{path}:1: truncated or corrupt gzip data ({exc})")
+        return
+    if len(raw) > limits.max_record_bytes:
+        del raw
+        yield DataError(f"{path}:1: a .json file is read whole, and this one is larger than data.max_record_bytes="
+                        f"{limits.max_record_bytes} bytes{' decompressed' if path.name.lower().endswith('.gz') else ''}; "
+                        "write large data as JSONL, one record per line (e.g. jq -c '.[]' in.json > out.jsonl), "
+                        "or raise data.max_record_bytes")
         return
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
@@ -291,7 +356,8 @@ def _iter_json_items(path: Path, start: Optional[int]) -> Iterator[Union["Record
         yield Record(data[i], f"{path}:record {i}", i, i + 1 if i + 1 < len(data) else None)
 
 
-def _iter_parquet(path: Path, start: Optional[int] = None) -> Iterator[Union["Record", DataError]]:
+def _iter_parquet(path: Path, start: Optional[int] = None, limits: Optional[ReadLimits] = None
+                  ) -> Iterator[Union["Record", DataError]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -300,12 +366,20 @@ def _iter_parquet(path: Path, start: Optional[int] = None) -> Iterator[Union["Re
     except (pa.ArrowException, OSError) as exc:
         yield _at(DataError(f"{path}:row 0: not a readable Parquet file ({exc})"), 0, None)
         return
+    limits = limits or ReadLimits()
     total = pf.metadata.num_rows
     row = 0
     start = start or 0
     for g in range(pf.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
+        meta = pf.metadata.row_group(g)
+        n = meta.num_rows
         if row + n <= start:
+            row += n
+            continue
+        if meta.total_byte_size > limits.max_record_bytes * max(n, 1):  # its rows average more than the limit
+            yield _at(DataError(f"{path}:row {row}: row group {g} holds {meta.total_byte_size} bytes for {n} rows, "
+                                f"more than data.max_record_bytes={limits.max_record_bytes} bytes per row "
+                                "(raise data.max_record_bytes to read it)"), row, row + n if row + n < total else None)
             row += n
             continue
         try:
@@ -313,24 +387,32 @@ def _iter_parquet(path: Path, start: Optional[int] = None) -> Iterator[Union["Re
         except (pa.ArrowException, OSError) as exc:
             yield _at(DataError(f"{path}:row {row}: unreadable Parquet row group {g} ({exc})"), row, None)
             return
+        except MemoryError:
+            raise out_of_memory(f"{path}:row {row} (Parquet row group {g}, read whole)", limits) from None
         for i, rec in enumerate(rows):
             r = row + i
             if r >= start:
-                yield Record(rec, f"{path}:row {r}", r, r + 1 if r + 1 < total else None)
+                src = f"{path}:row {r}"
+                item = _checked(rec, src, limits)
+                yield _at(item, r, r + 1 if r + 1 < total else None) if isinstance(item, DataError) \
+                    else Record(rec, src, r, r + 1 if r + 1 < total else None)
         row += n
 
 
 READERS = {"jsonl": _iter_jsonl, "json": _iter_json, "parquet": _iter_parquet}
 
 
-def iter_file(path: Union[str, Path], start: Any = None) -> Iterator[Union[Record, DataError]]:
+def iter_file(path: Union[str, Path], start: Any = None, limits: Optional[ReadLimits] = None
+              ) -> Iterator[Union[Record, DataError]]:
     """Records (or the :class:`DataError` of a record that cannot be read) of one data file,
-    from ``start`` (a :attr:`Record.position`, resuming after nothing: the record at it comes first)."""
+    from ``start`` (a :attr:`Record.position`, resuming after nothing: the record at it comes first),
+    each within ``limits`` (default :class:`~treelit.data.limits.ReadLimits`: a record over a
+    limit is a :class:`DataError` naming it)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
     fmt = data_format(path)
-    return READERS[fmt](path, start)
+    return READERS[fmt](path, start, limits)
 
 
 def read_records(
@@ -339,6 +421,7 @@ def read_records(
     on_error: str = "raise",
     validate=validate_token_record,
     stats: Optional[ReadStats] = None,
+    limits: Optional[ReadLimits] = None,
 ) -> Iterator[Record]:
     """Yield records from a ``.jsonl``, ``.json`` (a list) or ``.parquet`` file (``.gz`` for the JSON ones).
 
@@ -346,11 +429,12 @@ def read_records(
         on_error: ``raise`` (stop at the first bad record) or ``skip`` (log it, count it in
             ``stats``, go on). Nothing is dropped silently.
         validate: a per-record check ``validate(record_dict, source)`` (raises DataError).
+        limits: :class:`~treelit.data.limits.ReadLimits` (default: the defaults).
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"data.on_error must be one of {ON_ERROR}, got {on_error!r}")
     stats = stats if stats is not None else ReadStats()
-    for item in iter_file(path):
+    for item in iter_file(path, limits=limits):
         if isinstance(item, Record) and validate is not None:
             try:
                 validate(item.data, item.source)

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from treelit.builders.assemble import Assembler, Limits
 from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.sequences import SequencesBuilder
+from treelit.data.limits import MiB, ReadLimits, out_of_memory
 from treelit.data.records import DataError, ReadStats, iter_file, read_records
 from treelit.tree.batch import TreeBatch
 
@@ -94,36 +95,46 @@ def _assign(trees: List[int], cost: np.ndarray, world: int) -> List[List[int]]:
 
 
 def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", limits: Optional[Limits] = None,
-                stats: Optional[ReadStats] = None) -> List[BuiltTree]:
+                stats: Optional[ReadStats] = None, read_limits: Optional[ReadLimits] = None) -> List[BuiltTree]:
     """Every tree of a data file, in memory, through the builder's :class:`Assembler` (or its
-    own ``__call__`` for builders that only define that, checked against the model per tree)."""
+    own ``__call__`` for builders that only define that, checked against the model per tree),
+    each record read within ``read_limits`` (:mod:`treelit.data.limits`)."""
     stats = stats if stats is not None else ReadStats()
     limits = limits or Limits()
     if on_error not in ("raise", "skip"):
         raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
     if type(builder).__call__ is not TreeBuilder.__call__:
-        return _legacy_build(path, builder, on_error, limits, stats)
+        return _legacy_build(path, builder, on_error, limits, stats, read_limits)
     asm = Assembler(builder, on_error=on_error, limits=limits, stats=stats, name=str(path))
     trees: List[BuiltTree] = []
-    for item in iter_file(path):
+    for item in iter_file(path, limits=read_limits):
         if isinstance(item, DataError):
             if on_error == "raise":
                 raise item
             stats.skip(item)
             continue
         stats.read += 1
-        trees += asm.add(item)
-    trees += asm.flush()
+        try:
+            trees += asm.add(item)
+        except MemoryError:
+            raise out_of_memory(item.source, read_limits) from None
+    try:
+        trees += asm.flush()
+    except MemoryError:
+        raise out_of_memory(f"{path} (building the trees of its groups)", read_limits) from None
     asm.report()
     return trees
 
 
-def _legacy_build(path, builder, on_error, limits, stats) -> List[BuiltTree]:
-    records = read_records(path, on_error=on_error, validate=getattr(builder, "validate", None), stats=stats)
+def _legacy_build(path, builder, on_error, limits, stats, read_limits) -> List[BuiltTree]:
+    records = read_records(path, on_error=on_error, validate=getattr(builder, "validate", None), stats=stats,
+                           limits=read_limits)
     trees = []
     for t in builder(records):
         try:
             t.tree.to_batch().validate_for_model(limits.vocab_size or 2**62, limits.max_seq_len)
+        except MemoryError:
+            raise out_of_memory(t.source, read_limits) from None
         except Exception as exc:
             err = DataError(f"{t.source} (tree {t.id!r}): {exc}")
             if on_error == "raise":
@@ -198,6 +209,9 @@ class TreeDataModule(pl.LightningDataModule):
         max_trees: use only the first trees (smoke tests).
         attention_cost: weight of attention work (query x key pairs, the sum over segments of
             length x path) against tree tokens in the cost that assigns trees to ranks.
+        max_record_bytes, max_branches_per_record, max_expansion_ratio: what reading one
+            record may cost (:class:`~treelit.data.limits.ReadLimits`); a record over a limit
+            is a data error naming it (``on_error=skip`` skips it).
 
     With several processes, every rank computes the same global step (the trees a single
     process would train on in that step), assigns its trees to ranks by cost (largest first,
@@ -217,8 +231,12 @@ class TreeDataModule(pl.LightningDataModule):
         on_error: str = "raise",
         max_trees: Optional[int] = None,
         attention_cost: float = 1.0 / 1024,
+        max_record_bytes: int = 64 * MiB,
+        max_branches_per_record: int = 65_536,
+        max_expansion_ratio: int = 100,
     ) -> None:
         super().__init__()
+        self.read_limits = ReadLimits(max_record_bytes, max_branches_per_record, max_expansion_ratio)
         if not train_path:
             raise ValueError("data.train_path is required (a .jsonl, .json or .parquet file)")
         if micro_batch_tokens <= 0 or micro_batches_per_step <= 0:
@@ -250,7 +268,7 @@ class TreeDataModule(pl.LightningDataModule):
             return
         self.read_stats = ReadStats()
         trees = build_trees(self.train_path, self.builder, on_error=self.on_error, limits=self.limits,
-                            stats=self.read_stats)
+                            stats=self.read_stats, read_limits=self.read_limits)
         if self.max_trees:
             trees = trees[: self.max_trees]
         if not trees:
