@@ -330,4 +330,10 @@ def load_tokenizer(path: str):
         raise ValueError(f"tokenizer directory {path!r} does not exist")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:  # never the directory's own Python code (auto_map)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(f"tokenizer directory {path!r} needs its own Python code (auto_map); treelit never runs "
+                         "code from a tokenizer directory (trust_remote_code=False)") from None

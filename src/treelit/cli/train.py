@@ -73,27 +73,20 @@ def read_resume_checkpoint(path: str) -> Dict[str, Any]:
     """What ``resume_from`` needs to know before Lightning restores the checkpoint: its step
     and the MLflow run it belongs to. A file that is not a readable Lightning checkpoint is a
     :class:`~treelit.models.hf.CheckpointError` naming it (the tensors are memory-mapped,
-    not read)."""
-    import torch
-
+    not read). Nothing in it is run: it is read as tensors and plain data only, and a file
+    naming anything else is refused (see :mod:`treelit.lightning.safe_checkpoint`)."""
     from treelit.lightning.mlflow_logger import CHECKPOINT_KEY
+    from treelit.lightning.safe_checkpoint import check_sharded_metadata, load_checkpoint
     from treelit.models.hf import CheckpointError
 
     p = Path(path)
     info: Dict[str, Any] = {"path": str(p), "global_step": None, "mlflow": None}
-    if p.is_dir():  # a sharded checkpoint: its metadata file, when there is one
+    if p.is_dir():  # a sharded checkpoint: torch's pickled .metadata, and meta.pt when there is one
+        check_sharded_metadata(p)
         p = p / "meta.pt"
         if not p.is_file():
             return info
-    try:
-        ckpt = torch.load(p, map_location="cpu", mmap=True, weights_only=False)
-    except Exception:
-        try:  # not a zip archive (mmap needs one): a plain load says what is wrong
-            ckpt = torch.load(p, map_location="cpu", weights_only=False)
-        except Exception as exc:
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckpointError(f"resume_from: {p} is not a readable Lightning checkpoint "
-                                  f"(truncated or not a checkpoint file: {why})") from None
+    ckpt = load_checkpoint(p)
     if not isinstance(ckpt, dict) or "global_step" not in ckpt:
         raise CheckpointError(f"resume_from: {p} is not a Lightning checkpoint (it has no global_step)")
     info["global_step"] = int(ckpt["global_step"])
@@ -278,7 +271,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             warnings.catch_warnings():
         if resume:  # resumed in its own folder, the run finds its earlier checkpoints there: expected
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from, weights_only=True)  # no code from it
 
     from treelit.cli.summary import build_summary, format_summary
 

@@ -24,14 +24,13 @@ Third-party sources register through the entry-point group ``treelit.data_source
 
 from __future__ import annotations
 
-import glob as _glob
 import os
-from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
 from treelit.data.limits import ReadLimits, branch_count
 from treelit.data.records import DataError, Record, data_format, iter_file
 from treelit.registry import get_registry
+from treelit.utils.paths import glob_files, walk_files
 
 __all__ = ["DATA_SOURCES", "DataSource", "FileSource", "HFDatasetSource", "make_data_source"]
 
@@ -70,13 +69,13 @@ def _expand(paths: Union[str, Sequence[str]]) -> List[str]:
     out: List[str] = []
     for p in items:
         p = os.path.expanduser(str(p))
-        if os.path.isdir(p):
-            found = sorted(str(f) for f in Path(p).rglob("*") if f.is_file() and f.name.lower().endswith(_SUFFIXES))
+        if os.path.isdir(p):  # linked directories are not entered; each real file once
+            found = walk_files(p, lambda rel: rel.lower().endswith(_SUFFIXES))
             if not found:
                 raise DataError(f"data.source.paths: directory {p!r} holds no .jsonl/.json/.parquet files")
             out += found
         elif any(c in p for c in "*?["):
-            found = sorted(_glob.glob(p, recursive=True))
+            found = glob_files(p)
             if not found:
                 raise DataError(f"data.source.paths: the pattern {p!r} matches no file")
             out += found
@@ -94,8 +93,9 @@ def _expand(paths: Union[str, Sequence[str]]) -> List[str]:
 @DATA_SOURCES.register("files")
 class FileSource(DataSource):
     """Args:
-        paths: a file, a directory (its data files, recursively), a glob (``shards/*.jsonl.gz``),
-            or a list of those; one shard per file, sorted.
+        paths: a file, a directory (its data files, recursively), a glob (``shards/*.jsonl.gz``,
+            ``data/**/*.jsonl``), or a list of those; one shard per file, sorted. Symbolically
+            linked directories are not entered (linked files are read); each real file is one shard.
     """
 
     name = "files"

@@ -11,7 +11,9 @@ updates each, as for any step batch) and marks the file consumed by renaming it 
 
 Write each file under a name the ``pattern`` does not match (``step-000007.jsonl.tmp``)
 and rename it when complete (a rename is atomic), and name files so that they sort in
-step order (zero-padded numbers).
+step order (zero-padded numbers). The directory takes regular files only: a symbolic
+link matching the pattern is an error naming it, and the file names a checkpoint holds
+(the files already trained on) must be plain names in the directory.
 
 Lightning fetches the next batch before it trains the current one; waiting for the next
 file there would wait for rollouts that need this step's weights. So the data loader
@@ -42,6 +44,7 @@ from treelit.lightning.data import (StepBatch, _assign, _empty_batch, _pack_indi
                                     conform_batches)
 from treelit.lightning.staleness import StalenessGate, trainer_policy_version
 from treelit.tree.batch import TreeBatch
+from treelit.utils.paths import confined
 
 __all__ = ["RolloutDirDataModule"]
 
@@ -147,8 +150,21 @@ class RolloutDirDataModule(pl.LightningDataModule):
 
     # files ------------------------------------------------------------------------------------------
     def _candidates(self) -> List[Path]:
+        """The files waiting to be trained on: regular files only, inside ``directory`` (a
+        symbolic link there is refused, naming it: it could point anywhere)."""
         done = set(self.step_files.values()) | self.staleness.names()
-        return sorted(p for p in self.directory.glob(self.pattern) if p.is_file() and p.name not in done)
+        out = []
+        for p in sorted(self.directory.glob(self.pattern)):
+            if p.name in done:
+                continue
+            if p.is_symlink():
+                raise DataError(f"{p}: a symbolic link in the rollout directory (it takes regular files only: "
+                                "write each file there, then rename it)")
+            if p.is_file():
+                confined(self.directory, p.relative_to(self.directory), f"{self.directory}: rollout file",
+                         resolve=True, error=DataError)
+                out.append(p)
+        return out
 
     def _wait_next(self, index: int) -> Path:
         end = time.monotonic() + self.timeout_s
@@ -167,8 +183,8 @@ class RolloutDirDataModule(pl.LightningDataModule):
             return
         for i, name in sorted(self.step_files.items()):
             if i < upto and name not in self.marked:
-                src = self.directory / name
-                if src.exists():
+                src = self._named(name)
+                if os.path.lexists(src):
                     os.replace(src, self.directory / (name + CONSUMED))
                 self.marked.add(name)
         self.staleness.mark(self.directory, upto)
@@ -230,7 +246,21 @@ class RolloutDirDataModule(pl.LightningDataModule):
                 "stale": self.staleness.state(c)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """The state of :meth:`state_dict`; its file names come from the checkpoint (a file
+        someone may have handed over) and must be plain names of files in ``directory``."""
+        names = list(state.get("files", []))
+        for name in names:
+            self._named(name)
         self.consumed_steps = int(state.get("consumed_steps", 0))
-        self.step_files = {i: name for i, name in enumerate(state.get("files", []))}
+        self.step_files = {i: name for i, name in enumerate(names)}
         self.marked = set()
         self.staleness.load(state.get("stale"))
+
+    def _named(self, name: Any) -> Path:
+        """``directory / name`` for a rollout file name read from a checkpoint, refused unless it
+        is a plain name (no directory part)."""
+        what = "resume_from: the checkpoint's rollout file name"
+        path = confined(self.directory, name, what, error=DataError)
+        if path.parent != self.directory:
+            raise DataError(f"{what}: {name!r} is not a plain file name in {self.directory}")
+        return path
