@@ -285,7 +285,7 @@ class Assembler:
             for br in branches:
                 for k in drop:
                     br.pop(k, None)
-        check_limits(src, branches, self.limits)
+        check_limits(src, branches, self.limits, getattr(self.b, "tok", None))  # the chat builder's tokenizer
         check_needs(rec, branches, self.limits, self.estimator, self.b)
         own = _Own(index, src)
         tk = [own if k is None else k for k in b.tree_keys(rec, branches)]

@@ -21,8 +21,26 @@ def lines(encs: Sequence[Any]) -> str:
     return srcs[0] if len(srcs) == 1 else f"{srcs[0]} (and {len(srcs) - 1} more records of its group)"
 
 
-def check_limits(src: str, branches: List[Dict[str, Any]], limits) -> None:
-    """Token ids inside the model's vocabulary, branches no longer than its context."""
+QWEN_VOCAB_MODEL = ("qwen2_5_tiny_qwen_vocab", 151_936)  # the config preset with the Qwen2/2.5 vocabulary
+
+
+def _vocab_hint(tokenizer: Any) -> str:
+    """For data tokenized by the builder (chat): the tokenizer's vocabulary and a model with it."""
+    if tokenizer is None:
+        return ""
+    try:
+        n = len(tokenizer)
+    except TypeError:
+        return ""
+    name, size = QWEN_VOCAB_MODEL
+    preset = f"model={name} (the Qwen2/2.5 vocabulary) or " if n <= size else ""
+    return (f"; the data is tokenized with tree_builder.tokenizer_path, a vocabulary of {n:,} ids: use a model "
+            f"with that vocabulary, {preset}your checkpoint (model.hf_checkpoint=DIR)")
+
+
+def check_limits(src: str, branches: List[Dict[str, Any]], limits, tokenizer: Any = None) -> None:
+    """Token ids inside the model's vocabulary, branches no longer than its context.
+    ``tokenizer``: the one that tokenized the data (chat builder), named in the error."""
     V, L = limits.vocab_size, limits.max_seq_len
     for br in branches:
         ids = br["input_ids"]
@@ -33,7 +51,7 @@ def check_limits(src: str, branches: List[Dict[str, Any]], limits) -> None:
                 pos = ids.index(top)
                 field = br.get("_ids", f"{where}.input_ids[{pos}]")
                 raise DataError(f"{src}: {field}: token id {top} (position {pos}) is outside the model's "
-                                f"vocabulary (size {V})")
+                                f"vocabulary (size {V}){_vocab_hint(tokenizer)}")
         if L is not None and len(ids) > L:
             raise DataError(f"{src}: {where}: {len(ids)} tokens, more than the model's max_seq_len {L}; "
                             "raise the model's max_seq_len or truncate the data")

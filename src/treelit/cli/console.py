@@ -17,19 +17,25 @@ full output directory) is reported as ``error: <message>`` with no Python traceb
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import List, Optional, Sequence
 
-__all__ = ["ConsoleFormatter", "ConsoleHandler", "SetupError", "tidy_library_logging", "user_error_message"]
+__all__ = ["ConsoleFormatter", "ConsoleHandler", "SetupError", "hydra_error_message", "quiet_transformers_bars",
+           "tidy_library_logging", "user_error_message"]
 
 # substrings of library messages the console leaves out (train.log keeps them)
 NOISE = (
     "Tip: For seamless cloud",  # Lightning advertising its services (logging, model registry)
+    "GPU available:",  # Lightning's device report: trainer.accelerator says what is used
     "TPU available:",
     "HPU available:",
+    "CUDA_VISIBLE_DEVICES: [",  # Lightning's per-rank device line
+    "Initializing distributed:",  # Lightning's DDP banner (rank, members, backend)
+    "All distributed processes registered",
     "`Trainer.fit` stopped: `max_steps=",  # the end-of-run summary says it
     "not found. Creating it.",  # a new MLflow experiment: nothing to act on
 )
@@ -132,8 +138,117 @@ def user_error_message(exc: BaseException) -> Optional[str]:
     name = type(exc).__name__
     if name == "MlflowException":
         return f"MLflow: {exc}"
+    if name == "InstantiationException":
+        return _instantiation_message(exc)
     return str(exc).strip() or name
+
+
+def _instantiation_message(exc: BaseException) -> str:
+    """Hydra's report of a failed ``_target_`` call, on one line; an unexpected keyword (a key
+    added with ``+group.key=...`` that the target does not take) names the closest parameters."""
+    import inspect
+    import re
+
+    text = str(exc)
+    cause = exc.__cause__
+    target = re.search(r"target '([\w.]+)'", text)
+    unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(cause)) if isinstance(cause, TypeError) else None
+    full_key = re.search(r"full_key: ([\w.]+)", text)
+    if target and unexpected:
+        key = unexpected.group(1)
+        where = f"{full_key.group(1)}.{key}" if full_key else key
+        try:
+            from hydra.utils import get_object
+
+            params = [n for n in inspect.signature(get_object(target.group(1))).parameters if n not in ("self", "kwargs")]
+        except Exception:  # pragma: no cover - the target cannot be inspected: Hydra's words
+            params = []
+        return f"{where}: {target.group(1)} takes no option {key!r}" + (
+            f"; did you mean {' or '.join(_closest(key, params))}?" if _closest(key, params) else "")
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def full_error_requested() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _closest(word: str, names: Sequence[str], n: int = 3) -> List[str]:
+    return difflib.get_close_matches(word, [str(x) for x in names], n=n, cutoff=0.6)
+
+
+def _choices(word: str, names: Sequence[str], what: str) -> str:
+    """``did you mean X?`` when some names are close to ``word``, else every name."""
+    close = _closest(word, names)
+    if close:
+        return f"did you mean {' or '.join(close)}?"
+    return f"{what}: {', '.join(sorted(str(x) for x in names)) or 'none'}"
+
+
+def hydra_error_message(exc: BaseException, overrides: Optional[Sequence[str]] = None) -> Optional[str]:
+    """One line for an error Hydra raises while it composes the config from the command line
+    (an unknown option of a config group, an unknown key, an override it cannot parse), with
+    the closest known names; ``None`` for anything else. Hydra's own report is a multi-line
+    dump (every option of the group, the config search path). ``overrides``: the command
+    line's (default ``sys.argv[1:]``), to name the one Hydra cannot parse."""
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    if not isinstance(exc, HydraException):
+        return None
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
+        group, _, name = exc.missing_cfg_file.rpartition("/")
+        options = list(exc.options or [])
+        if not options:  # older Hydra: the options are listed in the message, one per tab-indented line
+            options = [line.strip() for line in str(exc).splitlines() if line.startswith("\t")
+                       and "provider=" not in line]
+        if not name:
+            return f"{group}= needs an option: {', '.join(options)}"
+        return f"{group}={name}: no such option (no config {group}/{name}); " \
+               f"{_choices(name, options, f'options of {group!r}')}"
+    cause = exc.__cause__
+    key = getattr(cause, "key", None)
+    full_key = getattr(cause, "full_key", None)
+    parent = getattr(cause, "parent_node", None)
+    if key is not None and full_key and hasattr(parent, "keys") and str(exc).startswith("Could not override"):
+        where = full_key.rpartition(".")[0]
+        keys = [str(k) for k in parent.keys()]
+        if where:
+            close = [f"{where}.{k}" for k in _closest(str(key), keys)]
+        else:
+            close = _closest(str(key), keys)
+        if close:
+            return f"{full_key}: no such option; did you mean {' or '.join(close)}?"
+        return (f"{full_key}: no such option; the options {f'under {where} ' if where else ''}are "
+                f"{', '.join(sorted(keys))} (add a new key with +{full_key}=VALUE)")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if isinstance(exc, OverrideParseException):
+        bad = _unparsable(sys.argv[1:] if overrides is None else overrides)
+        return f"cannot parse {bad!r}: " + "; ".join(lines) if bad else "; ".join(lines)
+    return "; ".join(lines) or type(exc).__name__
+
+
+def _unparsable(overrides: Sequence[str]) -> Optional[str]:
+    """The first command-line override Hydra cannot parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in overrides:
+        if arg.startswith("-"):
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except Exception:
+            return arg
+    return None
+
+
+def quiet_transformers_bars() -> None:
+    """Turn off transformers' own progress bars in this process ("Loading weights" when a
+    checkpoint is read, "Writing model shards" when the model is exported): noise in a log,
+    and the run's own lines say what happens. Downloads from the Hugging Face Hub keep their
+    bars. (Only called when the run uses transformers, which is then imported anyway.)"""
+    from transformers.utils import logging as hf_logging
+
+    if hasattr(hf_logging, "set_tqdm_hook"):  # transformers 5: only transformers' own bars
+        hf_logging.set_tqdm_hook(lambda factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))
+    else:  # pragma: no cover - older transformers: every bar it draws, Hub downloads included
+        hf_logging.disable_progress_bar()

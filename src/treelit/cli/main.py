@@ -9,7 +9,9 @@
 is a config group (``model``, ``attention``, ...) lists its config options, each
 registered component with its origin and the presets that only exist as config files;
 a name that cannot be selected as ``group=NAME`` (a plugin without a config file) is
-shown with the override that selects it. ``treelit stats`` reads token records and
+shown with the override that selects it; a data source with the ``data=`` option that
+streams it; then the config groups that are not registry kinds (``data``, ``optimizer``,
+``trainer``, ...) with their options, as the README's table lists them. ``treelit stats`` reads token records and
 chat records alike (the builder is detected from the first record; chat data is
 tokenized with ``--tokenizer``, by default the bundled Qwen2 BPE). Errors in the input
 print one line, no traceback.
@@ -36,10 +38,17 @@ SELECT: Dict[str, str] = {
 }
 # the key naming the component inside a group's config files
 NAME_KEY = {"model": "preset"}
+# data sources are chosen through the data option that streams them (its data.source.name)
+SOURCE_GROUP, SOURCE_KEY = "data", "source.name"
 
 
 def config_options(group: str) -> List[str]:
     """The options of config group ``group`` (treelit's and plugins' config files)."""
+    return _group_options([group])[group]
+
+
+def _group_options(groups: Optional[List[str]] = None) -> Dict[str, List[str]]:
+    """The options of each config group (every group but Hydra's when ``groups`` is None)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -48,26 +57,58 @@ def config_options(group: str) -> List[str]:
     register_resolvers()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+        loader = GlobalHydra.instance().config_loader()
+        names = groups if groups is not None else [g for g in loader.list_groups("") if g != "hydra"]
+        return {g: sorted(loader.get_group_options(g)) for g in names}
+
+
+def _source_options(data_options: List[str]) -> Dict[str, List[str]]:
+    """For each data source name, the ``data=`` options that stream from it (read from their
+    config files' ``source.name``)."""
+    from omegaconf import OmegaConf
+
+    from treelit.cli.config import CONF_DIR
+
+    found: Dict[str, List[str]] = {}
+    for opt in data_options:
+        f = Path(CONF_DIR) / SOURCE_GROUP / f"{opt}.yaml"
+        name = OmegaConf.select(OmegaConf.load(f), SOURCE_KEY) if f.is_file() else None
+        if isinstance(name, str):
+            found.setdefault(name, []).append(f"{SOURCE_GROUP}={opt}")
+    return found
 
 
 def _list() -> int:
     from treelit.components import all_registries
 
+    options = _group_options()
+    sources = _source_options(options.get(SOURCE_GROUP, []))
     for kind, reg in all_registries().items():
         how = SELECT.get(kind)
         group = kind if how == "" else None
-        options = config_options(group) if group else []
-        choose = f"{kind}=NAME" if group else (f"{how}=NAME" if how else "library use")
+        opts = options.get(group, []) if group else []
+        if kind == "data_source":
+            choose = (f"{' or '.join(o for v in sources.values() for o in v)}, the data options that stream it; "
+                      f"a plugin's: {SOURCE_GROUP}=stream {SOURCE_GROUP}.{SOURCE_KEY}=NAME")
+        else:
+            choose = f"{kind}=NAME" if group else (f"{how}=NAME" if how else "library use")
         print(f"{kind}  (select with {choose})")
         names = set()
         for e in reg.entries():
             names.add(e.name)
-            hint = "" if not group or e.name in options else f"  [no config file: {group}.{NAME_KEY.get(kind, 'name')}={e.name}]"
+            if kind == "data_source":
+                hint = f"  [{', '.join(sources[e.name])}]" if e.name in sources else \
+                    f"  [{SOURCE_GROUP}=stream {SOURCE_GROUP}.{SOURCE_KEY}={e.name}]"
+            else:
+                hint = "" if not group or e.name in opts else f"  [no config file: {group}.{NAME_KEY.get(kind, 'name')}={e.name}]"
             print(f"  {e.name:<26} {e.source}{hint}")
-        presets = [o for o in options if o not in names]
+        presets = [o for o in opts if o not in names]
         if presets:
             print(f"  config presets: {', '.join(presets)}")
+    for group, opts in options.items():  # the config groups that are not registry kinds
+        if group not in all_registries() and opts:
+            print(f"{group}  (select with {group}=NAME)")
+            print(f"  config options: {', '.join(opts)}")
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-__all__ = ["build_summary", "format_summary"]
+__all__ = ["build_summary", "data_line", "format_summary"]
 
 
 def _short(path: str) -> str:
@@ -26,6 +26,21 @@ def _short(path: str) -> str:
 def _duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def data_line(d: Dict[str, Any]) -> str:
+    """The data statistics printed before training (``data: ...``). Data read whole is
+    counted whole; a stream (``data=stream``, ``hf_dataset``, ``rollouts``) is not read in
+    advance: its counts are those of the first trees read, and say so."""
+    counts = (f"{d['trees']:,} trees, {d['branches']:,} branches, {d['tree_tokens']:,} tree tokens "
+              f"({d['flat_tokens']:,} flat, POR {d['por']:.2f})")
+    skipped = f"; {d['records_skipped']:,} records skipped" if d.get("records_skipped") else ""
+    if not d.get("streamed"):
+        return counts + skipped
+    if not d["trees"]:
+        return f"streamed, not counted in advance: nothing read yet{skipped}"
+    return (f"streamed, not counted in advance; so far {d.get('records_read', 0):,} records read, "
+            f"the first {counts}{skipped}")
 
 
 def build_summary(
@@ -126,7 +141,7 @@ def format_summary(s: Dict[str, Any]) -> str:
         row("resumed", f"from {_short(r['checkpoint'])} (step {r['step']})")
     d = s.get("data") or {}
     if d.get("flat_tokens"):
-        row("data", f"{d['trees']:,} trees, {d['branches']:,} branches: {d['tree_tokens']:,} tree tokens instead of "
+        row("data", ("streamed; the first " if d.get("streamed") else "") + f"{d['trees']:,} trees, {d['branches']:,} branches: {d['tree_tokens']:,} tree tokens instead of "
                     f"{d['flat_tokens']:,} flat (POR {d['por']:.2f}, ideal speedup {d['ideal_speedup']:.2f}x)")
     v = s.get("verify")
     if v:

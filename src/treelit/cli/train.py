@@ -28,8 +28,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from treelit.cli.config import CONF_DIR, register_resolvers, validate_config
-from treelit.cli.console import SetupError, full_error_requested, tidy_library_logging, user_error_message
+from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, quiet_transformers_bars,
+                                 tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
+from treelit.cli.summary import data_line
 from treelit.utils.redact import redact_config, redact_text
 
 log = logging.getLogger("treelit.train")
@@ -229,10 +231,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
                                  objective=objective)
         data_stats = datamodule.stats()
-        log.info("data: %s trees, %s branches, %s tree tokens (%s flat, POR %.2f)%s", f"{data_stats['trees']:,}",
-                 f"{data_stats['branches']:,}", f"{data_stats['tree_tokens']:,}", f"{data_stats['flat_tokens']:,}",
-                 data_stats["por"], f"; {data_stats['records_skipped']} records skipped"
-                 if data_stats.get("records_skipped") else "")
+        log.info("data: %s", data_line(data_stats))
 
         module = TreeLitModule(
             model=model,
@@ -284,9 +283,17 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     return summary
 
 
+# HYDRA_FULL_ERROR as the user set it: main() sets it to 1 while Hydra composes the config (so
+# Hydra raises its errors instead of printing them), the task restores it
+_USER_FULL_ERROR = "HYDRA_FULL_ERROR_USER"
+
+
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    os.environ["HYDRA_FULL_ERROR"] = os.environ.pop(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "0"))
     try:
+        if "hf_adapter" in str(cfg.model.get("_target_", "")):  # transformers' model code: its bars are noise
+            quiet_transformers_bars()
         run(cfg)
     except Exception as exc:
         msg = user_error_message(exc)
@@ -298,9 +305,24 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    """``treelit-train``. A mistake on the command line (an unknown option of a config group,
+    an unknown key) is one ``error:`` line with the closest names, not Hydra's dump."""
     register_resolvers()
-    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    _hydra_main()
+    user = os.environ.get("HYDRA_FULL_ERROR", "0")
+    os.environ[_USER_FULL_ERROR] = user
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except Exception as exc:  # raised before the task ran (composing the config, Hydra's callbacks)
+        msg = hydra_error_message(exc) or user_error_message(exc)
+        if msg is None or user == "1":
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        print("(set HYDRA_FULL_ERROR=1 to see the Python traceback)", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        os.environ.pop(_USER_FULL_ERROR, None)
+        os.environ["HYDRA_FULL_ERROR"] = user
 
 
 if __name__ == "__main__":

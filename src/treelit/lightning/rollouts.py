@@ -146,7 +146,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
     def stats(self) -> Dict[str, Any]:
         """Rollouts arrive during training: nothing is known before the first step."""
         return {"trees": 0, "branches": 0, "flat_tokens": 0, "tree_tokens": 0, "por": 0.0, "ideal_speedup": 0.0,
-                "records_skipped": self.read_stats.skipped}
+                "records_skipped": self.read_stats.skipped, "streamed": True, "records_read": self.read_stats.read}
 
     # files ------------------------------------------------------------------------------------------
     def _candidates(self) -> List[Path]:

@@ -1,0 +1,366 @@
+"""The first hour of a new user: a console without library noise, plain progress lines in a
+redirected log, honest data lines for streams, an RL summary in RL terms, a chat-data error
+that names the model to use, one-line config typos with the closest names, and a
+``treelit list`` that selects every kind the way the README does."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import TINY
+from treelit.cli.console import ConsoleFormatter, ConsoleHandler, hydra_error_message, tidy_library_logging
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def console(monkeypatch):
+    """The console handler on the root logger as Hydra installs it, and every record that
+    reached the root (what ``train.log`` gets)."""
+    root = logging.getLogger()
+    handler = ConsoleHandler()
+    handler.setFormatter(ConsoleFormatter())
+    seen = []
+    keeper = logging.Handler()
+    keeper.emit = lambda record: seen.append(record.getMessage())
+    level = root.level
+    root.addHandler(handler)
+    root.addHandler(keeper)
+    root.setLevel(logging.INFO)
+    tidy_library_logging()
+    yield seen
+    root.removeHandler(handler)
+    root.removeHandler(keeper)
+    root.setLevel(level)
+
+
+# the console: no library noise ---------------------------------------------------------------
+
+
+def test_lightning_device_report_and_ddp_banner_stay_out_of_the_console(console, capsys, monkeypatch):
+    """Lightning's own calls: the Trainer's device report and the distributed start-up banner
+    (a one-process gloo group). train.log keeps them."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    tidy_library_logging()  # after Lightning's import, as treelit-train does
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    _init_dist_connection(LightningEnvironment(), "gloo", global_rank=0, world_size=1)
+    dist.destroy_process_group()
+    text = "\n".join(capsys.readouterr())
+    for noise in ("GPU available", "TPU available", "HPU available", "Initializing distributed",
+                  "distributed_backend=", "All distributed processes registered", "-" * 40):
+        assert noise not in text, (noise, text)
+    kept = "\n".join(console)
+    assert "GPU available: False" in kept and "Initializing distributed: GLOBAL_RANK: 0" in kept
+    assert "All distributed processes registered" in kept
+
+
+def test_transformers_bars_are_off_in_treelit_train_only(tmp_path, capfd):
+    """"Loading weights" (and "Writing model shards") are transformers' own bars: the library
+    shows them, treelit-train's quiet_transformers_bars turns them off."""
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    import treelit
+    from treelit.cli.console import quiet_transformers_bars
+    from treelit.models.hf_adapter import load_hf_model
+
+    path = treelit.save_hf_checkpoint(treelit.build_model("qwen2_tiny"), tmp_path / "hf")
+    capfd.readouterr()
+    previous = hf_logging.set_tqdm_hook(None)
+    try:
+        load_hf_model(path)
+        assert "Loading weights" in capfd.readouterr().err  # the bar exists: this test can fail
+        quiet_transformers_bars()
+        model = load_hf_model(path)
+        model.save_pretrained(tmp_path / "again")
+        out, err = capfd.readouterr()
+        assert "Loading weights" not in out + err and "Writing model shards" not in out + err
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+
+
+# plain progress lines ------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _fake_run(bar, steps: int, seconds_per_step: float, clock: _Clock, stdout) -> None:
+    trainer = types.SimpleNamespace(global_step=0, max_steps=steps, is_global_zero=True)
+    bar.get_metrics = lambda trainer, module: {"loss": 5.8123, "tree_tok/s": 2954.2, "flat_tok/s": 11610.0}
+    old = sys.stdout
+    sys.stdout = stdout
+    try:
+        bar.setup(trainer, None, "fit")
+    finally:
+        sys.stdout = old
+    if bar._lines:  # what Lightning's on_train_start would do, without a real bar
+        bar._start, bar._last_line = (clock(), 0), None
+    for n in range(1, steps + 1):
+        clock.t += seconds_per_step
+        trainer.global_step = n
+        if bar._lines:
+            bar.on_train_batch_end(trainer, None, {"loss": 5.8}, None, n - 1)
+
+
+def test_a_redirected_run_prints_a_few_plain_lines_not_bar_frames(monkeypatch, caplog):
+    """300 steps of 0.25 s written to a file: the first step, one line per 20 s, the last step."""
+    from treelit.lightning import callbacks
+    from treelit.lightning.callbacks import TreeProgressBar
+
+    clock = _Clock()
+    monkeypatch.setattr(callbacks.time, "monotonic", clock)
+
+    class File:
+        def isatty(self):
+            return False
+
+    bar = TreeProgressBar(log_every_s=20)
+    with caplog.at_level(logging.INFO, logger="treelit.lightning.callbacks"):
+        _fake_run(bar, 300, 0.25, clock, File())
+    lines = [r.getMessage() for r in caplog.records if r.name == "treelit.lightning.callbacks"]
+    assert bar._lines and not bar.is_enabled  # Lightning's bar draws nothing
+    assert lines[0].startswith("step 1/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (0s, about ")
+    assert lines[-1] == "step 300/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (1m15s)"
+    steps = [int(re.match(r"step (\d+)/300", x).group(1)) for x in lines]
+    assert steps == [1, 81, 161, 241, 300], steps
+    assert sum(len(x) + 1 for x in lines) < 600
+
+
+def test_a_terminal_keeps_the_bar_and_plain_can_be_forced(monkeypatch, caplog):
+    from treelit.lightning import callbacks
+    from treelit.lightning.callbacks import TreeProgressBar
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+    clock = _Clock()
+    monkeypatch.setattr(callbacks.time, "monotonic", clock)
+    bar = TreeProgressBar()
+    _fake_run(bar, 5, 1.0, clock, Terminal())
+    assert not bar._lines and bar.is_enabled
+    forced = TreeProgressBar(plain=True, log_every_s=0)
+    with caplog.at_level(logging.INFO, logger="treelit.lightning.callbacks"):
+        _fake_run(forced, 5, 1.0, clock, Terminal())
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"step {n}/5" for n in range(1, 6)]
+
+
+# streamed data: counted as read ----------------------------------------------------------------
+
+
+def test_a_stream_says_its_counts_are_what_was_read_so_far(tmp_path):
+    import gzip
+
+    from treelit.builders.base import make_tree_builder
+    from treelit.cli.summary import data_line
+    from treelit.data.sources import make_data_source
+    from treelit.lightning.data import TreeDataModule
+    from treelit.lightning.streaming import StreamingTreeDataModule
+
+    bundled = REPO / "src" / "treelit" / "data" / "bundled" / "synthetic_agentic.jsonl.gz"
+    records = gzip.open(bundled, "rt").read().splitlines()[:120]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(records) + "\n")
+    m = StreamingTreeDataModule(make_data_source("files", paths=[str(path)]), make_tree_builder("sequences"),
+                                micro_batch_tokens=4096, shuffle=False)
+    m.check_against(512, None)
+    s = m.stats()
+    assert s["streamed"] and s["records_read"] == 120 and 0 < s["trees"] < 120
+    line = data_line(s)
+    assert line.startswith(f"streamed, not counted in advance; so far 120 records read, the first {s['trees']} trees, ")
+    whole = TreeDataModule(train_path=str(path), tree_builder=make_tree_builder("sequences"))
+    whole.setup()
+    w = whole.stats()
+    assert not w.get("streamed") and data_line(w).startswith(f"{w['trees']:,} trees, {w['branches']:,} branches")
+
+
+def test_the_data_line_of_a_stream_with_nothing_read_yet():
+    from treelit.cli.summary import data_line
+
+    d = {"trees": 0, "branches": 0, "flat_tokens": 0, "tree_tokens": 0, "por": 0.0, "records_skipped": 0,
+         "streamed": True, "records_read": 0}
+    assert data_line(d) == "streamed, not counted in advance: nothing read yet"
+
+
+# the RL summary --------------------------------------------------------------------------------
+
+
+def test_an_rl_run_ends_with_reward_margin_kl_and_clip_fraction(tmp_path, cli_main, capsys):
+    status = cli_main("experiment=rl_synthetic", "trainer.max_steps=4", "ppo_epochs=1", "logger=none",
+                      "callbacks.hf_export=null", "callbacks.checkpoint=null", "callbacks.reward_margin.every_n_steps=2",
+                      "callbacks.reward_margin.max_trees=2", "model.config.num_layers=1", "data.max_trees=16",
+                      f"output_dir={tmp_path / 'out'}")
+    out = capsys.readouterr().out
+    assert status == 0, out[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rl = summary["rl"]
+    assert rl["first"]["step"] == 1 and rl["last"]["step"] == 4
+    for k in ("reward_mean", "approx_kl", "clip_frac"):
+        assert k in rl["first"] and k in rl["last"], k
+    assert 0.0 <= rl["last"]["reward_mean"] <= 1.0  # the synthetic rewards are 0/1
+    m = summary["reward_margin"]
+    assert m["first"]["step"] == 0 and m["last"]["step"] == 4
+    done = next(line for line in out.splitlines() if line.startswith("done: "))
+    assert "loss" not in done  # a clipped policy loss starts near 0: not what an RL user reads
+    assert f"  reward      mean {rl['first']['reward_mean']:.3f} -> {rl['last']['reward_mean']:.3f}" in out
+    assert (f"  policy      KL to rollout policy {rl['first']['approx_kl']:.4f} -> {rl['last']['approx_kl']:.4f}, "
+            f"clip fraction {rl['first']['clip_frac']:.4f} -> {rl['last']['clip_frac']:.4f} (step 1 -> 4)") in out
+    assert f"  margin      {m['first']['margin']:.2f} -> {m['last']['margin']:.2f} nats (step 0 -> 4)" in out
+
+
+def test_an_sft_summary_keeps_the_loss():
+    from treelit.cli.summary import format_summary
+
+    s = {"global_step": 3, "wall_seconds": 4.0, "loss": {"first": [1, 6.25], "last": [3, 6.1]}, "config": "c.yaml"}
+    assert format_summary(s).splitlines()[0] == "done: 3 steps in 4s; loss 6.250 (step 1) -> 6.100 (step 3)"
+
+
+# chat data and the model's vocabulary ------------------------------------------------------------
+
+
+def test_chat_data_beyond_the_model_vocabulary_names_a_model_with_the_tokenizers(tmp_path):
+    from treelit.builders.assemble import Assembler, Limits
+    from treelit.builders.base import make_tree_builder
+    from treelit.builders.checks import check_limits
+    from treelit.data.records import DataError, iter_file
+    from treelit.data.tokenizers import qwen_tokenizer_dir
+
+    conv = [{"role": "user", "content": "Paris, please."}, {"role": "assistant", "content": "Booked."}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"id": "c0", "messages": conv}) + "\n")
+    builder = make_tree_builder("chat", tokenizer_path=qwen_tokenizer_dir())
+    asm = Assembler(builder, limits=Limits(vocab_size=512))
+    with pytest.raises(DataError) as err:
+        for rec in iter_file(str(path)):
+            asm.add(rec)
+        asm.flush()
+    msg = str(err.value)
+    assert f"{path}:1" in msg and "outside the model's vocabulary (size 512)" in msg
+    assert f"a vocabulary of {len(builder.tok):,} ids" in msg and "model=qwen2_5_tiny_qwen_vocab" in msg
+    assert "model.hf_checkpoint=DIR" in msg and "\n" not in msg
+
+    class Huge:  # a tokenizer larger than the Qwen preset's vocabulary: only your checkpoint fits
+        def __len__(self):
+            return 200_000
+
+    with pytest.raises(DataError) as err:
+        check_limits("f:1", [{"input_ids": [1, 199_999], "_where": "messages"}], Limits(vocab_size=512), Huge())
+    assert "a vocabulary of 200,000 ids" in str(err.value) and "qwen2_5_tiny_qwen_vocab" not in str(err.value)
+    with pytest.raises(DataError) as err:  # token data: no tokenizer to speak of
+        check_limits("f:1", [{"input_ids": [1, 600], "_where": "branches[0]"}], Limits(vocab_size=512))
+    assert str(err.value).endswith("outside the model's vocabulary (size 512)")
+
+
+# config typos: one line with the closest names -------------------------------------------------
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["model=qwen3_tinyy"], "error: model=qwen3_tinyy: no such option (no config model/qwen3_tinyy); "
+                            "did you mean qwen3_tiny"),
+    (["trainer.max_step=5"], "error: trainer.max_step: no such option; did you mean trainer.max_steps"),
+    (["seeed=1"], "error: seeed: no such option; did you mean seed?"),
+    (["model.config.zzz=1"], "error: model.config.zzz: no such option; the options under model.config are "
+                             "embed_dim, intermediate_dim,"),
+    (["trainer.max_steps=[1"], "error: cannot parse 'trainer.max_steps=[1': "),
+], ids=["group-option", "key", "root-key", "no-close-key", "syntax"])
+def test_a_config_typo_is_one_error_line_with_the_closest_names(args, expected, tmp_path, cli_main, capsys,
+                                                                 monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    status = cli_main(*args, "logger=none", f"output_dir={tmp_path / 'out'}")
+    out, err = capsys.readouterr()
+    assert status == 1
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(expected), err
+    for dump in ("Available options", "Config search path", "To append to your config", "full_key", "Traceback"):
+        assert dump not in out + err, (dump, err)
+    assert len(err.strip().splitlines()) == 2  # the error and the HYDRA_FULL_ERROR hint
+    import os
+
+    assert os.environ.get("HYDRA_FULL_ERROR", "0") == "0" and "HYDRA_FULL_ERROR_USER" not in os.environ
+
+
+def test_a_key_the_target_does_not_take_names_its_parameters(tmp_path, cli_main, capsys):
+    status = cli_main("+trainer.max_step=5", *TINY, "data.max_trees=2", "logger=none", f"output_dir={tmp_path / 'o'}")
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err
+    assert "error: trainer.max_step: lightning.pytorch.trainer.trainer.Trainer takes no option 'max_step'; " \
+           "did you mean max_steps" in err
+
+
+def test_hydra_full_error_raises_hydras_exception(tmp_path, cli_main, monkeypatch):
+    from hydra.errors import MissingConfigException
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(MissingConfigException):
+        cli_main("model=qwen3_tinyy", "logger=none", f"output_dir={tmp_path / 'out'}")
+    import os
+
+    assert os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
+def test_non_hydra_errors_are_not_hydra_messages():
+    assert hydra_error_message(ValueError("x")) is None
+
+
+# treelit list: every kind selected as the README says -------------------------------------------
+
+
+def _sections(out: str):
+    sections, cur = {}, None
+    for line in out.splitlines():
+        if not line.startswith(" "):
+            cur = line.split()[0]
+            sections[cur] = line
+        else:
+            sections[cur] += "\n" + line
+    return sections
+
+
+def test_list_selects_every_kind_and_group_as_the_readme_table_does(capsys):
+    from treelit.cli.config import compose
+    from treelit.cli.main import main
+
+    assert main(["list"]) == 0
+    sections = _sections(capsys.readouterr().out)
+    src = sections["data_source"]
+    assert "library use" not in src
+    assert "files                      treelit  [data=stream]" in src
+    assert "hf_dataset                 treelit  [data=hf_dataset]" in src
+    for option, name in (("stream", "files"), ("hf_dataset", "hf_dataset")):
+        assert compose([f"data={option}"]).data.source.name == name
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("| group | options (built-in) | what it chooses |", 1)[1].split("\n\n", 1)[0]
+    table = [line for line in table.splitlines() if re.match(r"\| `\w+` \| ", line)]
+    groups = 0
+    for row in table:
+        group, options = re.match(r"\| `(\w+)` \| (.*?) \|", row).groups()
+        assert group in sections, f"`treelit list` does not show the README's group {group}"
+        assert sections[group].startswith(f"{group}  (select with {group}=NAME)"), sections[group][:200]
+        for name in re.findall(r"`(\w+)`", options):
+            assert re.search(rf"\b{name}\b", sections[group]), (group, name)
+        groups += 1
+    assert groups >= 12
