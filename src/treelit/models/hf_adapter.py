@@ -169,6 +169,10 @@ class HFTreeModel(nn.Module):
         self.activation_checkpointing = False
         self._checkpointing_on = False
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+        # the logit scaling the family's *ForCausalLM applies after its head (Granite: / logits_scaling,
+        # Falcon-H1: * lm_head_multiplier), folded into the hidden states treelit's chunked head reads
+        self._head_scale = (float(getattr(cfg, "lm_head_multiplier", 1.0) or 1.0)
+                            / float(getattr(cfg, "logits_scaling", 1.0) or 1.0))
         self.hf.train()  # from_pretrained returns eval mode; dropout is refused, so the mode changes nothing
 
     @property
@@ -215,6 +219,8 @@ class HFTreeModel(nn.Module):
             for i, x in enumerate(logits):
                 ctx.record_router(i, x)
             record_pass(self, ctx)
+        if self._head_scale != 1.0:  # logits = lm_head(h) * scale, and the head is linear without bias
+            return out.last_hidden_state * self._head_scale
         return out.last_hidden_state
 
     def forward(self, tokens=None, *, treelit_fn=None, **kwargs):

@@ -57,7 +57,8 @@ CHUNK_SIZE = 64  # tokens per block of treelit's chunked scans (exact for any si
 
 # model types whose layers the adapter runs through these kernels (each is tested against
 # transformers branch by branch in tests/models/test_hf_hybrid.py)
-HYBRID_FAMILIES = {"qwen3_5_text", "qwen3_5", "qwen3_next", "nemotron_h", "bamba", "lfm2"}
+HYBRID_FAMILIES = {"qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "olmo_hybrid",
+                   "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "lfm2"}
 
 
 @dataclass
