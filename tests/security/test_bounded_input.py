@@ -243,6 +243,18 @@ def test_branch_limit_in_json_and_parquet(tmp_path, fmt):
     assert str(items[1]).startswith(f"{p}:{where}: the record has 7 branches, more than data.max_branches_per_record=6")
 
 
+def test_branch_limit_in_a_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    wide = {"branches": [{"input_ids": [1, i]} for i in range(2, 9)]}
+    datasets.Dataset.from_list([GOOD, wide, GOOD]).save_to_disk(str(tmp_path / "ds"))
+    m = StreamingTreeDataModule(make_data_source("hf_dataset", path=str(tmp_path / "ds")), max_branches_per_record=6)
+    items = list(m.source.read(0))
+    assert [type(i).__name__ for i in items] == ["Record", "DataError", "Record"]
+    assert str(items[1]).startswith(f"{tmp_path / 'ds'}:row 1: the record has 7 branches, more than "
+                                    "data.max_branches_per_record=6")
+    assert items[1].next == 2
+
+
 def test_chat_records_count_their_model_calls():
     from treelit.data.limits import branch_count
 
