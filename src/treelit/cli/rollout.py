@@ -109,7 +109,9 @@ class Sampler:
             self.model = treelit.load_hf_checkpoint(path, dtype=self.dtype).eval()
         else:
             from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
 
+            hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
             self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).eval()
         gen = path / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
