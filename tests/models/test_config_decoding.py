@@ -127,3 +127,22 @@ def test_fla_mamba2_checkpoint_with_default_dt_limit_loads(tmp_path):
     again = treelit.load_hf_checkpoint(tmp_path / "ours")
     for (k, a), (k2, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
+
+
+def test_fla_gated_deltanet_checkpoint_saved_by_fla_loads(tmp_path):
+    """The other fla family, saved by fla itself with the installed transformers, loads with its weights."""
+    fla_models = pytest.importorskip("fla.models")
+    cfg = _fla_config("gated_deltanet", vocab_size=16, hidden_size=32, num_hidden_layers=2, max_position_embeddings=64,
+                      head_dim=8, num_heads=2, num_v_heads=4, expand_v=2.0)  # fla's attention layers need flash-attn
+    torch.manual_seed(0)
+    theirs = fla_models.GatedDeltaNetForCausalLM(cfg)
+    theirs.save_pretrained(tmp_path / "fla")
+    model = treelit.load_hf_checkpoint(tmp_path / "fla")
+    assert model.config.layer_types == ["gdn", "gdn"]
+    from treelit.models.hf_recurrent import tune_to_hf_recurrent
+
+    back = tune_to_hf_recurrent(model.state_dict(), model.config)
+    sd = theirs.state_dict()
+    assert set(back) == set(sd)
+    for k, v in back.items():
+        assert torch.equal(v, sd[k]), k
