@@ -3,13 +3,15 @@ the same transformers model run branch by branch with its own torch kernel funct
 
 Families (tiny random configs): Qwen3.5 text and Qwen3.5-MoE (Gated DeltaNet with grouped value
 heads and a gated norm; MoE with the router loss on), Qwen3-Next (the same with MoE),
-OLMo-hybrid (Gated DeltaNet with negative eigenvalues), Nemotron-H (Mamba2 with n_groups > 1
-and a conv bias, attention, MoE), Bamba, Granite-4 hybrid (Mamba2 with n_groups > 1, MoE,
-logits scaling and residual / embedding multipliers), Falcon-H1 (attention and Mamba2 in
-parallel, lm-head multiplier), LFM2 (short convolution with a bias). Loss and every parameter gradient, float64 <= 1e-10 with
-transformers' float32 upcasts kept in float64 on both sides (``KeepFloat64``), float32 <= 1e-4;
-``sdpa_dense`` and ``segment``; unpartitioned and partitioned (states and convolution contexts
-relayed across partitions); hypothesis forests with one-token segments.
+OLMo-hybrid (Gated DeltaNet with negative eigenvalues), Kimi-Linear (Kimi Delta Attention:
+per-channel decays; MLA attention, MoE), Nemotron-H (Mamba2 with n_groups > 1 and a conv bias,
+attention, MoE), Bamba, Granite-4 hybrid (Mamba2 with n_groups > 1, MoE, logits scaling and
+residual / embedding multipliers), Falcon-H1 (attention and Mamba2 in parallel, lm-head
+multiplier), LFM2 (short convolution with a bias). Loss and every parameter gradient, float64
+<= 1e-10 with transformers' float32 upcasts kept in float64 on both sides (``KeepFloat64``),
+float32 <= 1e-4; ``sdpa_dense`` and ``segment``; every aggregation; unpartitioned and
+partitioned (states and convolution contexts relayed across partitions); hypothesis forests
+and a forest of one-token segments.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ HYBRID = {
                             mamba_n_groups=2, mamba_d_state=4, mamba_d_conv=3, mamba_chunk_size=4)),
     "lfm2": ("lfm2", dict(BASE, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3,
                           conv_bias=True, block_auto_adjust_ff_dim=False)),
-    "qwen3_5_moe": ("qwen3_5_moe_text", dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(BASE, num_hidden_layers=2,
+                                             layer_types=["linear_attention", "full_attention"],
                                              moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4,
                                              num_experts_per_tok=2, output_router_logits=True,
                                              router_aux_loss_coef=0.3, **GDN)),
@@ -64,6 +67,11 @@ HYBRID = {
                                                   num_experts_per_tok=2, shared_intermediate_size=16,
                                                   logits_scaling=2.5, embedding_multiplier=1.5,
                                                   residual_multiplier=0.7, attention_multiplier=0.3)),
+    "kimi_linear": ("kimi_linear", dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                        linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=3,
+                                        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=1)),
     "falcon_h1": ("falcon_h1", dict(BASE, num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
                                     mamba_d_state=4, mamba_d_conv=3, mamba_chunk_size=4, mamba_d_ssm=64,
                                     lm_head_multiplier=0.6, embedding_multiplier=1.5)),
@@ -170,7 +178,8 @@ def test_plain_forward_and_direct_calls_never_reach_fla(tmp_path):
     assert module.torch_chunk_gated_delta_rule.__name__ == "torch_chunk_gated_delta_rule"  # not rebound globally
 
 
-UNSUPPORTED = {"kimi_linear": dict(BASE, num_hidden_layers=2), "lfm2_moe": dict(BASE, num_hidden_layers=2)}
+UNSUPPORTED = {"lfm2_moe": dict(BASE, num_hidden_layers=2),
+               "mamba": dict(vocab_size=12, hidden_size=32, num_hidden_layers=2)}
 
 
 @pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))
@@ -178,3 +187,33 @@ def test_hybrids_without_tree_kernels_refused_at_load(tmp_path, model_type):
     transformers.AutoConfig.for_model(model_type, **UNSUPPORTED[model_type]).save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="'model_type'"):
         treelit.load_hf_model(tmp_path)
+
+
+@pytest.mark.parametrize("chunk_size", [2, 3, 64])
+def test_kda_blocks_equal_the_per_token_recurrence_on_a_tree(chunk_size):
+    """Kimi Delta Attention (per-channel decays): the block scan equals the plain per-token
+    recurrence over a tree (one-token segments, a boundary capture), outputs, captured
+    states and every input gradient, float64."""
+    from treelit.ssm.layout import tree_layout
+    from treelit.ssm.scan import chunked_scan, kda_chunk, kda_step, segment_scan
+
+    batch = treelit.TokenTree.from_branches(*ONE_TOKEN).to_batch()
+    T, H, K, V = batch.num_tokens, 2, 4, 3
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(T, H, K, generator=gen, dtype=torch.float64),
+              torch.nn.functional.normalize(torch.randn(T, H, K, generator=gen, dtype=torch.float64), dim=-1),
+              torch.randn(T, H, V, generator=gen, dtype=torch.float64),
+              torch.rand(T, H, generator=gen, dtype=torch.float64),
+              -2 * torch.rand(T, H, K, generator=gen, dtype=torch.float64)]
+    layout = tree_layout(batch, 1, capture=torch.tensor([3, 7]).numpy())
+    results = []
+    for blocks in (False, True):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        if blocks:
+            out, cap = chunked_scan(kda_chunk(*xs, K**-0.5), layout, (H, K, V), (H, V), xs[0], None, chunk_size)
+        else:
+            out, cap = segment_scan(kda_step(*xs, K**-0.5), layout, (H, K, V), (H, V), xs[0])
+        (out.sin().sum() + cap.cos().sum()).backward()
+        results.append([out, cap] + [x.grad for x in xs])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)

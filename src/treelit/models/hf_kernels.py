@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treelit.ssm.layers import causal_conv, conv_context_at
-from treelit.ssm.scan import chunked_scan, gdn_chunk, ssd_chunk
+from treelit.ssm.scan import chunked_scan, gdn_chunk, kda_chunk, ssd_chunk
 
 __all__ = ["TREE_KERNELS", "HYBRID_FAMILIES", "bind_tree_kernels", "bind_torch_kernels", "kernel_name",
            "kernel_calls"]
@@ -58,7 +58,7 @@ CHUNK_SIZE = 64  # tokens per block of treelit's chunked scans (exact for any si
 # model types whose layers the adapter runs through these kernels (each is tested against
 # transformers branch by branch in tests/models/test_hf_hybrid.py)
 HYBRID_FAMILIES = {"qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "olmo_hybrid",
-                   "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "lfm2"}
+                   "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "lfm2", "kimi_linear"}
 
 
 @dataclass
@@ -143,6 +143,25 @@ def _gdn(call: _Call, query, key, value, g, beta, chunk_size=64, initial_state=N
     return out.view(B, L, HV, Dv).to(query.dtype), None
 
 
+def _kda(call: _Call, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+         use_qk_l2norm_in_kernel=False, **kwargs):
+    """``chunk_kda`` / ``fused_recurrent_kda`` (Kimi Delta Attention): ``query/key [B, L, H, K]``,
+    ``value [B, L, H, V]``, ``g [B, L, H, K]`` (per-channel log-decay), ``beta [B, L, H]`` ->
+    ``(out [B, L, H, V], None)``."""
+    _no_cache("kimi delta attention", initial_state, output_final_state)
+    B, L, H, Dk = key.shape
+    Dv = value.shape[-1]
+    q, k = query.reshape(B * L, H, Dk), key.reshape(B * L, H, Dk)
+    if use_qk_l2norm_in_kernel:  # (fla's form for KDA: x / sqrt(sum x^2 + eps))
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    wd = q.dtype
+    chunk = kda_chunk(q, k, value.reshape(B * L, H, Dv).to(wd), beta.reshape(B * L, H).to(wd),
+                      g.reshape(B * L, H, Dk).to(wd), Dk**-0.5)
+    out = _scan(call, chunk, 1, B, L, (H, Dk, Dv), (H, Dv), q)
+    return out.view(B, L, H, Dv).to(query.dtype), None
+
+
 def _ssd(call: _Call, hidden_states, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, initial_states=None,
          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **kwargs):
     """``mamba_chunk_scan_combined``: ``hidden_states [b, L, H, P]``, ``dt [b, L, H]``, ``A [H]``,
@@ -189,6 +208,8 @@ TREE_KERNELS: Dict[str, Callable] = {
     "mamba_chunk_scan_combined": _ssd,
     "mamba_split_conv1d_scan_combined": _unfused,
     "selective_state_update": _decode_only("selective_state_update"),
+    "chunk_kda": _kda,
+    "fused_recurrent_kda": _kda,
 }
 
 

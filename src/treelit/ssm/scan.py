@@ -46,7 +46,7 @@ import torch
 
 from treelit.ssm.layout import RecurrentLayout
 
-__all__ = ["segment_scan", "chunked_scan", "gdn_step", "ssd_step", "gdn_chunk", "ssd_chunk"]
+__all__ = ["segment_scan", "chunked_scan", "gdn_step", "ssd_step", "kda_step", "gdn_chunk", "ssd_chunk", "kda_chunk"]
 
 Step = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 Chunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
@@ -138,6 +138,51 @@ def gdn_chunk(q, k, v, beta, g, scale):
         o = start * (qq @ S0) + (decay * (qq @ kk.transpose(-1, -2))) @ u
         tail = decay[..., -1, :, None]  # e^{c_L - c_s}
         S1 = torch.exp(entry[..., -1])[..., None, None] * S0 + (kk * tail).transpose(-1, -2) @ u
+        return S1.to(S.dtype), o.transpose(1, 2).to(q.dtype)
+
+    return chunk
+
+
+def kda_step(q, k, v, beta, g, scale):
+    """Kimi Delta Attention: Gated DeltaNet with a per-key-channel log-decay ``g [T, H, K]``::
+
+        S = diag(exp(g_t)) S;   u = beta_t (v_t - k_t^T S);   S = S + k_t u^T;   o_t = (scale q_t)^T S
+    """
+
+    def step(S: torch.Tensor, idx: torch.Tensor):
+        S = S * torch.exp(g[idx])[..., None]
+        kt = k[idx]
+        u = beta[idx][..., None] * (v[idx] - torch.einsum("nhk,nhkv->nhv", kt, S))
+        S = S + kt[..., None] * u[:, :, None, :]
+        return S, torch.einsum("nhk,nhkv->nhv", q[idx] * scale, S)
+
+    return step
+
+
+def kda_chunk(q, k, v, beta, g, scale):
+    """Kimi Delta Attention blocks (arguments as :func:`kda_step`). With per-channel cumulative
+    decays ``c_t [K]``, the Gated DeltaNet block (module docs) holds with every ``e^{c_t - c_s}``
+    moved inside the key-channel sums: ``A[t, s] = sum_k k_t[k] e^{c_t[k] - c_s[k]} k_s[k]``, the
+    entry state read through ``e^{c_t} * k_t`` / ``e^{c_t} * q_t``, the exit state
+    ``diag(e^{c_L}) S_0 + sum_s diag(e^{c_L - c_s}) k_s u_s^T``."""
+    wd = _work_dtype(q.dtype)
+
+    def chunk(S: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor):
+        m = valid.to(wd)
+        entry, pair = _decays((g[idx].to(wd) * m[..., None, None]).permute(0, 2, 3, 1))  # [n,H,K,L], [n,H,K,L,L]
+        b = (beta[idx].to(wd) * m[..., None]).transpose(1, 2)[..., None]  # [n, H, L, 1]
+        kk, vv = k[idx].to(wd).transpose(1, 2), v[idx].to(wd).transpose(1, 2)  # [n, H, L, K|V]
+        qq = q[idx].to(wd).transpose(1, 2) * scale
+        S0 = S.to(wd)
+        L = idx.shape[1]
+        decay = torch.exp(pair)  # [n, H, K, t, s]
+        start = torch.exp(entry).transpose(-1, -2)  # [n, H, L, K]: e^{c_t}
+        A = (b * torch.einsum("nhtk,nhkts,nhsk->nhts", kk, decay, kk)).tril(-1)
+        eye = torch.eye(L, dtype=wd, device=A.device)
+        u = torch.linalg.solve_triangular(eye + A, b * (vv - (kk * start) @ S0), upper=False, unitriangular=True)
+        o = (qq * start) @ S0 + torch.einsum("nhtk,nhkts,nhsk->nhts", qq, decay, kk) @ u
+        tail = decay[..., -1, :].transpose(-1, -2)  # [n, H, L, K]: e^{c_L - c_s}
+        S1 = torch.exp(entry[..., -1])[..., None] * S0 + (kk * tail).transpose(-1, -2) @ u
         return S1.to(S.dtype), o.transpose(1, 2).to(q.dtype)
 
     return chunk
