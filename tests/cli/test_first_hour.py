@@ -97,6 +97,17 @@ def test_transformers_bars_are_off_in_treelit_train_only(tmp_path, capfd):
         hf_logging.set_tqdm_hook(previous)
 
 
+def test_treelit_train_quiets_transformers_for_transformers_models_only(tmp_path, cli_main, monkeypatch):
+    from treelit.cli import train
+
+    calls = []
+    monkeypatch.setattr(train, "quiet_transformers_bars", lambda: calls.append("quiet"))
+    monkeypatch.setattr(train, "run", lambda cfg: calls.append(cfg.model._target_))
+    assert cli_main("model=hf_auto", "model.hf_checkpoint=DIR", "logger=none", f"output_dir={tmp_path / 'a'}") == 0
+    assert cli_main("logger=none", f"output_dir={tmp_path / 'b'}") == 0
+    assert calls == ["quiet", "treelit.models.hf_adapter.make_hf_model", "treelit.models.factory.make_model"]
+
+
 # plain progress lines ------------------------------------------------------------------------
 
 
@@ -227,8 +238,8 @@ def test_an_rl_run_ends_with_reward_margin_kl_and_clip_fraction(tmp_path, cli_ma
     done = next(line for line in out.splitlines() if line.startswith("done: "))
     assert "loss" not in done  # a clipped policy loss starts near 0: not what an RL user reads
     assert f"  reward      mean {rl['first']['reward_mean']:.3f} -> {rl['last']['reward_mean']:.3f}" in out
-    assert (f"  policy      KL to rollout policy {rl['first']['approx_kl']:.4f} -> {rl['last']['approx_kl']:.4f}, "
-            f"clip fraction {rl['first']['clip_frac']:.4f} -> {rl['last']['clip_frac']:.4f} (step 1 -> 4)") in out
+    assert (f"  policy      KL to rollout policy {rl['first']['approx_kl']:.4g} -> {rl['last']['approx_kl']:.4g}, "
+            f"clip fraction {rl['first']['clip_frac']:.4g} -> {rl['last']['clip_frac']:.4g} (step 1 -> 4)") in out
     assert f"  margin      {m['first']['margin']:.2f} -> {m['last']['margin']:.2f} nats (step 0 -> 4)" in out
 
 

@@ -8,11 +8,17 @@ their own format), so every line would appear twice or in three styles:
 :func:`tidy_library_logging` removes those handlers and lets the records reach the root
 once. The console handler writes through ``tqdm.write`` so a log line never lands in
 the middle of the progress bar, drops a few library messages that say nothing about
-the run (the file log keeps them), and sends warnings and errors to stderr.
+the run (Lightning's device report and distributed start-up banner, service tips; the
+file log keeps them), and sends warnings and errors to stderr. transformers draws its own
+progress bars when it loads or saves a model: :func:`quiet_transformers_bars` turns those
+off for ``treelit-train``.
 
 A user error (bad data, bad config, a missing or corrupt checkpoint, an unwritable or
 full output directory) is reported as ``error: <message>`` with no Python traceback;
-``HYDRA_FULL_ERROR=1`` shows the traceback.
+``HYDRA_FULL_ERROR=1`` shows the traceback. A mistake Hydra finds while it composes the
+config from the command line (``model=qwen3_tinyy``, ``trainer.max_step=5``) is reported
+the same way, with the closest known names (:func:`hydra_error_message`), instead of
+Hydra's multi-line dump.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def _rl_rows(s: Dict[str, Any], row: Any) -> None:
         span = f"(step {a['step']} -> {b['step']})"
         if "reward_mean" in a and "reward_mean" in b:
             row("reward", f"mean {a['reward_mean']:.3f} -> {b['reward_mean']:.3f} over the step's branches {span}")
-        parts = [f"{label} {a[k]:.4f} -> {b[k]:.4f}" for k, label in
+        parts = [f"{label} {a[k]:.4g} -> {b[k]:.4g}" for k, label in
                  (("kl_ref", "KL to reference"), ("approx_kl", "KL to rollout policy"), ("clip_frac", "clip fraction"))
                  if k in a and k in b]
         if parts:
