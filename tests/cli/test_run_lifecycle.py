@@ -154,7 +154,8 @@ def test_default_output_dir_and_run_name_are_unique_and_agree():
 
 def test_progress_bar_counts_optimizer_steps_after_a_resume(tmp_path, capsys):
     base = ["trainer.max_steps=2", "callbacks.checkpoint.every_n_train_steps=1", "logger=none",
-            "callbacks.hf_export=null", "callbacks.progress.refresh_rate=1", "trainer.enable_progress_bar=true"]
+            "callbacks.hf_export=null", "callbacks.progress.refresh_rate=1", "trainer.enable_progress_bar=true",
+            "callbacks.progress.plain=false"]  # the bar, though captured output is not a terminal
     tiny = [o for o in TINY if "progress" not in o]
     run(compose([f"output_dir={tmp_path / 'a'}", *tiny, *base]))
     capsys.readouterr()
