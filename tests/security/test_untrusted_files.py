@@ -148,6 +148,25 @@ def test_a_sharded_checkpoints_metadata_is_checked_before_torch_unpickles_it(tmp
     assert not marker.exists()
 
 
+def test_a_sharded_checkpoints_non_tensor_items_are_checked_before_torch_unpickles_them(tmp_path):
+    """torch's default load planner reads non-tensor items (optimizer settings) of the
+    ``.distcp`` files with ``weights_only=False``: a crafted item is refused naming it."""
+    import torch.distributed.checkpoint as dcp
+
+    from treelit.cli.train import read_resume_checkpoint
+
+    marker = tmp_path / "marker"
+    ckpt = tmp_path / "last.ckpt"
+    with pytest.warns(UserWarning):
+        dcp.save({"state_dict": {"w": torch.zeros(2)}, "optimizer_0": {"lr": 0.1, "evil": _Creates(marker)}},
+                 checkpoint_id=ckpt, no_dist=True)
+    torch.save({"global_step": 7}, ckpt / "meta.pt")
+    with pytest.raises(CheckpointError, match=r"resume_from: \S+\.distcp: item 'optimizer_0\.evil' is refused: "
+                                              r"it names \S*open"):
+        read_resume_checkpoint(str(ckpt))
+    assert not marker.exists()
+
+
 # code shipped beside a checkpoint or tokenizer (auto_map) is never run --------------------------
 
 _CODE = """\

@@ -7,12 +7,15 @@ else), anything else refused before it is built. ``resume_from`` reads the file 
 way first (its step and MLflow run), and Lightning's own restore is given
 ``weights_only=True`` too.
 
-A sharded checkpoint (a directory, ``trainer=fsdp2*``) has two more files: ``meta.pt``
-(read as above) and torch's distributed-checkpoint ``.metadata``, which torch's
-``FileSystemReader`` reads with plain ``pickle.load`` whatever ``weights_only`` says.
-:func:`check_sharded_metadata` unpickles it first with an unpickler that builds only
-torch's checkpoint-metadata types and refuses any other global, so a crafted
-``.metadata`` is refused before torch reads it.
+A sharded checkpoint (a directory, ``trainer=fsdp2*``) has more: ``meta.pt`` (read as
+above), torch's distributed-checkpoint ``.metadata``, which torch's ``FileSystemReader``
+reads with plain ``pickle.load`` whatever ``weights_only`` says, and the ``.distcp``
+data files, whose non-tensor items (optimizer settings) torch's default load planner
+reads with ``torch.load(weights_only=False)``. :func:`check_sharded_metadata` reads
+``.metadata`` first with an unpickler that builds only torch's checkpoint-metadata
+types and refuses any other global, then every non-tensor item with
+``weights_only=True``, and requires every data file it names to lie in the directory;
+a crafted file is refused, naming it, before torch reads it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from treelit.models.errors import CheckpointError
+from treelit.utils.paths import confined
 
 __all__ = ["load_checkpoint", "check_sharded_metadata"]
 
@@ -95,9 +99,40 @@ def check_sharded_metadata(directory: Union[str, Path], what: str = "resume_from
     names = {f.name for f in d.glob("*.metadata")} | ({".metadata"} if (d / ".metadata").is_file() else set())
     for f in (d / name for name in sorted(names)):
         try:
-            _MetadataUnpickler(io.BytesIO(f.read_bytes())).load()
+            metadata = _MetadataUnpickler(io.BytesIO(f.read_bytes())).load()
+            items = metadata.state_dict_metadata
+            storage = dict(metadata.storage_data or {})
         except pickle.UnpicklingError as exc:
             raise CheckpointError(f"{what}: {f} is refused: {exc} (it would run code when torch reads it)") from None
         except Exception as exc:
             raise CheckpointError(f"{what}: {f} is not readable distributed-checkpoint metadata "
                                   f"({type(exc).__name__}: {exc})") from None
+        _check_byte_items(d, f, items, storage, what)
+
+
+def _check_byte_items(d: Path, metadata_file: Path, items: Any, storage: Any, what: str) -> None:
+    """Each data file ``storage`` names lies in ``d``; each non-tensor item loads weights-only."""
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for index, info in storage.items():
+        data = confined(d, info.relative_path, f"{what}: {metadata_file}: data file", error=CheckpointError)
+        if not isinstance(items.get(index.fqn), BytesStorageMetadata):
+            continue  # a tensor: torch reads it weights-only
+        where = f"{what}: {data}: item {index.fqn!r}"
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{where} is stored transformed ({', '.join(info.transform_descriptors)}); "
+                                  "treelit cannot check it before torch unpickles it")
+        try:
+            with open(data, "rb") as fh:
+                fh.seek(int(info.offset))
+                raw = fh.read(int(info.length))
+            torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            if "Weights only load failed" in str(exc):
+                raise CheckpointError(f"{where} is refused: {_refusal(exc)} (torch would unpickle it with "
+                                      "weights_only=False)") from None
+            raise CheckpointError(f"{where} is not readable ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:
+            raise CheckpointError(f"{where} is not readable ({type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
