@@ -15,6 +15,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
 
+from treelit.loss.tree import tree_token_logprobs
+from treelit.models.hf import NATIVE_MODEL_TYPE, full_state_dict, save_hf_checkpoint
+from treelit.objectives.paths import branch_target_sums
+from treelit.partition.engine import policy_logprobs
+
 log = logging.getLogger(__name__)
 
 
@@ -285,13 +290,9 @@ class HFExport(pl.Callback):
         self.native = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from treelit.models.hf import full_state_dict, save_hf_checkpoint
-
         sd = full_state_dict(pl_module.model)  # a collective under FSDP2: every rank gathers
         if not trainer.is_global_zero:
             return
-        from treelit.models.hf import NATIVE_MODEL_TYPE
-
         self.saved = save_hf_checkpoint(pl_module.model, self.dirpath, state_dict=sd, native_fallback=True)
         self.native = json.loads((self.saved / "config.json").read_text()).get("model_type") == NATIVE_MODEL_TYPE
         if self.native:
@@ -328,9 +329,6 @@ class RewardMargin(pl.Callback):
         import numpy as np
         import torch
 
-        from treelit.loss.tree import tree_token_logprobs
-        from treelit.objectives.paths import branch_target_sums
-
         rows = self._rows(trainer)
         if not rows:
             return
@@ -344,8 +342,6 @@ class RewardMargin(pl.Callback):
                     continue
                 batch = row.to(pl_module.device)
                 if getattr(pl_module, "partition", "none") != "none":  # as large as training's trees: partitioned
-                    from treelit.partition.engine import policy_logprobs
-
                     x = torch.nan_to_num(policy_logprobs(pl_module.model, batch, budget_tokens=pl_module.budget_tokens,
                                                          attention=pl_module.attention, comm=pl_module._comm()))
                 else:

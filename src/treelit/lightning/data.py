@@ -32,6 +32,7 @@ from treelit.builders.sequences import SequencesBuilder
 from treelit.data.limits import MiB, ReadLimits, out_of_memory
 from treelit.data.records import DataError, ReadStats, iter_file, read_records
 from treelit.tree.batch import TreeBatch
+from treelit.tree.token_tree import TokenTree
 
 __all__ = ["TreeDataModule", "StepBatch"]
 
@@ -181,8 +182,6 @@ def conform_batches(batches: List[TreeBatch]) -> List[TreeBatch]:
 
 def _empty_batch() -> TreeBatch:
     """A two-token row with no targets: a pass that contributes nothing but its collectives."""
-    from treelit.tree.token_tree import TokenTree
-
     return TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]]).to_batch()
 
 

@@ -31,9 +31,17 @@ import numpy as np
 import torch
 
 from treelit.lightning.data import StepBatch
+from treelit.lightning.planner import MemoryPlanner
+from treelit.loss.linear import linear_branch_logprobs
+from treelit.loss.router import router_aux, router_normalizer_contribution
+from treelit.loss.tree import sft_tree_loss, tree_token_logprobs
 from treelit.objectives.base import Objective
-from treelit.utils.distributed import Collectives, is_sharded, shard_model
+from treelit.objectives.behavior import split_behavior
+from treelit.objectives.folding import fold_spec
+from treelit.partition.engine import PartitionStats, policy_logprobs, run_micro_batch
+from treelit.partition.passes import empty_row
 from treelit.tree.batch import check_aggregation
+from treelit.utils.distributed import Collectives, is_sharded, shard_model
 
 __all__ = ["TreeLitModule"]
 
@@ -127,8 +135,6 @@ class TreeLitModule(pl.LightningModule):
         if partition not in ("none", "redundancy_free"):
             raise ValueError(f"partition must be 'none' or 'redundancy_free', got {partition!r}")
         if partition != "none":
-            from treelit.objectives.folding import fold_spec
-
             fold_spec(objective)  # an objective that cannot run partitioned fails here, before training
         self.partition = partition
         self.budget_tokens = budget_tokens
@@ -194,19 +200,13 @@ class TreeLitModule(pl.LightningModule):
         """The step's router-loss normaliser for a mixture-of-experts model (see
         :mod:`treelit.loss.router`): micro-batches (``micro_batch``) or branches (``sequence``)
         over the step's micro-batches with targets, summed over ranks."""
-        from treelit.loss.router import router_normalizer_contribution
-
         R = float(sum(router_normalizer_contribution(self.model, b) for b in micro_batches if b.num_targets))
         return self._comm().sum(R)
 
     def micro_loss(self, mb, Z: float, mode: Optional[str] = None, R: Optional[float] = None):
-        from treelit.loss.router import router_aux
-
         kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
         if not mb.num_targets and (mode or self.mode) == "tree":
             # a padding micro-batch: one pass through the model (the other ranks' collectives), loss 0
-            from treelit.loss.tree import sft_tree_loss
-
             return sft_tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0), {}
         with router_aux(self.model, R) as aux:  # MoE models: + coef x router loss (both modes alike)
             if (mode or self.mode) == "tree":
@@ -225,11 +225,6 @@ class TreeLitModule(pl.LightningModule):
         the tree, partitioned like training when ``partition`` is on; in linear mode branch by
         branch on the records' branches). The other form of the micro-batch gets the same values
         (they are the rollout's inputs, not what is being compared)."""
-        from treelit.loss.linear import linear_branch_logprobs
-        from treelit.loss.tree import tree_token_logprobs
-        from treelit.objectives.behavior import split_behavior
-        from treelit.partition.engine import policy_logprobs
-
         keep_behavior = getattr(self.objective, "behavior_correction", "none") != "none"
         for mb in micro_batches:
             br = mb.source_branches
@@ -302,8 +297,6 @@ class TreeLitModule(pl.LightningModule):
 
     def _update(self, micro_batches) -> Dict[str, float]:
         """Forward and backward every micro-batch with the shared normaliser, then one step."""
-        from treelit.lightning.planner import MemoryPlanner
-
         planner = next((c for c in (self.trainer.callbacks if self._trainer is not None else [])
                         if isinstance(c, MemoryPlanner)), None)
         out = self.compute_gradients(micro_batches, planner)
@@ -344,8 +337,6 @@ class TreeLitModule(pl.LightningModule):
     def _accumulate(self, micro_batches, Z: float, comm: Collectives, R: Optional[float] = None
                     ) -> Optional[Dict[str, float]]:
         """One attempt; None when some rank ran out of memory (gradients then unusable)."""
-        from treelit.partition import PartitionStats, run_micro_batch
-
         total = 0.0
         metrics: Dict[str, float] = {}
         stats = PartitionStats()
@@ -396,8 +387,6 @@ class TreeLitModule(pl.LightningModule):
         comm = self._comm()
         if not (comm.distributed and self._fsdp()):
             return list(micro_batches)
-        from treelit.partition.passes import empty_row
-
         n = int(comm.max(len(micro_batches)))
         return list(micro_batches) + [empty_row(self.device) for _ in range(n - len(micro_batches))]
 

@@ -45,6 +45,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import lightning.pytorch as pl
 import torch
 
+from treelit.models.hf import save_hf_checkpoint
+
 __all__ = ["PolicyPublisher", "PublishPolicy", "HttpHook", "PublishError", "read_latest", "HOOK_PRESETS"]
 
 log = logging.getLogger(__name__)
@@ -226,8 +228,6 @@ class PolicyPublisher:
         return out
 
     def _write(self, model, sd: Dict[str, torch.Tensor], version: int, step: int) -> Path:
-        from treelit.models.hf import save_hf_checkpoint
-
         final = self.directory / f"step-{version}"
         tmp = self.directory / f".step-{version}.tmp-{os.getpid()}"
         if tmp.exists():

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from treelit.data.records import DataError, Record, iter_file
+from treelit.lightning.publish import PublishPolicy
 
 __all__ = ["StalenessGate", "record_versions", "trainer_policy_version"]
 
@@ -33,8 +34,6 @@ def trainer_policy_version(trainer: Any) -> int:
     """The last published version (a :class:`PublishPolicy` callback's), else the step count."""
     if trainer is None:
         return 0
-    from treelit.lightning.publish import PublishPolicy
-
     for cb in getattr(trainer, "callbacks", []):
         if isinstance(cb, PublishPolicy) and cb.version is not None:
             return int(cb.version)

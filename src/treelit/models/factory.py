@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from treelit.models.config import AUX_DEFINITIONS
 from treelit.models.hf import load_hf_checkpoint
 from treelit.models.registry import build_model
 
@@ -56,8 +57,6 @@ def make_model(
 
 def set_router_aux_loss(model, coef: Optional[float] = None, definition: Optional[str] = None) -> None:
     """Override the router load-balancing loss options of a mixture-of-experts model."""
-    from treelit.models.config import AUX_DEFINITIONS
-
     if coef is None and definition is None:
         return
     cfg = getattr(model, "config", None)

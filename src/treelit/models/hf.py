@@ -25,6 +25,12 @@ from treelit.models.decoder import TreeDecoder
 from treelit.models.errors import CheckpointError
 from treelit.models.hf_files import SAFE_INDEX, check_weight_shapes, weight_files
 from treelit.models.hf_keys import check_config_keys, effective_windows
+from treelit.models.hf_recurrent import (
+    config_from_hf_recurrent,
+    config_to_hf_recurrent,
+    hf_to_tune_recurrent,
+    tune_to_hf_recurrent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +148,6 @@ def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None, where
     mt = cfg.get("model_type")
     check_config_keys(cfg, where, max_seq_len)
     if mt in ("gated_deltanet", "mamba2"):
-        from treelit.models.hf_recurrent import config_from_hf_recurrent
-
         return config_from_hf_recurrent(cfg, max_seq_len)
     if mt not in _MODEL_TYPES:
         raise CheckpointError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(_MODEL_TYPES))}")
@@ -178,8 +182,6 @@ def config_from_hf(cfg: Dict[str, Any], max_seq_len: Optional[int] = None, where
 
 def config_to_hf(c: DecoderConfig, dtype: torch.dtype) -> Dict[str, Any]:
     if c.layer_types is not None and any(t != "attention" for t in c.layer_types):
-        from treelit.models.hf_recurrent import config_to_hf_recurrent
-
         return config_to_hf_recurrent(c, dtype)
     cfg: Dict[str, Any] = dict(c.hf_extra)
     cfg.update(
@@ -434,8 +436,6 @@ def load_hf_checkpoint(
 
 def _hf_weights_to_tune(sd, config: DecoderConfig, path: Path) -> Dict[str, torch.Tensor]:
     if config.layer_types is not None and any(t != "attention" for t in config.layer_types):
-        from treelit.models.hf_recurrent import hf_to_tune_recurrent
-
         return hf_to_tune_recurrent(sd, config, f"{path}: ")
     return hf_to_tune_state_dict(sd, config, f"{path}: ")
 
@@ -496,8 +496,6 @@ def save_hf_checkpoint(
         hf_sd = sd
     else:
         if c.layer_types is not None and any(t != "attention" for t in c.layer_types):
-            from treelit.models.hf_recurrent import tune_to_hf_recurrent
-
             hf_sd = tune_to_hf_recurrent(sd, c)
         else:
             hf_sd = tune_to_hf_state_dict(sd, c)

@@ -35,8 +35,14 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import nn
 
+from treelit.models.config import LENGTH_DEPENDENT_ROPE
+from treelit.models.context import CausalContext
 from treelit.models.errors import CheckpointError
+from treelit.models.factory import parse_dtype, set_router_aux_loss
+from treelit.models.hf import read_config_json
+from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels
+from treelit.models.moe import record_pass
 
 __all__ = ["ATTENTION_NAME", "HFTreeModel", "load_hf_model", "make_hf_model", "check_adapter_config"]
 
@@ -79,8 +85,6 @@ _HYBRID_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "mlp", "mo
 def check_adapter_config(cfg, where: str = "config.json") -> None:
     """Raise :class:`~treelit.models.hf.CheckpointError` naming the key for what the adapter
     cannot run exactly."""
-    from treelit.models.config import LENGTH_DEPENDENT_ROPE
-
     def refuse(key, why):
         raise CheckpointError(f"{where}: config key {key!r} = {getattr(cfg, key, None)!r}: {why}")
 
@@ -201,8 +205,6 @@ class HFTreeModel(nn.Module):
 
     def tree_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
         """Final-norm hidden states ``[B, L, D]`` (see :func:`treelit.models.decoder.decoder_hidden`)."""
-        from treelit.models.moe import record_pass
-
         if self.activation_checkpointing != self._checkpointing_on:  # transformers' own, per layer
             # transformers 5.x names it activation_checkpointing_*; older releases gradient_checkpointing_*
             kind = "activation" if hasattr(self.hf, "activation_checkpointing_enable") else "gradient"
@@ -228,8 +230,6 @@ class HFTreeModel(nn.Module):
         module see them), or logits ``[B, L, V]`` of causal rows ``tokens [B, L]``."""
         if treelit_fn is not None:
             return treelit_fn(self)
-        from treelit.models.context import CausalContext
-
         B, L = tokens.shape
         pos = torch.arange(L, device=tokens.device).expand(B, L)
         return self.output(self.tree_hidden_states(tokens, pos, CausalContext()))
@@ -256,9 +256,6 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
     ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`."""
     import transformers
-
-    from treelit.models.hf import read_config_json
-    from treelit.models.hf_files import check_weight_shapes, weight_files
 
     path = Path(path)
     raw, cfg_file = read_config_json(path)
@@ -302,8 +299,6 @@ def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_co
                   router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False) -> HFTreeModel:
     """The ``model=hf_auto`` config option (``activation_checkpointing``: transformers' own,
     per layer, non-reentrant)."""
-    from treelit.models.factory import parse_dtype, set_router_aux_loss
-
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
     model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype))

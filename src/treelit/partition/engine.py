@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from treelit.loss.logprobs import token_logprobs, weighted_nll
+from treelit.loss.router import RouterTerms
 from treelit.models.decoder import in_forward, output_weight
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
@@ -307,8 +308,6 @@ def run_micro_batch(
     A mixture-of-experts model whose router loss is on adds it (``router_normalizer``: its
     step normaliser, see :mod:`treelit.loss.router`), folded per pass; a row cut into several
     passes first takes every token's routing in a no-gradient pass (``extra_forwards``)."""
-    from treelit.loss.router import RouterTerms
-
     stats = stats if stats is not None else PartitionStats()
     comm = comm if comm is not None else Collectives(1)
     spec = fold_spec(objective)

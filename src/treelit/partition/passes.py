@@ -25,6 +25,7 @@ from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.decoder import decoder_hidden
 from treelit.partition.plan import Partition, PartitionPlan
 from treelit.tree.batch import TreeBatch
+from treelit.tree.token_tree import TokenTree
 
 __all__ = ["RowPlan", "whole_row_plan", "empty_row", "Captures", "forward_partition"]
 
@@ -39,8 +40,6 @@ def whole_row_plan(batch: TreeBatch) -> PartitionPlan:
 
 def empty_row(device) -> TreeBatch:
     """A two-token row without targets (an empty pass)."""
-    from treelit.tree.token_tree import TokenTree
-
     return TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]]).to_batch().to(device)
 
 

@@ -25,6 +25,8 @@ from typing import Any, List, Optional
 import torch
 from torch import nn
 
+from treelit.models.decoder import output_weight
+
 __all__ = ["shard_model", "is_sharded", "Collectives", "mixed_precision_policy"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,8 +56,6 @@ def mixed_precision_policy(param_dtype: Optional[str] = None, reduce_dtype: Opti
 
 
 def _head_shares_embedding(model: nn.Module) -> bool:
-    from treelit.models.decoder import output_weight
-
     try:
         return output_weight(model) is model.tok_embeddings.weight
     except (TypeError, NotImplementedError):

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
+from treelit.utils.dir_lock import holder_text, read_holder, write_holder
+
 __all__ = [
     "sqlite_path",
     "resolve_tracking_uri",
@@ -97,8 +99,6 @@ def store_lock(uri: str, timeout: float = 600.0, report_every: float = 10.0) -> 
     if path is None or fcntl is None:
         yield
         return
-    from treelit.utils.dir_lock import holder_text, read_holder, write_holder
-
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_file = path.with_name(path.name + ".lock")
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
