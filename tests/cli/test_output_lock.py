@@ -55,6 +55,22 @@ def test_dir_lock_names_its_holder_and_is_reentrant_in_one_process(tmp_path):
     assert not a.held and not (tmp_path / "out" / LOCK_NAME).exists()
 
 
+def test_a_filesystem_without_locks_gets_a_warning_not_an_error(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from treelit.cli.preflight import lock_output_dir
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert lock_output_dir(tmp_path / "out") is None and lock_output_dir(tmp_path / "out") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: output_dir '{tmp_path / 'out'}': its filesystem cannot lock files (No locks available): "
+                   "nothing stops another run from using this folder at the same time"]
+
+
 def test_a_second_run_on_a_busy_output_dir_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path, cli_main, capsys):
     """Run A (seed 0) stalls inside step 2; run B (seed 7, in this process) on A's folder exits 1
     with one line naming A's pid and start time, and every file of A's folder is unchanged. After A is

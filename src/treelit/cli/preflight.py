@@ -123,6 +123,9 @@ def check_space(out: Path, model: Any, checkpoint: Optional[Any], max_steps: int
                     ", the export and MLflow copies" if tracked else " and the export")
 
 
+_UNLOCKABLE: set = set()  # output directories on filesystems without locks (warned about once)
+
+
 def lock_output_dir(out: Path) -> Optional[DirLock]:
     """Take (or, in this process, take again) the lock of ``out``; :class:`ConfigError`
     naming the holder (pid, start time) if another live process holds it. ``None`` in a
@@ -136,6 +139,12 @@ def lock_output_dir(out: Path) -> Optional[DirLock]:
         raise ConfigError(f"output_dir {str(out)!r} is {exc}: wait for that run to end, or choose another "
                           "directory with output_dir=DIR") from None
     except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):  # a filesystem without locks
+            if str(out) not in _UNLOCKABLE:
+                _UNLOCKABLE.add(str(out))
+                print(f"warning: output_dir {str(out)!r}: its filesystem cannot lock files ({exc.strerror}): "
+                      "nothing stops another run from using this folder at the same time", file=sys.stderr)
+            return None
         raise ConfigError(f"output_dir {str(out)!r}: cannot lock it: {exc.strerror or exc}; "
                           "choose another directory with output_dir=DIR") from None
 
