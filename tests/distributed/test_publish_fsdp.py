@@ -49,3 +49,32 @@ def test_fsdp2_published_weights_equal_one_process(tmp_path, family, dtype):
     assert res["equal"], "the gathered weights differ from the unsharded model's"
     assert res["dtypes"] == [f"torch.{dtype}"] and res["config_equal"]
     assert res["latest"]["version"] == 1
+
+
+@pytest.mark.slow  # two processes through treelit-train (~2 min on 2 shared cores)
+def test_treelit_train_under_fsdp2_publishes_the_trained_weights(tmp_path):
+    """``publish.dir`` with ``trainer=fsdp2_cpu``: every rank joins each publish's gathers, rank
+    0 writes, and the last version holds the same weights as the run's final export."""
+    import json
+
+    import treelit
+    from cli import run, tail
+
+    rec = {"id": "t", "branches": [{"input_ids": list(range(1, 12 + b)) + [40 + b] * 5} for b in range(4)]}
+    (tmp_path / "trees.jsonl").write_text("\n".join(json.dumps({**rec, "id": f"t{i}"}) for i in range(4)) + "\n")
+    args = ["data=jsonl", f"data.train_path={tmp_path / 'trees.jsonl'}", "data.micro_batch_tokens=200",
+            "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_steps=4", "logger=none", "callbacks.checkpoint=null",
+            "callbacks.progress=null", "trainer.enable_progress_bar=false", "model.config.num_layers=2",
+            "model.config.embed_dim=32", "model.config.intermediate_dim=64", "trainer=fsdp2_cpu",
+            f"publish.dir={tmp_path / 'policy'}", "publish.every_n_steps=2", "publish.dtype=float32",
+            f"output_dir={tmp_path / 'out'}"]
+    log = tmp_path / "train.log"
+    assert run(args, tmp_path, log) == 0, tail(log)
+    assert sorted(p.name for p in (tmp_path / "policy").iterdir()) == ["latest.json", "step-0", "step-2", "step-4"]
+    published = treelit.load_hf_checkpoint(tmp_path / "policy" / "step-4", dtype=torch.float32).state_dict()
+    final = treelit.load_hf_checkpoint(tmp_path / "out" / "hf_checkpoint", dtype=torch.float32).state_dict()
+    assert published.keys() == final.keys()
+    for k in final:
+        assert torch.equal(published[k], final[k]), k
+    first = treelit.load_hf_checkpoint(tmp_path / "policy" / "step-0", dtype=torch.float32).state_dict()
+    assert any(not torch.equal(first[k], final[k]) for k in final), "version 0 is not the initial weights"
