@@ -40,11 +40,45 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
-from agentic import SUITE, make_case  # noqa: E402
+from agentic import SUITE, Case, _Gen, _per_call, make_case  # noqa: E402
 from bench_models import PRESETS, attention_model, compute_weighted_ideal, cost_model, hybrid_model  # noqa: E402
 from memory import peak_memory  # noqa: E402
 
 HYBRID_SUITE = ["hybrid/grpo_group", "hybrid/multi_turn", "hybrid/wide_fanout"]
+# RL shapes (lengths in tokens at full size; --scale shrinks them like the other cases)
+RL_SUITE = ["grpo_16x512", "grpo_64x256", "agent_tree_27"]
+
+
+def grpo_shape(g: _Gen, mask_mode: str, G: int, completion: int, prompt: int):
+    """One prompt of ``prompt`` tokens (system + user message), ``G`` completions of ``completion`` tokens."""
+    head = [("system", g.text(prompt * 3 // 4 - 4)), ("user", g.text(prompt // 4 - 4))]
+    return _per_call([head + [("assistant", g.text(completion - 4))] for _ in range(G)], mask_mode)
+
+
+def agent_tree(g: _Gen, mask_mode: str, depth: int = 3, k: int = 3):
+    """An agent tree: at each of ``depth`` levels every trajectory is sampled ``k`` times (an
+    assistant call and its tool result, the last level's call alone): ``k ** depth`` leaves."""
+    paths = [[("system", g.text(1200)), ("user", g.text(200))]]
+    for level in range(depth):
+        last = level == depth - 1
+        paths = [p + [("assistant", g.text(g.jitter(150)))] + ([] if last else [("tool", g.text(g.jitter(300)))])
+                 for p in paths for _ in range(k)]
+    return _per_call(paths, mask_mode)
+
+
+RL_CASES = {
+    "grpo_16x512": lambda g, m: grpo_shape(g, m, 16, 512, 1024),
+    "grpo_64x256": lambda g, m: grpo_shape(g, m, 64, 256, 2048),
+    "agent_tree_27": agent_tree,
+}
+
+
+def make_any_case(name: str, *, seed: int, vocab: int, scale: float, mask_mode: str):
+    """A case of ``agentic`` or of :data:`RL_CASES`."""
+    if name in RL_CASES:
+        branches, masks = RL_CASES[name](_Gen(seed, vocab, scale), mask_mode)
+        return Case(name, branches, masks)
+    return make_case(name, seed=seed, vocab=vocab, scale=scale, mask_mode=mask_mode)
 BASE_LINEAR_TOKENS = 8192  # padded tokens per per-branch micro-batch at scale 1
 
 
@@ -73,7 +107,7 @@ def load_case(name: str, args, vocab: int):
     kind = "attention"
     if name.startswith("hybrid/"):
         kind, name = "hybrid", name.split("/", 1)[1]
-    case = make_case(name, seed=args.seed, vocab=vocab, scale=case_scale(kind, args), mask_mode=args.mask)
+    case = make_any_case(name, seed=args.seed, vocab=vocab, scale=case_scale(kind, args), mask_mode=args.mask)
     case.name = f"hybrid/{name}" if kind == "hybrid" else name
     return case, kind
 
@@ -180,7 +214,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results here")
     p.add_argument("--quick", action="store_true", help="tiny cases (scale 0.05), one repetition")
-    p.add_argument("--cases", default=",".join(SUITE + HYBRID_SUITE),
+    p.add_argument("--cases", default=",".join(SUITE + RL_SUITE + HYBRID_SUITE),
                    help="comma-separated case names (also: tau_bench, the real-data case; agent_group)")
     p.add_argument("--scale", type=float, default=None, help="size of the synthetic cases (default 0.25 of full)")
     p.add_argument("--hybrid-scale", type=float, default=0.4,

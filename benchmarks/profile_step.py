@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (as bench_step)")
+    p.add_argument("--modes", default="tree,per-branch",
+                   help="comma-separated modes to time (tree, per-branch); the ratio row needs both")
     p.add_argument("--ops", action="store_true", help="also print profiler operator tables")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
@@ -154,15 +156,18 @@ def main(argv=None) -> int:
           f"load {os.getloadavg()[0]:.1f}")
     print(f"{'mode':<12}{'total':>9}{'attention':>11}{'head':>9}{'rest':>9}")
     parts = {}
-    for name, step in (("tree", tree_step), ("per-branch", linear_step)):
+    modes = [(n, s) for n, s in (("tree", tree_step), ("per-branch", linear_step)) if n in args.modes.split(",")]
+    for name, step in modes:
         step()  # warm-up
         total, att, head = breakdown(step, model, args.reps)
         parts[name] = (total, att, head, total - att - head)
-        print(f"{name:<12}" + "".join(f"{x:>8.2f}s" if i else f"{x:>8.2f}s" for i, x in enumerate(parts[name])))
-    ratio = [b / a if a > 0 else float("nan") for a, b in zip(parts["tree"], parts["per-branch"])]
-    print(f"{'per-branch/tree':<12}" + "".join(f"{r:>8.2f}x" for r in ratio))
+        print(f"{name:<12}" + "".join(f"{x:>8.2f}s" for x in parts[name])
+              + f"   attention {parts[name][1] / parts[name][0]:.1%} of the step")
+    if len(parts) == 2:
+        ratio = [b / a if a > 0 else float("nan") for a, b in zip(parts["tree"], parts["per-branch"])]
+        print(f"{'per-branch/tree':<12}" + "".join(f"{r:>8.2f}x" for r in ratio))
     if args.ops:
-        for name, step in (("tree", tree_step), ("per-branch", linear_step)):
+        for name, step in modes:
             print(f"\n{name}: operators by self time (wall)")
             op_table(step, model, args.top)
     return 0

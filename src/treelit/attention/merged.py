@@ -124,43 +124,49 @@ def prefix_causal_attention(q, k_pre, v_pre, bias_pre, k_own, v_own) -> torch.Te
     return PrefixCausalAttention.apply(q, k_pre, v_pre, bias_pre, k_own, v_own)
 
 
-class SharedPrefixAttention(torch.autograd.Function):
-    """Sibling chains that share one prefix: their queries, concatenated, attend to the prefix
-    keys in *one* call (no per-chain copies of the prefix K/V), and each chain attends to
-    itself causally in a padded batch; the two parts merge through their log-sum-exps.
+class BatchedPrefixAttention(torch.autograd.Function):
+    """Chains of several prefix *units* in one pair of calls. A unit is a set of chains that
+    share one prefix (sibling chains, or a single chain); each unit's queries, concatenated,
+    attend to its prefix keys in *one* call for all units (padded, no per-chain copies of a
+    prefix), every chain attends to itself causally in one padded batch, and the two parts
+    merge through their log-sum-exps.
 
-    ``q_cat [1, H, M, D]``: the chains' queries, concatenated; ``k_pre, v_pre [1, Hkv, P, D]``;
-    ``q_pad [n, H, L, D]`` / ``k_own, v_own [n, Hkv, L, D]``: the same chains padded to L
-    (padding after each chain's tokens, so causality hides it from real queries);
-    ``pad_index [M]``: the row of each concatenated query in the flattened ``n * L`` layout.
+    ``q_pre [G, H, A, D]``: unit u's queries, concatenated and padded to A;
+    ``k_pre, v_pre [G, Hkv, P, D]``: its prefix keys padded to P, hidden by ``bias_pre``
+    (``[G, 1, 1, P]``, 0 / dtype min; None when nothing is padded); ``q_own [C, H, L, D]`` /
+    ``k_own, v_own [C, Hkv, L, D]``: the chains padded to L (padding after each chain's tokens,
+    so causality hides it from real queries); ``pre_slots`` / ``own_slots`` ``[M]``: the
+    flattened ``G * A`` / ``C * L`` slot of each real query. Padded query slots must hold zero
+    queries (their rows are then finite in the forward and contribute nothing in the
+    backward). Returns ``[H, M, D]``, the real queries in slot order.
     """
 
     @staticmethod
-    def forward(ctx, q_cat, k_pre, v_pre, q_pad, k_own, v_own, pad_index):
-        o_a, l_a = _fwd(q_cat, k_pre, v_pre, False, None)
-        o_b_pad, l_b_pad = _fwd(q_pad, k_own, v_own, True, None)
-        n, H, L, D = o_b_pad.shape
-        o_b = o_b_pad.transpose(0, 1).reshape(H, n * L, D)[:, pad_index][None]
-        l_b = l_b_pad.transpose(0, 1).reshape(H, n * L)[:, pad_index][None]
+    def forward(ctx, q_pre, k_pre, v_pre, bias_pre, q_own, k_own, v_own, pre_slots, own_slots):
+        o_a, l_a = _fwd(q_pre, k_pre, v_pre, False, bias_pre)
+        o_b, l_b = _fwd(q_own, k_own, v_own, True, None)
+        H = q_pre.shape[1]
+        flat = lambda t, slots: t.transpose(0, 1).reshape(H, -1, *t.shape[3:]).index_select(1, slots)  # noqa: E731
+        o_a, l_a, o_b, l_b = flat(o_a, pre_slots), flat(l_a, pre_slots), flat(o_b, own_slots), flat(l_b, own_slots)
         lse = torch.logaddexp(l_a, l_b)
         o = _merge(o_a, l_a, o_b, l_b, lse)
-        ctx.save_for_backward(q_cat, k_pre, v_pre, q_pad, k_own, v_own, pad_index, o, lse, o_b_pad, l_b_pad)
+        ctx.save_for_backward(q_pre, k_pre, v_pre, bias_pre, q_own, k_own, v_own, pre_slots, own_slots, o, lse)
         return o
 
     @staticmethod
     def backward(ctx, g):
-        q_cat, k_pre, v_pre, q_pad, k_own, v_own, pad_index, o, lse, o_b_pad, l_b_pad = ctx.saved_tensors
-        g = g.contiguous()
-        dq_cat, dk_pre, dv_pre = _bwd(g, q_cat, k_pre, v_pre, o, lse, False, None)
-        n, H, L, D = o_b_pad.shape
-        # the own part's backward needs the merged output and lse on real rows; padded rows
-        # keep the own part's values and get no gradient
-        o_full = o_b_pad.transpose(0, 1).reshape(H, n * L, D).clone()
-        l_full = l_b_pad.transpose(0, 1).reshape(H, n * L).clone()
-        g_full = torch.zeros_like(o_full)
-        o_full[:, pad_index] = o[0].to(o_full.dtype)
-        l_full[:, pad_index] = lse[0].to(l_full.dtype)
-        g_full[:, pad_index] = g[0].to(g_full.dtype)
-        unpad = lambda t: t.reshape(H, n, L, *t.shape[2:]).transpose(0, 1).contiguous()  # noqa: E731
-        dq_pad, dk_own, dv_own = _bwd(unpad(g_full), q_pad, k_own, v_own, unpad(o_full), unpad(l_full), True, None)
-        return dq_cat, dk_pre, dv_pre, dq_pad, dk_own, dv_own, None
+        q_pre, k_pre, v_pre, bias_pre, q_own, k_own, v_own, pre_slots, own_slots, o, lse = ctx.saved_tensors
+        g = g.to(o.dtype)
+
+        def padded(t, slots, like):  # real rows back into the padded layout, zeros elsewhere
+            n, H, L = like.shape[:3]
+            full = t.new_zeros(H, n * L, *t.shape[2:])
+            full.index_copy_(1, slots, t)
+            return full.view(H, n, L, *t.shape[2:]).transpose(0, 1).contiguous()
+
+        # zero queries with zero gradient, output and lse on padded slots: every term vanishes
+        dq_pre, dk_pre, dv_pre = _bwd(padded(g, pre_slots, q_pre), q_pre, k_pre, v_pre,
+                                      padded(o, pre_slots, q_pre), padded(lse, pre_slots, q_pre), False, bias_pre)
+        dq_own, dk_own, dv_own = _bwd(padded(g, own_slots, q_own), q_own, k_own, v_own,
+                                      padded(o, own_slots, q_own), padded(lse, own_slots, q_own), True, None)
+        return dq_pre, dk_pre, dv_pre, None, dq_own, dk_own, dv_own, None, None

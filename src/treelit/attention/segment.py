@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from treelit.attention.base import ATTENTION, AttentionBackend
-from treelit.attention.merged import SharedPrefixAttention, prefix_causal_attention
+from treelit.attention.merged import BatchedPrefixAttention, prefix_causal_attention
 
 
 @dataclass
@@ -73,10 +73,20 @@ class _Group:
     pre_bias: Optional[torch.Tensor] = None  # [n, 1, 1, lp] bool: real prefix keys
     keep: Optional[torch.Tensor] = None  # real query slots
     mask: Optional[torch.Tensor] = None  # irregular groups: [n, 1, lq, lp] bool over pre_idx keys
-    shared: bool = False  # sibling chains sharing one prefix (q_idx: concatenated queries)
-    qpad_idx: Optional[torch.Tensor] = None  # shared groups: [n * lq] padded query slots
-    pad_index: Optional[torch.Tensor] = None  # shared groups: padded slot of each concatenated query
+    # prefix units (BatchedPrefixAttention): ``units`` units of at most ``la`` queries each
+    # against their own ``lp`` prefix keys (q_idx [units * la], pre_idx [units * lp]), and
+    # ``n`` chains padded to ``lq`` for their causal parts (qpad_idx, own_idx [n * lq])
+    units: int = 0
+    la: int = 0
+    qpad_idx: Optional[torch.Tensor] = None
+    pre_slots: Optional[torch.Tensor] = None  # [M] slot of each real query in units * la
+    own_slots: Optional[torch.Tensor] = None  # [M] slot of each real query in n * lq
     _bias: Optional[Dict[torch.dtype, torch.Tensor]] = None
+
+    @property
+    def shared(self) -> bool:
+        """One prefix call serves several chains (a unit of siblings)."""
+        return self.units > 0 and self.n > self.units
 
     def bias(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
         if self.pre_bias is None:
@@ -164,13 +174,11 @@ class SegmentAttention(AttentionBackend):
                 by_prefix.setdefault(pre.tobytes(), []).append((a, b, pre))
             else:
                 loose.append((a, b, pre))
-        shared: List[Tuple[_Group, np.ndarray]] = []
+        units: List[list] = []  # chains sharing one prefix (siblings, or one chain alone)
         for siblings in by_prefix.values():
             for members in _similar_lengths(siblings):
                 if len(members) >= 2:  # siblings: one prefix call for all their queries
-                    g, r = _shared_group(members, E, dev)
-                    shared.append((g, r))
-                    cost += sum((b - a) * len(pre) for a, b, pre in members) + g.n * g.lq * (g.lq + 1) // 2
+                    units.append(members)
                 else:
                     loose.extend(members)
         for a, b, pre in loose:
@@ -179,12 +187,16 @@ class SegmentAttention(AttentionBackend):
                 single.append(_Group(1, lq, lp, q_slice=(a, b), pre_idx=torch.from_numpy(pre).to(dev) if lp else None))
                 rows.append(np.arange(a, b))
                 cost += lq * lp + lq * (lq + 1) // 2
+            elif lp:
+                units.append([(a, b, pre)])
             else:
-                small.setdefault((_round_up(lq), _round_up(lp) if lp else 0, lp > 0), []).append((a, b, pre))
+                small.setdefault((_round_up(lq), 0, False), []).append((a, b, pre))
         groups: List[_Group] = list(single)
-        for g, r in shared:
+        for bucket in _bucket_units(units):
+            g, r, c = _batched_group(bucket, E, batch.num_tokens, dev)
             groups.append(g)
             rows.append(r)
+            cost += c
         for (lq, lp, _), members in sorted(small.items()):
             g, r = _padded_group(members, lq, lp, E, dev)
             groups.append(g)
@@ -237,14 +249,20 @@ class SegmentAttention(AttentionBackend):
         Hkv = k.shape[1]
         E = k.shape[2] - N
         outs = []
+        qz = None
         for g in plan.groups:
-            if g.shared:
-                q_cat = q[0].index_select(1, g.q_idx)[None]
-                kp, vp = k.index_select(2, g.pre_idx), v.index_select(2, g.pre_idx)
-                q_pad = q[0].index_select(1, g.qpad_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
+            if g.units:
+                if qz is None:  # the row's queries and one zero query (index N) for padded slots
+                    qz = torch.cat([q[0], q.new_zeros(Hq, 1, D)], dim=1)
+                G, A, P = g.units, g.la, g.lp
+                q_pre = qz.index_select(1, g.q_idx).view(Hq, G, A, D).transpose(0, 1)
+                kp = k[0].index_select(1, g.pre_idx).view(Hkv, G, P, D).transpose(0, 1)
+                vp = v[0].index_select(1, g.pre_idx).view(Hkv, G, P, D).transpose(0, 1)
+                q_own = qz.index_select(1, g.qpad_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
                 ko = k[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
                 vo = v[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
-                outs.append(SharedPrefixAttention.apply(q_cat, kp, vp, q_pad, ko, vo, g.pad_index)[0])
+                outs.append(BatchedPrefixAttention.apply(q_pre, kp, vp, g.bias(q.dtype), q_own, ko, vo,
+                                                         g.pre_slots, g.own_slots))
                 continue
             if g.mask is not None:  # irregular: explicit masks over gathered keys
                 qb = q[0].index_select(1, g.q_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
@@ -326,27 +344,74 @@ def _similar_lengths(members, waste: float = 1.5):
     return runs
 
 
-def _shared_group(members, E: int, dev) -> Tuple[_Group, np.ndarray]:
-    """Chains sharing one prefix: concatenated queries for the prefix call, a padded batch
-    (padding after each chain) for their own causal parts."""
-    n = len(members)
-    lq = max(b - a for a, b, _ in members)
-    q_cat = np.concatenate([np.arange(a, b) for a, b, _ in members])
-    q_pad = np.zeros((n, lq), dtype=np.int64)
-    own = np.zeros((n, lq), dtype=np.int64)
-    pad_index = []
-    for r, (a, b, _) in enumerate(members):
-        q_pad[r, : b - a] = np.arange(a, b)
-        q_pad[r, b - a :] = a  # padded queries: any real row (their output is dropped)
-        own[r, : b - a] = np.arange(a, b) + E
-        own[r, b - a :] = b - 1 + E  # padded keys come after every real query: never seen
-        pad_index.append(r * lq + np.arange(b - a))
+def _bucket_units(units, waste: float = 1.5):
+    """Prefix units (lists of chains ``(a, b, prefix)`` sharing the prefix) in buckets, one
+    batched call each: largest prefixes first, a unit joins the current bucket while the
+    bucket's padded work (prefix part and causal part) stays within ``waste`` times its real
+    work. Units of the same shape (the sibling groups of one tree level) share a bucket, so
+    the number of calls follows the tree's depth rather than its number of segments."""
+    def shape(u):
+        lens = [b - a for a, b, _ in u]
+        return sum(lens), len(u[0][2]), lens
+
+    items = sorted((shape(u) + (u,) for u in units), key=lambda x: (-x[1], -x[0]))
+    buckets: List[list] = []
+    cur: list = []
+    real = A = P = L = C = 0
+    for a_len, p_len, lens, u in items:
+        r = a_len * p_len + sum(n * (n + 1) // 2 for n in lens)
+        nA, nP, nL, nC = max(A, a_len), max(P, p_len), max([L] + lens), C + len(lens)
+        padded = (len(cur) + 1) * nA * nP + nC * nL * (nL + 1) // 2
+        if cur and padded > waste * (real + r):
+            buckets.append(cur)
+            cur, real, nA, nP, nL, nC = [], 0, a_len, p_len, max(lens), len(lens)
+        cur.append(u)
+        real, A, P, L, C = real + r, nA, nP, nL, nC
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _batched_group(units, E: int, N: int, dev) -> Tuple[_Group, np.ndarray, int]:
+    """One bucket of prefix units: each unit's concatenated queries (padded to A, padding
+    reads the zero query N) against its prefix (padded to P, hidden by the bias), and every
+    chain padded to L for its causal part (padded keys after each chain's tokens)."""
+    chains = [m for u in units for m in u]
+    G, C = len(units), len(chains)
+    A = max(sum(b - a for a, b, _ in u) for u in units)
+    P = max(len(u[0][2]) for u in units)
+    L = max(b - a for a, b, _ in chains)
+    q_pre = np.full((G, A), N, dtype=np.int64)  # N: the zero query
+    pre = np.zeros((G, P), dtype=np.int64)
+    pre_valid = np.zeros((G, P), dtype=bool)
+    q_own = np.full((C, L), N, dtype=np.int64)
+    own = np.zeros((C, L), dtype=np.int64)
+    pre_slots, own_slots, rows = [], [], []
+    c = 0
+    for u_i, u in enumerate(units):
+        p = u[0][2]
+        pre[u_i, : len(p)], pre[u_i, len(p):] = p, p[0]
+        pre_valid[u_i, : len(p)] = True
+        t = 0
+        for a, b, _ in u:
+            n = b - a
+            q_pre[u_i, t : t + n] = np.arange(a, b)
+            q_own[c, :n] = np.arange(a, b)
+            own[c, :n], own[c, n:] = np.arange(a, b) + E, b - 1 + E  # padded keys: never seen by real queries
+            pre_slots.append(u_i * A + t + np.arange(n))
+            own_slots.append(c * L + np.arange(n))
+            rows.append(np.arange(a, b))
+            t += n
+            c += 1
     t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
     group = _Group(
-        n, lq, len(members[0][2]), q_idx=t(q_cat), own_idx=t(own.reshape(-1)), pre_idx=t(members[0][2]),
-        shared=True, qpad_idx=t(q_pad.reshape(-1)), pad_index=t(np.concatenate(pad_index)),
+        C, L, P, q_idx=t(q_pre.reshape(-1)), own_idx=t(own.reshape(-1)), pre_idx=t(pre.reshape(-1)),
+        pre_bias=None if pre_valid.all() else t(pre_valid[:, None, None, :]),
+        units=G, la=A, qpad_idx=t(q_own.reshape(-1)),
+        pre_slots=t(np.concatenate(pre_slots)), own_slots=t(np.concatenate(own_slots)),
     )
-    return group, q_cat
+    cost = G * A * P + C * L * (L + 1) // 2
+    return group, np.concatenate(rows), cost
 
 
 def _masked_group(units, kv_lo, kv_hi, dev, q_pos=None, kv_pos=None, window=None) -> Tuple[_Group, np.ndarray, int]:

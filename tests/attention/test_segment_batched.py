@@ -1,0 +1,147 @@
+"""``segment``'s batched prefix units: the sibling groups of different parents (and single
+chains under different prefixes) in one padded pair of calls, against ``sdpa_dense`` on
+outputs and every gradient - with one-token segments, external keys and windows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import treelit
+from strategies import examples
+from treelit.attention import get_backend
+from treelit.attention.segment import SegmentAttention, _bucket_units
+from treelit.models.context import TreeLayout
+
+
+def agent_tree(depth: int, k: int, lengths, seed: int = 0):
+    """``k ** depth`` leaves: every node has ``k`` children; segment lengths drawn from ``lengths``."""
+    rng = random.Random(seed)
+    token = iter(range(10, 10**6))
+    paths = [[next(token) for _ in range(rng.choice(lengths))]]
+    for _ in range(depth):
+        paths = [p + [next(token) for _ in range(rng.choice(lengths))] for p in paths for _ in range(k)]
+    return paths
+
+
+def layout_of(branches, n_ext: int = 0, window=None, partial: bool = False):
+    """The row's keys after ``n_ext`` external keys (an ancestor path above the row, visible to every
+    query; with ``partial`` the last one is visible only to the subtree of the second segment)."""
+    batch = treelit.TokenTree.from_branches(branches).to_batch()
+    N = batch.num_tokens
+    idx = torch.arange(N)
+    if not n_ext:
+        layout = TreeLayout(batch, idx, batch.subtree_end, 0)
+        return layout if window is None else layout.with_window(window)
+    pos = batch.position_ids + n_ext
+    batch = treelit.TreeBatch(**{**batch.__dict__, "position_ids": pos})
+    lo = torch.zeros(n_ext, dtype=torch.long)
+    hi = torch.full((n_ext,), N, dtype=torch.long)
+    if partial:
+        s = int(batch.seg_start[1])
+        lo[-1], hi[-1] = s, int(batch.subtree_end[s])
+    kv_pos = torch.cat([torch.arange(n_ext), pos])
+    layout = TreeLayout(batch, torch.cat([lo, idx]), torch.cat([hi, batch.subtree_end]), n_ext, kv_pos)
+    return layout if window is None else layout.with_window(window)
+
+
+def compare(backend, layout, dtype=torch.float64, Hq=4, Hkv=2, D=8):
+    g = torch.Generator().manual_seed(0)
+    N, E = layout.num_queries, layout.num_external
+    q = torch.randn(1, Hq, N, D, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, Hkv, E + N, D, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, Hkv, E + N, D, generator=g, dtype=dtype, requires_grad=True)
+    probe = torch.randn(1, Hq, N, D, generator=g, dtype=dtype)
+    dense = get_backend("sdpa_dense")
+    ref = dense(q, k, v, dense.plan(layout))
+    gref = torch.autograd.grad((ref * probe).sum(), (q, k, v))
+    out = backend(q, k, v, backend.plan(layout))
+    gout = torch.autograd.grad((out * probe).sum(), (q, k, v))
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    for name, a, b in zip("qkv", gout, gref):
+        torch.testing.assert_close(a, b, **tol, msg=f"grad {name}")
+
+
+def batched(plan):
+    return [g for g in plan.groups if g.units]
+
+
+def test_sibling_groups_of_one_level_share_one_call():
+    """A 3-level tree with 27 leaves of equal segment lengths: the sibling pairs under the nine
+    level-2 nodes (different prefixes) run as one batched call, and the calls number the
+    levels, not the 13 sibling groups."""
+    branches = agent_tree(3, 3, [6])
+    layout = layout_of(branches)
+    plan = SegmentAttention().plan(layout)
+    units = sorted(g.units for g in batched(plan))
+    assert units == [1, 3, 9]  # one call per level: 1, 3 and 9 sibling groups
+    assert len(plan.groups) == 4  # and the chain of first children, on slices
+    assert plan.cost == plan.exact_cost  # equal lengths: no padding
+    compare(SegmentAttention(), layout)
+    compare(SegmentAttention(), layout, torch.float32)
+
+
+@pytest.mark.parametrize("lengths", [[1], [1, 2], [1, 5, 9]], ids=["one", "one_two", "mixed"])
+@pytest.mark.parametrize("backend", [{}, {"batch_below": 3}, {"share_prefixes": False}], ids=["default", "below3", "noshare"])
+def test_one_token_segments_and_padding(lengths, backend):
+    layout = layout_of(agent_tree(3, 3, lengths, seed=len(lengths)))
+    compare(SegmentAttention(**backend), layout)
+    compare(SegmentAttention(**backend), layout, torch.float32)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["regular", "partial"])
+@pytest.mark.parametrize("n_ext", [1, 3])
+def test_external_keys(n_ext, partial):
+    """External keys join every unit's prefix (padded prefixes of different lengths in one
+    call); a key visible to part of the row sends those chains to the masked path."""
+    layout = layout_of(agent_tree(2, 3, [1, 4, 7], seed=3), n_ext=n_ext, partial=partial)
+    plan = SegmentAttention().plan(layout)
+    assert any(g.units > 1 for g in batched(plan))
+    compare(SegmentAttention(), layout)
+
+
+@pytest.mark.parametrize("window", [2, 5, 10**6])
+def test_windows(window):
+    """A window that can act takes the banded plan; one that cannot (10**6) leaves the batched
+    units in place; both equal the dense windowed reference."""
+    layout = layout_of(agent_tree(2, 3, [1, 3, 6], seed=4), n_ext=2, window=window)
+    if window == 10**6:
+        assert layout.window is None and batched(SegmentAttention().plan(layout))
+    compare(SegmentAttention(window_block=3), layout)
+
+
+def test_padded_slots_are_finite_in_half_precision():
+    """Zero queries on padded slots keep every output and gradient finite in bfloat16."""
+    layout = layout_of(agent_tree(2, 3, [1, 2, 9], seed=5))
+    g = torch.Generator().manual_seed(0)
+    N = layout.num_queries
+    q, k, v = (torch.randn(1, h, N, 8, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
+    backend = SegmentAttention()
+    out = backend(q, k, v, backend.plan(layout))
+    out.float().sum().backward()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t.float()).all()
+
+
+def test_buckets_keep_padding_within_the_waste_factor():
+    units = [[(0, n, list(range(p)))] for n, p in [(4, 100), (5, 90), (40, 100), (4, 10), (30, 300)]]
+    for bucket in _bucket_units(units, waste=1.5):
+        A = max(sum(b - a for a, b, _ in u) for u in bucket)
+        P = max(len(u[0][2]) for u in bucket)
+        L = max(b - a for u in bucket for a, b, _ in u)
+        real = sum((b - a) * len(p) + (b - a) * (b - a + 1) // 2 for u in bucket for a, b, p in u)
+        chains = sum(len(u) for u in bucket)
+        assert len(bucket) * A * P + chains * L * (L + 1) // 2 <= 1.5 * real or len(bucket) == 1
+    assert sum(len(b) for b in _bucket_units(units)) == len(units)
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(depth=st.integers(1, 3), k=st.integers(2, 3), lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+       seed=st.integers(0, 100), n_ext=st.integers(0, 2))
+def test_random_agent_trees(depth, k, lengths, seed, n_ext):
+    compare(SegmentAttention(), layout_of(agent_tree(depth, k, lengths, seed), n_ext=n_ext))
