@@ -126,3 +126,61 @@ def test_a_planted_password_reaches_no_file_no_output_and_not_the_store(tmp_path
     assert rs[0].data.params["logger.mlflow.tracking_uri"] == f"sqlite:///{db}?password=***"
     assert rs[1].data.params["logger.mlflow.tracking_uri"] == f"sqlite:///{db}?token=***"
     assert (db.parent / "mlruns" / rs[0].info.run_id / "artifacts" / "config.yaml").is_file()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_password_in_a_tracking_server_uri_reaches_no_file_and_not_the_server(tmp_path):
+    """``MLFLOW_TRACKING_URI=http://alice:PASSWORD@127.0.0.1:PORT`` with a local ``mlflow
+    server`` (started here; a minute or more on a loaded machine): the run logs to the server
+    (the client sends the credentials as HTTP basic auth), and the password is in no file
+    under the working directory (the server's database, artifacts and log included) nor in
+    the run's output."""
+    import time
+    import urllib.request
+
+    secret = f"srvpw{secrets.token_hex(6)}"
+    port = _free_port()
+    server_dir = tmp_path / "server"
+    server_dir.mkdir()
+    with open(server_dir / "server.log", "w") as log:
+        server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri",
+                                   f"sqlite:///{server_dir / 'server.db'}", "--host", "127.0.0.1", "--port", str(port),
+                                   "--workers", "1"], cwd=server_dir, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert server.poll() is None, (server_dir / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(2)
+        uri = f"http://alice:{secret}@127.0.0.1:{port}"
+        out = tmp_path / "out"
+        done = _run([*TINY, "trainer.max_steps=2", f"output_dir={out}"], tmp_path / "server",
+                    cli_env(MLFLOW_TRACKING_URI=uri))
+        assert done.returncode == 0, done.stderr[-3000:]
+        _, rs = runs(f"http://127.0.0.1:{port}")
+        assert len(rs) == 1 and rs[0].info.status == "FINISHED"
+        assert rs[0].data.params["logger.mlflow.tracking_uri"] == f"http://alice:***@127.0.0.1:{port}"
+        assert json.loads((out / "summary.json").read_text())["mlflow"]["tracking_uri"] == \
+            f"http://alice:***@127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(60)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    leaks = [str(p.relative_to(tmp_path)) for p in files if secret.encode() in p.read_bytes()]
+    leaks += [f"{name}: {line}" for name, text in (("stdout", done.stdout), ("stderr", done.stderr))
+              for line in text.splitlines() if secret in line]
+    assert not leaks, leaks
+    assert {"server/server.db", "out/config.yaml", "out/train.log", "out/checkpoints/last.ckpt"} <= \
+        {str(p.relative_to(tmp_path)) for p in files}

@@ -13,7 +13,10 @@ training framework owes its users:
   parameters already logged keep their first values;
 * a run stopped by Ctrl+C or SIGTERM ends ``KILLED``, one stopped by an error
   ``FAILED`` with the error in the tag ``treelit.end``;
-* artifacts of a local sqlite store go to ``mlruns/`` beside the database.
+* artifacts of a local sqlite store go to ``mlruns/`` beside the database;
+* credentials in the store's URI are never written: log lines, the ``treelit.end`` tag and
+  checkpoints carry it redacted (:mod:`treelit.utils.redact`), and MLflow's own "View run
+  at <url>" line, which would show them, is switched off for such a store.
 
 :class:`MLflowRunInCheckpoint` writes the run's id and store into every Lightning
 checkpoint, which is how ``resume_from`` finds the run to continue.
@@ -80,6 +83,8 @@ class TreeMLFlowLogger(MLFlowLogger):
         **kwargs: Any,
     ) -> None:
         uri = resolve_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+        if redact_text(uri) != uri:  # MLflow prints "View run at <server URL>" with its credentials: not that
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         if artifact_location is None:
             artifact_location = default_artifact_location(uri)
         self.reopened = run_id is not None
