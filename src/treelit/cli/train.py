@@ -317,7 +317,7 @@ def main() -> None:
         msg = hydra_error_message(exc) or user_error_message(exc)
         if msg is None or user == "1":
             raise
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {redact_text(msg)}", file=sys.stderr)  # an override as typed may hold a password
         print("(set HYDRA_FULL_ERROR=1 to see the Python traceback)", file=sys.stderr)
         sys.exit(1)
     finally:
