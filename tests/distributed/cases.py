@@ -132,7 +132,12 @@ def exact_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
         from treelit.utils.distributed import mixed_precision_policy
 
         module.fsdp_mp_policy = mixed_precision_policy(*spec["mp"])
-    if spec.get("sharded", True):
+    if spec.get("replicas", 1) > 1:  # HSDP: replicas x world/replicas shards
+        from treelit.utils.distributed import hsdp_mesh
+
+        module._device_mesh = hsdp_mesh(spec["replicas"], world)
+        module.configure_model()
+    elif spec.get("sharded", True):
         module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         module.configure_model()
     micro = rank_micro_batches(trees, rank, world, micro_tokens)

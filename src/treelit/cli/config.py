@@ -29,13 +29,30 @@ def _qwen_tokenizer() -> str:
     return qwen_tokenizer_dir()
 
 
-def new_run_name() -> str:
+def fresh_run_name() -> str:
     """A run name unique among concurrent runs: the start time to the second, then six
     random hex digits (``2025-01-31_12-00-00-3fa2c1``)."""
     import secrets
     from datetime import datetime
 
     return f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{secrets.token_hex(3)}"
+
+
+LAST_RUN_NAME: List[str] = []  # the name this process composed last (exported to the processes Lightning starts)
+
+
+def new_run_name() -> str:
+    """This run's name: a fresh one (:func:`fresh_run_name`), or in a run of several processes
+    the one they all agree on (:mod:`treelit.utils.launchers`: ``TREELIT_RUN_NAME``, global
+    rank 0's through torchrun's store, the SLURM job's)."""
+    from treelit.utils.launchers import launcher_run_name
+
+    try:
+        name = launcher_run_name(fresh_run_name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    LAST_RUN_NAME[:] = [name]
+    return name
 
 
 def register_resolvers() -> None:
@@ -85,6 +102,13 @@ def validate_config(cfg: DictConfig) -> None:
     if fsdp and (cfg.get("mode") != "tree" or cfg.get("verify_every")):
         raise ConfigError("mode=linear and verify_every run per-branch passes whose number differs between ranks, "
                           "which FSDP2 (every pass gathers and reduces) cannot align; use trainer=ddp_cpu/ddp or trainer=cpu")
+    replicas = strategy.get("replicate_degree", 1) if hasattr(strategy, "get") else 1
+    world = tr.get("devices") if isinstance(tr.get("devices"), int) else None
+    if fsdp and isinstance(replicas, int) and replicas > 1 and world and world > 0:
+        world *= int(tr.get("num_nodes") or 1)
+        if world % replicas:
+            raise ConfigError(f"trainer.strategy.replicate_degree={replicas} (HSDP replicas) must divide the {world} "
+                              "processes (trainer.devices x trainer.num_nodes)")
     correction = (cfg.get("objective") or {}).get("behavior_correction", "none")
     if correction not in (None, "none") and cfg.get("old_logprobs") != "rollout":
         raise ConfigError(f"objective.behavior_correction={correction} compares the sampler's log-probs with the "

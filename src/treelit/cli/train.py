@@ -27,11 +27,12 @@ from typing import Any, Dict, Iterator, List, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from treelit.cli.config import CONF_DIR, register_resolvers, validate_config
+from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, register_resolvers, validate_config
 from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, quiet_transformers_bars,
                                  tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
 from treelit.cli.summary import data_line
+from treelit.utils.launchers import shared_run_name
 from treelit.utils.redact import redact_config, redact_text
 
 log = logging.getLogger("treelit.train")
@@ -270,7 +271,9 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             warnings.catch_warnings():
         if resume:  # resumed in its own folder, the run finds its earlier checkpoints there: expected
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from, weights_only=True)  # no code from it
+        # the processes Lightning's launcher starts during fit compose this run's name (one output folder)
+        with shared_run_name(LAST_RUN_NAME[0] if LAST_RUN_NAME else None):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from, weights_only=True)  # no code from it
 
     from treelit.cli.summary import build_summary, format_summary
 

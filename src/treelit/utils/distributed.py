@@ -13,6 +13,11 @@ Parameters a rank's passes did not reach are reduced as zeros
 (``reduce_scatter_unused_params``), so ranks never disagree on which collectives to
 run (an MoE expert no token of this rank was routed to, a pass that failed).
 
+**HSDP.** Given an :func:`hsdp_mesh` (``trainer.strategy.replicate_degree`` R > 1),
+``fully_shard`` gets its 2-D (replicate, shard) mesh: each rank holds 1/(world/R) of every
+parameter; gradients are reduce-scattered within a replica and the shards summed across
+replicas (still a plain sum: the single-process gradient).
+
 **Collectives.** :class:`Collectives` wraps the process group (or nothing, on one
 process) for the step-level agreements: normaliser sums, budget minimums, the
 partition schedules of :mod:`treelit.partition.schedule`, out-of-memory flags.
@@ -27,7 +32,7 @@ from torch import nn
 
 from treelit.models.decoder import output_weight
 
-__all__ = ["shard_model", "is_sharded", "Collectives", "mixed_precision_policy"]
+__all__ = ["shard_model", "is_sharded", "Collectives", "mixed_precision_policy", "hsdp_mesh", "fsdp_mesh"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,7 +76,7 @@ def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
 
     if is_sharded(model):
         return model
-    kw: dict = {"mesh": mesh}
+    kw: dict = {"mesh": fsdp_mesh(mesh)}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     blocks = model.fsdp_blocks() if hasattr(model, "fsdp_blocks") else getattr(model, "layers", None)
@@ -88,6 +93,37 @@ def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
             mod.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
             mod.set_reduce_scatter_unused_params(True)
     return model
+
+
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def hsdp_mesh(replicas: int, world: int, device_type: str = "cpu"):
+    """HSDP's device mesh: ``replicas`` x ``world / replicas`` (dims ``dp_replicate``,
+    ``dp_shard``, and a ``tensor_parallel`` dim of size 1), its two data-parallel dims also
+    flattened to ``data_parallel`` (every process: what Lightning and the data readers see).
+    Consecutive ranks share a replica: with one replica per node, parameters are sharded
+    within the node and only the replicas' all-reduce crosses nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicas < 1 or world % replicas:
+        raise ValueError(f"replicate_degree={replicas} does not divide the {world} processes")
+    mesh = init_device_mesh(device_type, (replicas, world // replicas, 1),
+                            mesh_dim_names=(*HSDP_DIMS, "tensor_parallel"))
+    mesh[HSDP_DIMS]._flatten("data_parallel")
+    return mesh
+
+
+def fsdp_mesh(mesh):
+    """The mesh ``fully_shard`` gets: the 2-D (replicate, shard) mesh when ``mesh`` is (a
+    dimension of) an :func:`hsdp_mesh` with several replicas, else ``mesh`` itself."""
+    if mesh is None:
+        return None
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names = tuple(root.mesh_dim_names or ())
+    if all(n in names for n in HSDP_DIMS) and root[HSDP_DIMS[0]].size() > 1:
+        return root[HSDP_DIMS]
+    return mesh
 
 
 class Collectives:

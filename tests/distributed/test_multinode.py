@@ -1,0 +1,166 @@
+"""Two machines simulated on one: two ``torchrun --nnodes 2 --node-rank R --nproc-per-node 1``
+launches on loopback (gloo, static rendezvous) run ``treelit-train trainer=fsdp2_cpu
+trainer.num_nodes=2 trainer.devices=1`` in one shared working directory without an
+``output_dir``. They train exactly as one process (float64), into one run folder (the
+name global rank 0 made up, read by rank 1 from torchrun's store) with one sharded
+checkpoint holding both ranks' shards, one export and one MLflow run. A node killed with
+SIGKILL makes the other launch exit non-zero with one line naming the step. Every launch
+has a deadline (a hang fails, never blocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Sequence
+
+import pytest
+import torch
+
+import treelit
+from cli import run, tail
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+COMMON = [
+    "data=jsonl", "data.shuffle=false", "data.micro_batch_tokens=200", "data.micro_batches_per_step=4",
+    "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_steps=2", "callbacks.progress=null",
+    "trainer.enable_progress_bar=false", "model.dtype=float64", "model.config.num_layers=2",
+    "model.config.embed_dim=32", "model.config.intermediate_dim=64", "partition=redundancy_free",
+    "partition.budget_tokens=90",
+]
+TWO_NODES = ["trainer=fsdp2_cpu", "trainer.num_nodes=2", "trainer.devices=1"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nodes")
+    prefix = list(range(1, 30))
+    with (d / "trees.jsonl").open("w") as f:
+        for t in range(6):  # trees of very different sizes: the nodes get different shares and partitions
+            branches = [{"input_ids": prefix[: 10 + 3 * t] + [(7 * b + t) % 300 + 50] * (10 + 5 * b)} for b in range(3 + t)]
+            f.write(json.dumps({"id": f"t{t}", "branches": branches}) + "\n")
+    return d
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(args: Sequence[str], cwd: Path, logs: Path, nodes: int = 2) -> List[subprocess.Popen]:
+    """One ``torchrun`` per simulated node, each in its own process group (so a node can be killed whole)."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("TREELIT_RUN_NAME", None)
+    port = _free_port()
+    procs = []
+    for r in range(nodes):
+        cmd = [TORCHRUN, "--nnodes", str(nodes), "--node-rank", str(r), "--nproc-per-node", "1", "--master-addr",
+               "127.0.0.1", "--master-port", str(port), "--no-python", str(Path(sys.executable).with_name("treelit-train")),
+               *args]
+        log = open(logs / f"node{r}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True))
+    return procs
+
+
+def kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def wait_all(procs: List[subprocess.Popen], logs: Path, timeout: float) -> List[int]:
+    end = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > end:
+                raise AssertionError(f"torchrun still running after {timeout}s (killed): " + node_logs(logs))
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill(p)
+    return [p.returncode for p in procs]
+
+
+def node_logs(logs: Path) -> str:
+    return "\n".join(f"--- {f.name}\n{tail(f)}" for f in sorted(logs.glob("node*.log")))
+
+
+def weights(out: Path):
+    return treelit.load_hf_checkpoint(out / "hf_checkpoint").state_dict()
+
+
+@pytest.fixture(scope="module")
+def single(data):
+    out, log = data / "single", data / "single.log"
+    rc = run([*COMMON, "logger=none", f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}"], data, log)
+    assert rc == 0, tail(log)
+    return weights(out)
+
+
+def test_two_nodes_train_as_one_process_into_one_run(data, single):
+    work = data / "two_nodes"
+    work.mkdir()
+    procs = start_nodes([*COMMON, *TWO_NODES, f"data.train_path={data / 'trees.jsonl'}"], work, work)
+    assert wait_all(procs, work, 500) == [0, 0], node_logs(work)
+    runs = sorted((work / "outputs").iterdir())
+    assert len(runs) == 1, f"one run folder for both nodes, got {[r.name for r in runs]}"
+    out = runs[0]
+    got = weights(out)
+    assert got.keys() == single.keys()
+    for k in single:
+        torch.testing.assert_close(got[k], single[k], rtol=1e-9, atol=1e-12, msg=k)
+    assert all(v.dtype == torch.float64 for v in got.values())
+    summary = json.loads((out / "summary.json").read_text())
+    one = json.loads((data / "single" / "summary.json").read_text())
+    assert summary["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-9)
+    shards = sorted(p.name for p in (out / "checkpoints" / "last.ckpt").glob("*.distcp"))
+    assert len(shards) == 2, f"the sharded checkpoint holds both ranks' shards: {shards}"
+    assert summary["mlflow"]["run_name"] == out.name, summary["mlflow"]
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    found = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [(r.info.run_name, r.info.status) for r in found] == [(out.name, "FINISHED")]
+
+
+@pytest.mark.slow
+def test_a_killed_node_stops_the_other_naming_the_step(data):
+    """Node 1 is killed with SIGKILL once the step-1 checkpoint exists; node 0's launch exits
+    non-zero well within ``trainer.strategy.timeout_s`` with one ``error:`` line naming the step."""
+    work = data / "killed_node"
+    work.mkdir()
+    timeout_s = 60
+    args = [*COMMON, *TWO_NODES, f"data.train_path={data / 'trees.jsonl'}", "logger=none", "trainer.max_steps=200",
+            "callbacks.checkpoint.every_n_train_steps=1", f"trainer.strategy.timeout_s={timeout_s}"]
+    procs = start_nodes(args, work, work)
+    try:
+        end = time.monotonic() + 400
+        while not list(work.glob("outputs/*/checkpoints/step-000001.ckpt/.metadata")):
+            assert all(p.poll() is None for p in procs), "a node ended before it was killed: " + node_logs(work)
+            assert time.monotonic() < end, "no step-1 checkpoint: " + node_logs(work)
+            time.sleep(0.2)
+        kill(procs[1])
+        killed = time.monotonic()
+        rc = wait_all(procs[:1], work, timeout_s + 60)[0]
+        stopped_in = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill(p)
+    text = tail(work / "node0.log", 20000)
+    assert rc != 0, text
+    assert stopped_in < timeout_s + 30, f"node 0 stopped {stopped_in:.0f}s after node 1 died: {text}"
+    lines = [ln for ln in text.splitlines() if ln.startswith("error: ") and "step " in ln]
+    assert lines, f"no error line naming the step: {text}"
+    assert "collective failed or timed out" in lines[0], lines[0]
