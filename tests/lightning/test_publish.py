@@ -102,6 +102,9 @@ def test_bad_options_fail_before_training(tmp_path):
         PolicyPublisher(tmp_path, hooks={"s": {"url": "http://x", "path": "/r", "body": {"a": "{model}"}}})
     with pytest.raises(ValueError, match="publish.tokenizer: directory"):
         PolicyPublisher(tmp_path, tokenizer=str(tmp_path / "nope"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"publish.dir: .* cannot be written \(.*file is not a writable directory\)"):
+        PolicyPublisher(tmp_path / "file" / "policy")
     from treelit.lightning.publish import PublishPolicy
 
     with pytest.raises(ValueError, match="publish.every_n_steps must be a positive"):

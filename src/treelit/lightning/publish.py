@@ -188,6 +188,9 @@ class PolicyPublisher:
         if tokenizer is not None and not Path(str(tokenizer)).is_dir():
             raise ValueError(f"publish.tokenizer: directory {str(tokenizer)!r} does not exist")
         self.directory = Path(directory)
+        existing = next((p for p in [self.directory, *self.directory.absolute().parents] if p.exists()), None)
+        if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"publish.dir: {str(directory)!r} cannot be written ({existing} is not a writable directory)")
         self.dtype, self.keep = DTYPES[dtype], keep
         self.tokenizer = None if tokenizer is None else Path(str(tokenizer))
         from omegaconf import OmegaConf
