@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, Tuple
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
 
@@ -157,6 +158,13 @@ class TreeCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._written: dict = {}  # the files this run wrote and still expects (an ordered set)
+
+    def _monitor_candidates(self, trainer: "pl.Trainer") -> dict:
+        # The module logs a metric named ``step`` (the optimizer step's MLflow axis, global_step - 1);
+        # file names count steps done, as ``resume_from`` and the README name them: global_step.
+        out = super()._monitor_candidates(trainer)
+        out["step"] = torch.tensor(trainer.global_step)
+        return out
 
     def _check_written(self, filepath: str) -> None:
         import os
