@@ -278,7 +278,9 @@ class PPO(_PolicyObjective):
         adv = batch.branch_adv
         metrics = {
             "clip_frac": float((W * clipped).sum()) / Wsum,
-            "approx_kl": float((W * kl_estimate(logp.detach().double(), old.double(), "k3")).sum()) / Wsum,
+            # KL(rollout || current) from the rollout policy's samples (PPO's diagnostic): bounded where the
+            # update pushes a sampled token down, unlike the reverse estimate's exp(old - logp)
+            "approx_kl": float((W * kl_estimate(old.double(), logp.detach().double(), "k3")).sum()) / Wsum,
             "adv_mean": float(adv.mean()),
             "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
             "adv_min": float(adv.min()),
