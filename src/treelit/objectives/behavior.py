@@ -32,9 +32,11 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
-__all__ = ["CORRECTIONS", "check_behavior_options", "behavior_weights", "behavior_metrics", "split_behavior"]
+__all__ = ["CORRECTIONS", "check_behavior_options", "behavior_weights", "behavior_metrics", "split_behavior",
+           "tree_behavior", "branch_behavior"]
 
 CORRECTIONS = ("none", "tis", "decoupled")
 
@@ -89,3 +91,34 @@ def split_behavior(x) -> None:
         x.branch_behav_logp = x.branch_old_logp
     else:
         x.behav = x.old
+
+
+def _missing(correction: str) -> ValueError:
+    return ValueError(
+        f"objective.behavior_correction={correction} needs the sampler's log-probs (old_logprobs in the records) on "
+        "every target token, kept as behaviour log-probs while old_logprobs=rollout recomputes the proximal ones")
+
+
+def tree_behavior(batch, sel: torch.Tensor, prox: torch.Tensor, W: torch.Tensor, correction: str,
+                  cap: Optional[float]) -> Tuple[Optional[torch.Tensor], Dict[str, float]]:
+    """Weights ``[M]`` of the tree tokens ``sel`` (None without correction) and their metrics."""
+    if correction == "none":
+        return None, {}
+    behav = getattr(batch, "token_behav_logp", None)
+    if behav is None or torch.isnan(behav[sel]).any():
+        raise _missing(correction)
+    behav = behav[sel].to(prox.device)
+    return behavior_weights(prox, behav, correction, cap), behavior_metrics(prox, behav, W, cap)
+
+
+def branch_behavior(br, b: int, prox: torch.Tensor, correction: str, cap: Optional[float]) -> Optional[torch.Tensor]:
+    """Branch ``b``'s weights for its tokens 1.. (1 where it has no target), per branch: no tree."""
+    if correction == "none":
+        return None
+    m = br.masks[b][1:]
+    behav = None if br.behav is None else br.behav[b][1:]
+    if behav is None or np.isnan(behav[m]).any():
+        raise _missing(correction)
+    behav = torch.from_numpy(np.where(m, behav, 0.0)).to(prox.device)
+    w = behavior_weights(prox, behav, correction, cap)
+    return torch.where(torch.from_numpy(m).to(w.device), w, torch.ones_like(w))

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from treelit import loss as primitives  # the loss face: the decoder (torchtune) is imported on the first loss
 from treelit.loss.branches import Branches, as_branches
 from treelit.objectives.base import OBJECTIVES, Objective
-from treelit.objectives.behavior import behavior_metrics, behavior_weights, check_behavior_options
+from treelit.objectives.behavior import branch_behavior, check_behavior_options, tree_behavior
 from treelit.objectives.paths import branch_target_sums
 from treelit.tree.batch import check_aggregation
 
@@ -129,35 +129,12 @@ class _PolicyObjective(Objective):
                 "ref_logprobs": bool(self.kl_coef) and self.reference == "data",
                 "behavior_logprobs": self.behavior_correction != "none"}
 
-    # off-policy correction ----------------------------------------------------------------------
-    def _behavior_missing(self) -> ValueError:
-        return ValueError(
-            f"objective.behavior_correction={self.behavior_correction} needs the sampler's log-probs (old_logprobs in "
-            "the records) on every target token, kept as behaviour log-probs while old_logprobs=rollout recomputes the "
-            "proximal ones")
-
+    # off-policy correction (treelit.objectives.behavior) -----------------------------------------
     def _tree_behavior(self, batch, sel, prox, W):
-        """Per-token behaviour weights ``[M]`` (None without correction) and their metrics."""
-        if self.behavior_correction == "none":
-            return None, {}
-        behav = getattr(batch, "token_behav_logp", None)
-        if behav is None or torch.isnan(behav[sel]).any():
-            raise self._behavior_missing()
-        behav = behav[sel].to(prox.device)
-        return (behavior_weights(prox, behav, self.behavior_correction, self.behavior_is_cap),
-                behavior_metrics(prox, behav, W, self.behavior_is_cap))
+        return tree_behavior(batch, sel, prox, W, self.behavior_correction, self.behavior_is_cap)
 
     def _branch_behavior(self, br: Branches, b: int, prox: torch.Tensor) -> Optional[torch.Tensor]:
-        """Branch ``b``'s behaviour weights for its tokens 1.. (1 where it has no target)."""
-        if self.behavior_correction == "none":
-            return None
-        m = br.masks[b][1:]
-        behav = None if br.behav is None else br.behav[b][1:]
-        if behav is None or np.isnan(behav[m]).any():
-            raise self._behavior_missing()
-        behav = torch.from_numpy(np.where(m, behav, 0.0)).to(prox.device)
-        w = behavior_weights(prox, behav, self.behavior_correction, self.behavior_is_cap)
-        return torch.where(torch.from_numpy(m).to(w.device), w, torch.ones_like(w))
+        return branch_behavior(br, b, prox, self.behavior_correction, self.behavior_is_cap)
 
     def _Z(self, batch, aggregation, normalizer) -> float:
         if normalizer is not None:
