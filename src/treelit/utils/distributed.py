@@ -30,8 +30,6 @@ from typing import Any, List, Optional
 import torch
 from torch import nn
 
-from treelit.models.decoder import output_weight
-
 __all__ = ["shard_model", "is_sharded", "Collectives", "mixed_precision_policy", "hsdp_mesh", "fsdp_mesh"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,10 +59,16 @@ def mixed_precision_policy(param_dtype: Optional[str] = None, reduce_dtype: Opti
 
 
 def _head_shares_embedding(model: nn.Module) -> bool:
-    try:
-        return output_weight(model) is model.tok_embeddings.weight
-    except (TypeError, NotImplementedError):
+    """Whether the head's weight is the embeddings' (read as :func:`treelit.models.decoder.output_weight`
+    reads it, without importing the models layer above this one)."""
+    out = getattr(model, "output", None)
+    if hasattr(out, "tied_module"):  # torchtune's TiedLinear
+        weight = out.tied_module.weight
+    elif isinstance(out, nn.Linear) and out.bias is None:
+        weight = out.weight
+    else:
         return True  # an unknown head: keep it with the embeddings in the root
+    return weight is model.tok_embeddings.weight
 
 
 def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
