@@ -3,10 +3,11 @@
     python benchmarks/import_graph.py                 # cycles, back-edges, local imports
     python benchmarks/import_graph.py --edges         # every intra-package edge (module -> module, line, local?)
 
-``lint-imports`` (the contracts in ``pyproject.toml``) sees only what Python's import
-system would see at module level; a function-level ``from treelit.x import y`` is
-invisible to it. This script reads every ``import`` statement, wherever it is, so a
-back-edge hidden in a function body shows up too. ``tests/test_import_graph.py`` uses it.
+``lint-imports`` checks the contracts in ``pyproject.toml`` (grimp reads function bodies
+too). This script answers what the contracts do not: whether the graph has a cycle,
+which imports of treelit's own modules sit inside functions (allowed only in
+``treelit.cli``) and which third-party packages are imported inside functions.
+``tests/test_import_graph.py`` uses it.
 
 An edge ``a -> b`` means module ``a`` imports ``b`` (``from treelit.p import n`` counts as an
 edge to ``treelit.p.n`` when that is a module, else to ``treelit.p``). Package ``__init__``
