@@ -43,6 +43,22 @@ def hsdp_case(rank: int, world: int, specs):
     return exact_steps(rank, world, specs), shard_layout(rank, world, 2)
 
 
+def test_replicate_degree_is_checked_before_training():
+    from hydra.utils import instantiate
+
+    from treelit.cli.config import ConfigError, compose, validate_config
+
+    validate_config(compose(["trainer=fsdp2_cpu", "trainer.devices=2", "trainer.num_nodes=2",
+                             "trainer.strategy.replicate_degree=2"]))
+    with pytest.raises(ConfigError, match=r"replicate_degree=3 .* must divide the 4 processes"):
+        validate_config(compose(["trainer=fsdp2_cpu", "trainer.devices=2", "trainer.num_nodes=2",
+                                 "trainer.strategy.replicate_degree=3"]))
+    with pytest.raises(Exception, match="replicate_degree must be a positive number"):
+        instantiate(compose(["trainer=fsdp2_cpu", "trainer.strategy.replicate_degree=0"]).trainer.strategy)
+    assert instantiate(compose(["trainer=fsdp2_cpu"]).trainer.strategy).replicate_degree == 1
+
+
+@pytest.mark.slow  # about 3 minutes on 2 cores
 def test_hsdp_2x2_equals_one_process_and_shards_within_a_replica():
     """One launch (four processes start slowly): the exact step, then the layout of the shards."""
     exact, layout = launch(hsdp_case, 4, HSDP[:1], deadline=600)

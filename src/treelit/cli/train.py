@@ -189,6 +189,45 @@ def _log_artifacts(loggers: List[Any], out: Path, summary: Dict[str, Any]) -> No
                 lg.experiment.log_artifact(lg.run_id, str(last), artifact_path="checkpoints")
 
 
+class RanksStopped(RuntimeError):
+    """A collective failed or timed out during ``fit`` in a run of several processes (another
+    process, or a whole node, stopped): reported as one ``error:`` line naming the step."""
+
+
+@contextmanager
+def _ranks_stopped(trainer: Any) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        if int(getattr(trainer, "world_size", 1)) <= 1 or not any(_collective_failure(e) for e in _chain(exc)):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not first.startswith("step "):  # outside the training step (a checkpoint, a callback)
+            timeout = getattr(getattr(trainer.strategy, "_timeout", None), "total_seconds", lambda: None)()
+            first = (f"step {trainer.global_step}, rank {trainer.global_rank} of {trainer.world_size}: a collective "
+                     f"failed or timed out - another process stopped (a node lost?) or did not answer within "
+                     f"trainer.strategy.timeout_s={timeout:g}s. {type(exc).__name__}: {first}" if timeout else
+                     f"step {trainer.global_step}, rank {trainer.global_rank} of {trainer.world_size}: a collective "
+                     f"failed - another process stopped (a node lost?). {type(exc).__name__}: {first}")
+        raise RanksStopped(first) from exc
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """torch.distributed's own errors, gloo's/NCCL's, and the training step's report of them."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return (isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
+            or "Connection reset by peer" in text or "Connection closed by peer" in text
+            or (text.startswith("step ") and "a collective failed or timed out" in text))
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def run(cfg: DictConfig) -> Dict[str, Any]:
     """Train as ``cfg`` says and return the summary. The run holds the lock of its
     ``output_dir`` (taken here unless ``treelit-train``'s Hydra callback took it already)
@@ -272,7 +311,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         if resume:  # resumed in its own folder, the run finds its earlier checkpoints there: expected
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         # the processes Lightning's launcher starts during fit compose this run's name (one output folder)
-        with shared_run_name(LAST_RUN_NAME[0] if LAST_RUN_NAME else None):
+        with shared_run_name(LAST_RUN_NAME[0] if LAST_RUN_NAME else None), _ranks_stopped(trainer):
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from, weights_only=True)  # no code from it
 
     from treelit.cli.summary import build_summary, format_summary
@@ -299,7 +338,7 @@ def _hydra_main(cfg: DictConfig) -> None:
             quiet_transformers_bars()
         run(cfg)
     except Exception as exc:
-        msg = user_error_message(exc)
+        msg = str(exc) if isinstance(exc, RanksStopped) else user_error_message(exc)
         if msg is None or full_error_requested():
             raise
         log.error("%s", msg)
