@@ -112,3 +112,11 @@ def test_prompt_fields_reach_the_reward(tmp_path):
                "--steps", "1"])
     assert run(a) == 0
     assert seen[:2] == [{}, {}] and seen[2:] == [{"answer": 9}, {"answer": 9}]
+
+
+def test_treelit_list_says_how_a_reward_is_chosen(capsys):
+    from treelit.cli.main import main
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "reward  (select with treelit-rollout --reward NAME)" in out and "  even_tokens " in out

@@ -36,6 +36,8 @@ SELECT: Dict[str, str] = {
     "objective": "",
     "advantage": "tree_builder.advantage",
 }
+# kinds chosen on another command's line, not in the training config
+COMMANDS: Dict[str, str] = {"reward": "treelit-rollout --reward NAME"}
 # the key naming the component inside a group's config files
 NAME_KEY = {"model": "preset"}
 # data sources are chosen through the data option that streams them (its data.source.name)
@@ -91,7 +93,7 @@ def _list() -> int:
             choose = (f"{' or '.join(o for v in sources.values() for o in v)}, the data options that stream it; "
                       f"a plugin's: {SOURCE_GROUP}=stream {SOURCE_GROUP}.{SOURCE_KEY}=NAME")
         else:
-            choose = f"{kind}=NAME" if group else (f"{how}=NAME" if how else "library use")
+            choose = f"{kind}=NAME" if group else (f"{how}=NAME" if how else COMMANDS.get(kind, "library use"))
         print(f"{kind}  (select with {choose})")
         names = set()
         for e in reg.entries():
