@@ -139,8 +139,10 @@ def compare(family, dtype, attention, aggregation, data, tmp_path_factory, budge
             assert err <= TOL[dtype], f"{what}: max relative gradient difference {err:.2e}"
 
 
-@pytest.mark.parametrize("attention", ["sdpa_dense", "segment"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+# (test_hf_adapter.py's FAMILIES runs simpler configurations of every family through every
+# combination; here each dtype once, with the other backend)
+@pytest.mark.parametrize("dtype,attention", [(torch.float64, "sdpa_dense"), (torch.float32, "segment")],
+                         ids=["f64-sdpa_dense", "f32-segment"])
 @pytest.mark.parametrize("family", sorted(HYBRID))
 @settings(max_examples=examples(1))
 @given(data=forests(max_branches=5, max_len=8, vocab=6))
@@ -152,8 +154,9 @@ def test_hybrid_tree_equals_transformers_branch_by_branch(family, dtype, attenti
 @pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
 @pytest.mark.parametrize("family", sorted(HYBRID))
 def test_hybrid_every_aggregation_and_partitioned(family, aggregation, tmp_path_factory):
-    """Partitions of 6 and 7 tokens (the longest branch has 6) cut inside segments and between one-token segments: the
-    recurrent states and convolution contexts cross partitions (with their gradients)."""
+    """Partitions of 6 and 7 tokens (the longest branch has 6) cut inside segments and between
+    one-token segments: the recurrent states and convolution contexts cross partitions (with
+    their gradients)."""
     compare(family, torch.float64, "sdpa_dense", aggregation, ONE_TOKEN, tmp_path_factory, budgets=(None, 6, 7))
 
 
@@ -217,3 +220,77 @@ def test_kda_blocks_equal_the_per_token_recurrence_on_a_tree(chunk_size):
         results.append([out, cap] + [x.grad for x in xs])
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_activation_checkpointing_and_export(family, tmp_path):
+    """transformers' own activation checkpointing recomputes the hybrid layers in the backward
+    pass (the tree context comes back with the recomputed call): gradients unchanged.
+    save_pretrained writes transformers' checkpoint, which transformers reloads with identical
+    weights."""
+    model_type, cfg = HYBRID[family]
+    random_hf_checkpoint(tmp_path / "src", model_type, **cfg)
+    model = treelit.load_hf_model(tmp_path / "src", dtype=torch.float64)
+    tree = treelit.TokenTree.from_branches(*ONE_TOKEN)
+    grads = []  # (without KeepFloat64: the recomputation runs in the backward pass, outside any mode)
+    for on in (False, True):
+        model.activation_checkpointing = on
+        model.zero_grad(set_to_none=True)
+        treelit.tree_loss(model, tree).backward()
+        grads.append(_grads(model))
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.hf.modules())
+    for k, g in grads[0].items():
+        torch.testing.assert_close(grads[1][k], g, rtol=1e-12, atol=1e-14)
+    treelit.save_hf_checkpoint(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    ours = model.hf.state_dict()
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, ours[k]), k
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow),
+                                    pytest.param("nemotron_h", marks=pytest.mark.slow),
+                                    pytest.param("lfm2", marks=pytest.mark.slow)])
+def test_hf_auto_trains_a_hybrid_checkpoint_and_exports_it(tmp_path, family):
+    """``treelit-train model=hf_auto model.hf_checkpoint=DIR`` on a transformers-written hybrid
+    checkpoint: one SGD step (gradient clipped to norm 1, lr 0.5, float32) equals the step taken
+    by hand in transformers on its torch kernels, branch by branch; the export reloads in
+    transformers with identical weights."""
+    import json
+
+    from app_helpers import SMALL
+    from treelit.cli.config import compose
+    from treelit.cli.train import run
+
+    model_type, cfg = HYBRID[family]
+    ckpt = tmp_path / "ckpt"
+    random_hf_checkpoint(ckpt, model_type, std=0.1, **cfg)
+    branches, masks, weights = ONE_TOKEN
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"id": "t0", "branches": [{"input_ids": b, "loss_mask": m, "weight": w}
+                                                         for b, m, w in zip(branches, masks, weights)]}) + "\n")
+    out = tmp_path / "run"
+    coef = HYBRID[family][1].get("router_aux_loss_coef", 0.0)
+    summary = run(compose([f"output_dir={out}", *[o for o in SMALL if not o.startswith("model.")], "model=hf_auto",
+                           f"model.hf_checkpoint={ckpt}", "data=jsonl", f"data.train_path={data}", "optimizer=sgd",
+                           "optimizer.lr=0.5", "trainer.max_steps=1"]))
+    assert summary["global_step"] == 1
+
+    hf = load_hf_oracle(ckpt, dtype=torch.float32, exact=False).to(torch.float32)
+    bind_torch_kernels(hf)
+    loss = hf_branch_loss(hf, branches, masks, weights, "token-mean")
+    if coef:
+        loss = loss + coef * hf_router_loss(hf, branches, "micro_batch")
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_checkpoint", dtype=torch.float32)
+    adapted = treelit.load_hf_model(out / "hf_checkpoint")
+    theirs, ours = hf.state_dict(), exported.state_dict()
+    assert theirs.keys() == ours.keys()
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=2e-4, atol=2e-6, msg=k)
+        assert torch.equal(ours[k], adapted.hf.state_dict()[k]), k
