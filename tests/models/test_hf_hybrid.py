@@ -294,3 +294,35 @@ def test_hf_auto_trains_a_hybrid_checkpoint_and_exports_it(tmp_path, family):
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], rtol=2e-4, atol=2e-6, msg=k)
         assert torch.equal(ours[k], adapted.hf.state_dict()[k]), k
+
+
+def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path):
+    """A Qwen3.5 checkpoint with a vision tower (``Qwen3_5ForConditionalGeneration``) loads its
+    text model, as transformers' ``AutoModelForCausalLM`` does; tree mode equals that model
+    branch by branch (float64)."""
+    text = dict(HYBRID["qwen3_5"][1])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=2, temporal_patch_size=1, spatial_merge_size=1)
+    cfg = transformers.AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    vlm = transformers.Qwen3_5ForConditionalGeneration(cfg).to(torch.float64)
+    with torch.no_grad():
+        for p in vlm.parameters():
+            p.normal_(0.0, 0.3)
+    vlm.save_pretrained(tmp_path)
+    ours = treelit.load_hf_model(tmp_path, dtype=torch.float64)
+    ref = load_hf_oracle(tmp_path, dtype=torch.float64, exact=False).to(torch.float64)
+    bind_torch_kernels(ref)
+    assert type(ours.hf).__name__ == "Qwen3_5ForCausalLM"
+    torch.testing.assert_close(ours.hf.model.layers[0].linear_attn.in_proj_qkv.weight,
+                               vlm.model.language_model.layers[0].linear_attn.in_proj_qkv.weight, rtol=0, atol=0)
+    branches, masks, weights = ONE_TOKEN
+    with KeepFloat64():
+        expected = hf_branch_loss(ref, branches, masks, weights, "token-mean")
+        expected.backward()
+        loss = treelit.tree_loss(ours, treelit.TokenTree.from_branches(branches, masks, weights))
+        loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
+    err = max_rel_grad_diff(_grads(ours, "hf."), _grads(ref), grad_floor(torch.float64),
+                            negligible_grad(torch.float64))
+    assert err <= 1e-10, err

@@ -19,9 +19,14 @@ treelit's chunked head (never the full ``[N, V]`` logits). For MoE families the 
 logits come back from the base model and the router loss is treelit's tree-exact one
 (:mod:`treelit.loss.router`), never transformers' own function on the tree row.
 
-What cannot run exactly is refused at load time, naming the config key: recurrent or
-linear-attention layers (use the native decoders), sequence-length-dependent RoPE,
-attention sinks, logit soft-capping, dropout, encoder-decoder and multimodal models.
+Hybrid families (Gated DeltaNet, Kimi Delta Attention, Mamba2 and short-convolution layers;
+``hf_kernels.HYBRID_FAMILIES``) run their recurrent layers through treelit's tree kernels,
+bound per layer instance by :mod:`treelit.models.hf_kernels`; a Qwen3.5 checkpoint with a
+vision tower loads its text model, as ``AutoModelForCausalLM`` does.
+
+What cannot run exactly is refused at load time, naming the config key: other recurrent or
+linear-attention families, sequence-length-dependent RoPE, attention sinks, logit
+soft-capping, dropout, encoder-decoder and other multimodal models.
 """
 
 from __future__ import annotations
@@ -82,9 +87,23 @@ _RECURRENT_TYPES = {"linear_attention", "mamba", "mamba2", "gated_deltanet", "re
 _HYBRID_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "mlp", "moe"}
 
 
+# multimodal checkpoints whose text model transformers' AutoModelForCausalLM loads on its own
+_TEXT_MODEL_OF = {"qwen3_5", "qwen3_5_moe"}
+
+
+def causal_lm_config(cfg):
+    """The config of the model ``AutoModelForCausalLM`` builds from ``cfg``: the text model's for
+    the multimodal checkpoints in ``_TEXT_MODEL_OF`` (their vision tower is not loaded)."""
+    if getattr(cfg, "model_type", "") in _TEXT_MODEL_OF and getattr(cfg, "text_config", None) is not None:
+        return cfg.text_config
+    return cfg
+
+
 def check_adapter_config(cfg, where: str = "config.json") -> None:
     """Raise :class:`~treelit.models.hf.CheckpointError` naming the key for what the adapter
     cannot run exactly."""
+    cfg = causal_lm_config(cfg)
+
     def refuse(key, why):
         raise CheckpointError(f"{where}: config key {key!r} = {getattr(cfg, key, None)!r}: {why}")
 
@@ -273,6 +292,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     check_weight_shapes(raw, weight_files(path)[0], cfg_file)
     register_attention()
     kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME}
+    cfg = causal_lm_config(cfg)
     if _moe_options(cfg) or getattr(cfg, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel
     try:
