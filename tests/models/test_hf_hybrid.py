@@ -326,3 +326,36 @@ def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path):
     err = max_rel_grad_diff(_grads(ours, "hf."), _grads(ref), grad_floor(torch.float64),
                             negligible_grad(torch.float64))
     assert err <= 1e-10, err
+
+
+@pytest.mark.parametrize("objective", [dict(name="ppo", kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01),
+                                       dict(name="grpo", clip_high=0.28, kl_coef=0.1, kl_estimator="k2"),
+                                       dict(name="gspo")], ids=lambda o: o["name"])
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_rl_objectives_tree_equal_their_per_branch_form(family, objective, tmp_path_factory):
+    """The RL objectives on a hybrid: the tree pass equals the objective's own per-branch form
+    (causal rows through the same tree kernels), loss and every gradient, float64."""
+    from helpers import assert_equivalent
+    from treelit.objectives import make_objective
+
+    ours, _ = hybrid_models(family, torch.float64, tmp_path_factory)
+    branches, masks, weights = ONE_TOKEN
+    gen = torch.Generator().manual_seed(1)
+    per_prefix = {}
+    for ids in branches:  # old / ref log-probs shared by branches through a token
+        for t in range(1, len(ids)):
+            per_prefix.setdefault(tuple(ids[: t + 1]), (-0.2 - torch.rand(1, generator=gen).item(),
+                                                        -0.2 - torch.rand(1, generator=gen).item()))
+    old = [[None] + [per_prefix[tuple(ids[: t + 1])][0] for t in range(1, len(ids))] for ids in branches]
+    ref = [[None] + [per_prefix[tuple(ids[: t + 1])][1] for t in range(1, len(ids))] for ids in branches]
+    adv = [float(a) for a in torch.randn(len(branches), generator=gen, dtype=torch.float64)]
+    tree = treelit.TokenTree.from_branches(branches, masks, weights, advantages=adv, old_logprobs=old,
+                                           ref_logprobs=ref)
+    opts = dict(objective)
+    obj = make_objective(opts.pop("name"), **opts)
+    with KeepFloat64():
+        assert_equivalent(ours, lambda: obj.tree_loss(ours, tree.to_batch(), aggregation="token-mean",
+                                                      normalizer=None, attention="segment")[0],
+                          lambda: obj.linear_loss(ours, tree.to_batch(), aggregation="token-mean",
+                                                  normalizer=None)[0],
+                          torch.float64, f"{family}/{objective['name']}", require_grad=False)
