@@ -53,7 +53,7 @@ from treelit.ssm.scan import chunked_scan, gdn_chunk, kda_chunk, ssd_chunk
 __all__ = ["TREE_KERNELS", "HYBRID_FAMILIES", "bind_tree_kernels", "bind_torch_kernels", "kernel_name",
            "kernel_calls"]
 
-CHUNK_SIZE = 64  # tokens per block of treelit's chunked scans (exact for any size)
+CHUNK_SIZE = 64  # tokens per block of treelit's chunked scans (exact for any size; ssm.chunk_size sets it)
 
 # model types whose layers the adapter runs through these kernels (each is tested against
 # transformers branch by branch in tests/models/test_hf_hybrid.py)
@@ -67,6 +67,7 @@ class _Call:
 
     ctx: Any
     layer: int
+    chunk_size: int = CHUNK_SIZE
     counts: Dict[str, int] = field(default_factory=dict)
 
     def name(self, kind: str) -> str:
@@ -94,7 +95,7 @@ def _no_cache(kind: str, initial, final) -> None:
 
 def _conv(call: _Call, hidden_states, weight, bias=None, activation=None, **kwargs):
     """``causal_conv1d_fn``: ``hidden_states [B, C, L]``, ``weight [C, K]`` -> ``[B, C, L]``."""
-    from transformers.activations import ACT2FN
+    from transformers.activations import ACT2FN  # optional, heavy: in transformers models only
 
     B, C, L = hidden_states.shape
     K = weight.shape[-1]
@@ -119,7 +120,7 @@ def _scan(call: _Call, chunk, K: int, B: int, L: int, state_shape, out_shape, li
     """Run ``chunk`` over the context's segments; capture / read the boundary state."""
     layout = call.ctx.recurrent_layout(K, B, L, like.device)
     name = call.name("state")
-    out, cap = chunked_scan(chunk, layout, state_shape, out_shape, like, call.external(name), CHUNK_SIZE)
+    out, cap = chunked_scan(chunk, layout, state_shape, out_shape, like, call.external(name), call.chunk_size)
     if cap is not None:
         call.record(name, cap)
     return out
@@ -319,7 +320,8 @@ def _torch_only(torch_fn: Callable) -> Callable:
 
 
 def _tree_forward(self, *args, **kwargs):
-    token = _CALL.set(_Call(kwargs.get("treelit_ctx"), self._treelit_layer))
+    token = _CALL.set(_Call(kwargs.get("treelit_ctx"), self._treelit_layer,
+                            getattr(self, "_treelit_chunk_size", CHUNK_SIZE)))
     try:
         return self._treelit_forward(self, *args, **kwargs)
     finally:

@@ -6,6 +6,8 @@ Backends: ``torch`` (pure PyTorch, any device, exact; the scan runs in blocks of
 depth level with per-segment initial states).
 """
 
+import torch
+
 from treelit.registry import get_registry
 
 SSM_BACKENDS = get_registry("ssm", ["treelit.ssm"])
@@ -19,16 +21,20 @@ def set_ssm_backend(model, name: str = "torch", chunk_size: int = 64):
     ``chunk_size`` (``torch`` backend): tokens per block of the chunked scan; 1 steps token
     by token (the reference recurrence). Both are exact; blocks are much faster on CPU.
     """
-    import torch
-
     SSM_BACKENDS.get(name)
     if int(chunk_size) < 1:
         raise ValueError(f"ssm.chunk_size must be >= 1, got {chunk_size}")
+    hybrid = [m for m in model.modules() if hasattr(m, "_treelit_forward")]  # transformers' layers (hf_kernels)
+    if hybrid and name != "torch":
+        raise ValueError(f"ssm={name} is not available for transformers' hybrid layers "
+                         f"({type(hybrid[0]).__name__}); they run on treelit's torch scans: use ssm=torch")
+    for mod in hybrid:
+        mod._treelit_chunk_size = int(chunk_size)
     if name == "fla":
         if not torch.cuda.is_available():
             raise ValueError("ssm=fla needs CUDA (fla's Triton kernels); use ssm=torch on this machine")
         try:
-            import fla  # noqa: F401
+            import fla  # noqa: F401  (optional, treelit[cuda]: checked only for ssm=fla)
         except ImportError as exc:
             raise ValueError("ssm=fla needs flash-linear-attention: pip install 'treelit[cuda]'") from exc
     for mod in model.modules():
