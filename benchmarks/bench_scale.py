@@ -3,7 +3,9 @@
 ``sharding``: one SFT update (forward, backward, AdamW step) of a model large enough that
 parameters, gradients and AdamW state dominate, on 2 and 4 gloo processes, with DDP
 (treelit's gradient sum, every rank holds everything) and FSDP2 (``shard_model``: every
-layer, the embeddings and the root sharded), with and without activation checkpointing.
+layer, the embeddings and the root sharded), with and without activation checkpointing;
+``--modes hsdp`` adds HSDP (``--replicas`` R replicas of world/R shards, as
+``trainer.strategy.replicate_degree=R``).
 Per rank: the bytes of its parameters + gradients + AdamW state (local shards under
 FSDP2), and the peak of all its tensors during the update (parameters held before the
 update plus the peak of tensors allocated during it: activations, gathered blocks,
@@ -19,6 +21,8 @@ tree unpartitioned. Token-forwards with gradient are reported apart from the no-
 ones; the partitioned GRPO gradients are compared with the unpartitioned ones.
 
     python benchmarks/bench_scale.py sharding --json benchmarks/results/bench_scale_sharding.json
+    python benchmarks/bench_scale.py sharding --worlds 4 --modes ddp fsdp2 hsdp --checkpointing on \
+        --json benchmarks/results/bench_scale_hsdp.json
     python benchmarks/bench_scale.py grpo --json benchmarks/results/bench_scale_grpo.json
     python benchmarks/bench_scale.py table benchmarks/results/bench_scale_*.json    # the README tables
 """
@@ -81,6 +85,11 @@ def _measure(rank: int, world: int, mode: str, ckpt: bool, args):
     if mode == "fsdp2":
         module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         module.configure_model()
+    elif mode == "hsdp":  # trainer.strategy.replicate_degree: replicas x world/replicas shards
+        from treelit.utils.distributed import hsdp_mesh
+
+        module._device_mesh = hsdp_mesh(args.replicas, world)
+        module.configure_model()
     opt = module.configure_optimizers()
     batch = _tree(rank, args)
     params = sum(_local_bytes(p) for p in model.parameters())
@@ -103,7 +112,7 @@ def _worker(rank: int, world: int, port: int, mode: str, args, out: str):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
     try:
         rows = []
-        for ckpt in (False, True):
+        for ckpt in args.checkpointing:
             m = _measure(rank, world, mode, ckpt, args)
             t = torch.tensor([m["state"], m["step_peak"], m["params"], m["grads"], m["adamw"], m["seconds"]],
                              dtype=torch.float64)
@@ -112,6 +121,7 @@ def _worker(rank: int, world: int, port: int, mode: str, args, out: str):
             if rank == 0:
                 g = torch.stack(gathered)
                 rows.append({"mode": mode, "world": world, "checkpointing": ckpt,
+                             "replicas": args.replicas if mode == "hsdp" else (world if mode == "ddp" else 1),
                              "state_bytes_max": float(g[:, 0].max()), "step_peak_bytes_max": float(g[:, 1].max()),
                              "params_bytes": float(g[:, 2].max()), "grads_bytes": float(g[:, 3].max()),
                              "adamw_bytes": float(g[:, 4].max()), "seconds_max": float(g[:, 5].max()),
@@ -133,12 +143,14 @@ def sharding(args):
 
     rows = []
     for world in args.worlds:
-        for mode in ("ddp", "fsdp2"):
+        for mode in args.modes:
+            if mode == "hsdp" and (world % args.replicas or world == args.replicas):
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "rows.pt")
                 mp.spawn(_worker, args=(world, _free_port(), mode, args, out), nprocs=world, join=True)
                 rows += torch.load(out)
-            for r in rows[-2:]:
+            for r in rows[-len(args.checkpointing):]:
                 print(f"{r['mode']:5s} x{world} ckpt={str(r['checkpointing']):5s}: params+grads+AdamW "
                       f"{r['state_bytes_max'] / MIB:7.0f} MiB, step peak {r['step_peak_bytes_max'] / MIB:7.0f} MiB "
                       f"({r['seconds_max']:.1f}s)", flush=True)
@@ -254,7 +266,8 @@ def table(paths) -> str:
             lines.append(f"{'strategy':9s}{'ranks':>6s}{'checkpointing':>15s}{'params+grads+AdamW':>21s}{'vs DDP':>8s}"
                          f"{'step peak':>11s}{'vs DDP':>8s}")
             for r in d["rows"]:
-                lines.append(f"{r['mode']:9s}{r['world']:>6d}{('on' if r['checkpointing'] else 'off'):>15s}"
+                name = f"hsdp {r['replicas']}x{r['world'] // r['replicas']}" if r["mode"] == "hsdp" else r["mode"]
+                lines.append(f"{name:9s}{r['world']:>6d}{('on' if r['checkpointing'] else 'off'):>15s}"
                              f"{r['state_bytes_max'] / MIB:>17.0f} MiB{r['state_over_ddp']:>7.2f}x"
                              f"{r['step_peak_bytes_max'] / MIB:>7.0f} MiB{r['step_peak_over_ddp']:>7.2f}x")
             continue
@@ -298,6 +311,10 @@ def main(argv=None):
     s.add_argument("--prefix", type=int, default=512)
     s.add_argument("--branches", type=int, default=4)
     s.add_argument("--branch-len", type=int, default=512)
+    s.add_argument("--modes", nargs="+", choices=["ddp", "fsdp2", "hsdp"], default=["ddp", "fsdp2"])
+    s.add_argument("--replicas", type=int, default=2, help="hsdp: replicas (each world/replicas shards)")
+    s.add_argument("--checkpointing", type=lambda v: v == "on", nargs="+", default=[False, True],
+                   help="activation checkpointing: off, on or both")
     s.add_argument("--json")
     r = sub.add_parser("grpo")
     r.add_argument("--prompt", type=int, default=1024)

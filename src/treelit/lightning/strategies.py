@@ -66,5 +66,10 @@ class FSDP2(ModelParallelStrategy):
                                  f"{world} processes (trainer.devices x trainer.num_nodes)")
         super().setup_environment()
         if self.replicate_degree > 1:
+            import warnings
+
+            # torch >= 2.11 warns on every mesh["data_parallel"] (a flattened dim sliced from the root mesh),
+            # which this strategy's data sampler and treelit's module read; it is still the slice they need
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
             self._device_mesh = hsdp_mesh(self.replicate_degree, world, self.root_device.type)
             self.lightning_module._device_mesh = self._device_mesh

@@ -9,8 +9,10 @@ it ends (``kill -9`` too), so a lock left by a dead process is simply taken over
 file's text is only used to name the holder in the error of the run that is refused.
 The lock is released and the file removed when the run ends.
 
-In a multi-process run (``trainer=ddp_cpu``, ``fsdp2_cpu``, torchrun) only the launching
-process (rank 0) takes the lock; the processes it starts share its folder.
+In a multi-process run (``trainer=ddp_cpu``, ``fsdp2_cpu``, torchrun, srun) only global
+rank 0 takes the lock (the rank is read from the launcher's ``RANK`` / ``SLURM_PROCID``);
+the other processes, on this machine or others, share its folder (they agree on its name:
+:mod:`treelit.utils.launchers`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class DirLock:
         return lock if lock is not None else cls(Path(directory))
 
     def acquire(self) -> "DirLock":
-        import fcntl
+        import fcntl  # POSIX only: the module imports (and fails only when locking) elsewhere
 
         if self.depth:
             self.depth += 1
