@@ -109,6 +109,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.read_limits = ReadLimits(max_record_bytes, max_branches_per_record, max_expansion_ratio)
+        self.staleness = StalenessGate(max_staleness, on_stale)
         if not directory:
             raise ValueError("data.directory is required: the directory the rollout engine writes files into")
         if micro_batch_tokens <= 0 or timeout_s <= 0 or poll_s <= 0:
@@ -122,7 +123,6 @@ class RolloutDirDataModule(pl.LightningDataModule):
         self.on_error, self.mark_consumed = on_error, bool(mark_consumed)
         self.attention_cost, self.sample_trees = float(attention_cost), int(sample_trees)
         self.limits = Limits()
-        self.staleness = StalenessGate(max_staleness, on_stale)
         self.read_stats = ReadStats()
         self.rank, self.world = 0, 1
         self.consumed_steps = 0
@@ -254,7 +254,11 @@ class RolloutDirDataModule(pl.LightningDataModule):
         self.consumed_steps = int(state.get("consumed_steps", 0))
         self.step_files = {i: name for i, name in enumerate(names)}
         self.marked = set()
-        self.staleness.load(state.get("stale"))
+        stale = state.get("stale") or {}
+        for skipped in (stale.get("skipped") or {}).values():
+            for name in skipped:
+                self._named(name)
+        self.staleness.load(stale)
 
     def _named(self, name: Any) -> Path:
         """``directory / name`` for a rollout file name read from a checkpoint, refused unless it
