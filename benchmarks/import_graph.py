@@ -2,6 +2,7 @@
 
     python benchmarks/import_graph.py                 # cycles, back-edges, local imports
     python benchmarks/import_graph.py --edges         # every intra-package edge (module -> module, line, local?)
+    python benchmarks/import_graph.py --local         # the summary, then each function-level third-party import and its reason
 
 ``lint-imports`` checks the contracts in ``pyproject.toml`` (grimp reads function bodies
 too). This script answers what the contracts do not: whether the graph has a cycle,
@@ -116,6 +117,30 @@ def third_party_local_imports(src: Path = SRC, package: str = PACKAGE) -> List[T
     return out
 
 
+def local_import_statements(src: Path = SRC, package: str = PACKAGE) -> List[Tuple[str, int, List[str], str]]:
+    """(module, line, imported names, comment) of every function-level import statement of
+    something outside the package (``TYPE_CHECKING`` blocks left out); ``comment`` is the text
+    after ``#`` on the statement's lines ("" when there is none): the reason it is not at the top."""
+    out = []
+    for mod, path in modules(src, package).items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for node, local, guarded in _walk(ast.parse(text, filename=str(path)), False, False):
+            if not local or guarded or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if not node.level else []
+            else:
+                names = [a.name for a in node.names]
+            names = [n for n in names if n != package and not n.startswith(package + ".")]
+            if not names:
+                continue
+            span = lines[node.lineno - 1: (node.end_lineno or node.lineno)]
+            comment = " ".join(ln.split("#", 1)[1].strip() for ln in span if "#" in ln)
+            out.append((mod, node.lineno, names, comment))
+    return out
+
+
 def cycles(nodes: List[str], edges: List[Edge]) -> List[List[str]]:
     """Strongly connected components with more than one module (Tarjan), each sorted."""
     adj: Dict[str, Set[str]] = {n: set() for n in nodes}
@@ -176,6 +201,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  local: {e.src}:{e.line} -> {e.dst}")
     tp = third_party_local_imports()
     print(f"{len(tp)} function-level imports of third-party modules")
+    if "--local" in argv:  # each with its reason (the comment on the import line)
+        for mod, line, names, comment in local_import_statements():
+            print(f"  {mod}:{line} {', '.join(names)}  # {comment or '(no reason given)'}")
     return 1 if comps else 0
 
 

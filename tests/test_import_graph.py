@@ -140,3 +140,89 @@ def test_package_faces_import_only_their_children_and_the_bottom():
 def test_the_registry_and_lazy_modules_import_nothing_of_treelit():
     bad = [f"{e.src} -> {e.dst}" for e in EDGES if e.src in ("treelit.registry", "treelit.lazy")]
     assert bad == []
+
+
+# Function-level imports of packages outside treelit: only what is optional, platform-bound or heavy
+# enough (>= ~0.3 s CPU, measured with python -X importtime) that a module's importers should not all
+# pay for it, each with a one-line reason on the import line. Everything else (the standard library,
+# torch, numpy, tqdm, safetensors, yaml, ...) is imported at the top of the module.
+DEFERRABLE = {
+    "transformers": "optional (hf extra) and ~1.5 s CPU: Hugging Face paths only",
+    "huggingface_hub": "comes with transformers; the same paths",
+    "datasets": "optional, ~2 s CPU: data=hf_dataset only",
+    "pyarrow": "~0.3 s CPU: Parquet files only",
+    "fla": "optional (treelit[cuda]), Triton kernels: ssm=fla only",
+    "mamba_ssm": "optional (treelit[cuda]), a CUDA build",
+    "triton": "optional, GPU kernels",
+    "mlflow": "~1 s CPU: with the MLflow logger only",
+    "lightning": "~5 s CPU: below the Lightning layer only where a run is built",
+    "torchtune": "loads torchao and datasets (~5 s CPU): only where a decoder is built",
+    "torchao": "heavy, reached through torchtune",
+    "matplotlib": "~1 s CPU: only when a plot is drawn",
+    "torch.distributed.fsdp": "~0.9 s CPU on top of torch: only when a model is sharded",
+    "torch.distributed.checkpoint": "~1 s CPU on top of torch: sharded checkpoints only",
+    "fcntl": "POSIX only: the module stays importable where it is missing",
+}
+# The command-line layer defers more: each command pays only for what it runs (``treelit --help``
+# and ``treelit stats`` pay no Hydra, ``treelit-train --help`` no torch), and it is also the one
+# layer that imports treelit's own modules inside functions (test above).
+CLI_DEFERRABLE = {"torch": "treelit-train --help and treelit-rollout --help pay no torch",
+                  "hydra": "treelit stats and treelit --help pay no Hydra",
+                  "omegaconf": "as Hydra"}
+
+
+def _covered(name, allowed):
+    return any(name == a or name.startswith(a + ".") for a in allowed)
+
+
+def _reason(comment):
+    import re
+
+    return re.sub(r"noqa(:\s*[A-Z]+\d+(,\s*[A-Z]+\d+)*)?", "", comment).strip(" ()")
+
+
+def _local_import_faults(src, package):
+    faults = []
+    for mod, line, names, comment in g.local_import_statements(src, package):
+        allowed = set(DEFERRABLE) | (set(CLI_DEFERRABLE) if mod.startswith(package + ".cli.") else set())
+        for name in names:
+            if not _covered(name, allowed):
+                faults.append(f"{mod}:{line} imports {name} inside a function (move it to the top of the module)")
+        if not _reason(comment):
+            faults.append(f"{mod}:{line} imports {', '.join(names)} inside a function without a '# reason' comment")
+    return faults
+
+
+def test_function_level_third_party_imports_are_deferrable_and_say_why():
+    faults = _local_import_faults(g.SRC, g.PACKAGE)
+    assert faults == [], "\n".join(faults)
+
+
+def test_the_local_import_rule_can_fail(tmp_path):
+    pkg = tmp_path / "demo"
+    (pkg / "cli").mkdir(parents=True)
+    for f in ("__init__.py", "cli/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "low.py").write_text(textwrap.dedent("""\
+        def a():
+            import os
+        def b():
+            import transformers
+        def c():
+            from torch.distributed.fsdp import fully_shard  # heavy: sharding only
+        def d():
+            import torch  # noqa: F401
+        def e():
+            from datasets import (  # optional: hf_dataset only
+                load_dataset,
+            )
+        """))
+    (pkg / "cli" / "cmd.py").write_text("def f():\n    import torch  # --help pays no torch\n    from demo import low\n")
+    faults = _local_import_faults(tmp_path, "demo")
+    assert faults == [
+        "demo.low:2 imports os inside a function (move it to the top of the module)",
+        "demo.low:2 imports os inside a function without a '# reason' comment",
+        "demo.low:4 imports transformers inside a function without a '# reason' comment",
+        "demo.low:8 imports torch inside a function (move it to the top of the module)",
+        "demo.low:8 imports torch inside a function without a '# reason' comment",
+    ]

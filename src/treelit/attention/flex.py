@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from treelit.attention.base import ATTENTION, AttentionBackend
 
@@ -31,8 +32,6 @@ def tree_block_mask(kv_lo: torch.Tensor, kv_hi: torch.Tensor, num_queries: int, 
                     q_pos: torch.Tensor = None, kv_pos: torch.Tensor = None, window: int = None):
     """A FlexAttention ``BlockMask`` for queries ``0..num_queries-1`` over keys with
     visibility intervals ``[kv_lo, kv_hi)`` (and, with ``window``, positions within it)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     dev = kv_lo.device
     N, KV, bs = num_queries, kv_lo.shape[0], block_size
     Qb, Kb = math.ceil(N / bs), math.ceil(KV / bs)
@@ -99,8 +98,6 @@ class FlexTreeAttention(AttentionBackend):
 
     def _flex(self):
         if self._fn is None:
-            from torch.nn.attention.flex_attention import flex_attention
-
             self._fn = torch.compile(flex_attention, dynamic=True) if self.compile else flex_attention
         return self._fn
 

@@ -34,6 +34,7 @@ otherwise end the run). Both are data errors: ``on_error=skip`` skips the record
 from __future__ import annotations
 
 import copy
+import os
 import signal
 import threading
 from contextlib import contextmanager
@@ -324,11 +325,9 @@ class ChatBuilder(TreeBuilder):
 
 def load_tokenizer(path: str):
     """Load a Hugging Face tokenizer from a local directory (never from the hub)."""
-    import os
-
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer directory {path!r} does not exist")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
     try:  # never the directory's own Python code (auto_map)
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)

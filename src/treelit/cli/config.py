@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import secrets
 from importlib import resources
+from datetime import datetime
 from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -32,9 +34,6 @@ def _qwen_tokenizer() -> str:
 def fresh_run_name() -> str:
     """A run name unique among concurrent runs: the start time to the second, then six
     random hex digits (``2025-01-31_12-00-00-3fa2c1``)."""
-    import secrets
-    from datetime import datetime
-
     return f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{secrets.token_hex(3)}"
 
 
@@ -67,7 +66,7 @@ def register_resolvers() -> None:
 
 def validate_config(cfg: DictConfig) -> None:
     """Reject incompatible options before anything is built."""
-    import torch
+    import torch  # cli: treelit-train --help pays for Hydra only
 
     att = cfg.get("attention") or {}
     if att.get("name") == "flex" and not torch.cuda.is_available():
@@ -128,8 +127,8 @@ def validate_config(cfg: DictConfig) -> None:
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "train") -> DictConfig:
     """Compose the real treelit config (as ``treelit-train`` would) - for tests and notebooks."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose as hydra_compose  # cli: commands that compose no config pay no Hydra
+    from hydra import initialize_config_dir  # as above
 
     register_resolvers()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

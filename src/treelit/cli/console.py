@@ -24,11 +24,15 @@ Hydra's multi-line dump.
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import List, Optional, Sequence
+
+from tqdm import tqdm
 
 __all__ = ["ConsoleFormatter", "ConsoleHandler", "SetupError", "hydra_error_message", "quiet_transformers_bars",
            "tidy_library_logging", "user_error_message"]
@@ -87,8 +91,6 @@ class ConsoleHandler(logging.Handler):
             if rank:
                 msg = f"[rank {rank}] {msg}"
             stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
-            from tqdm import tqdm
-
             tqdm.write(msg, file=stream)
         except Exception:  # pragma: no cover - logging must never raise
             self.handleError(record)
@@ -115,8 +117,8 @@ class SetupError(Exception):
 
 
 def _user_error_types() -> tuple:
-    from hydra.errors import InstantiationException
-    from omegaconf.errors import OmegaConfBaseException
+    from hydra.errors import InstantiationException  # cli: stats and list pay no Hydra
+    from omegaconf.errors import OmegaConfBaseException  # as above
 
     from treelit.cli.config import ConfigError
     from treelit.models.hf import CheckpointError
@@ -126,7 +128,7 @@ def _user_error_types() -> tuple:
     types = [ConfigError, CheckpointError, RegistryError, TreeInputError, SetupError, OSError,
              InstantiationException, OmegaConfBaseException]
     try:
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # optional, heavy (~1 s CPU); known only if installed
 
         types.append(MlflowException)
     except ImportError:  # pragma: no cover
@@ -152,9 +154,6 @@ def user_error_message(exc: BaseException) -> Optional[str]:
 def _instantiation_message(exc: BaseException) -> str:
     """Hydra's report of a failed ``_target_`` call, on one line; an unexpected keyword (a key
     added with ``+group.key=...`` that the target does not take) names the closest parameters."""
-    import inspect
-    import re
-
     text = str(exc)
     cause = exc.__cause__
     target = re.search(r"target '([\w.]+)'", text)
@@ -164,7 +163,7 @@ def _instantiation_message(exc: BaseException) -> str:
         key = unexpected.group(1)
         where = f"{full_key.group(1)}.{key}" if full_key else key
         try:
-            from hydra.utils import get_object
+            from hydra.utils import get_object  # cli: stats and list pay no Hydra
 
             params = [n for n in inspect.signature(get_object(target.group(1))).parameters if n not in ("self", "kwargs")]
         except Exception:  # pragma: no cover - the target cannot be inspected: Hydra's words
@@ -196,7 +195,7 @@ def hydra_error_message(exc: BaseException, overrides: Optional[Sequence[str]] =
     the closest known names; ``None`` for anything else. Hydra's own report is a multi-line
     dump (every option of the group, the config search path). ``overrides``: the command
     line's (default ``sys.argv[1:]``), to name the one Hydra cannot parse."""
-    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException  # cli: stats and list pay no Hydra
 
     if not isinstance(exc, HydraException):
         return None
@@ -234,7 +233,7 @@ def hydra_error_message(exc: BaseException, overrides: Optional[Sequence[str]] =
 
 def _unparsable(overrides: Sequence[str]) -> Optional[str]:
     """The first command-line override Hydra cannot parse."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # cli: stats and list pay no Hydra
 
     parser = OverridesParser.create()
     for arg in overrides:
@@ -252,7 +251,7 @@ def quiet_transformers_bars() -> None:
     checkpoint is read, "Writing model shards" when the model is exported): noise in a log,
     and the run's own lines say what happens. Downloads from the Hugging Face Hub keep their
     bars. (Only called when the run uses transformers, which is then imported anyway.)"""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # heavy (~1.5 s CPU): runs using transformers only
 
     if hasattr(hf_logging, "set_tqdm_hook"):  # transformers 5: only transformers' own bars
         hf_logging.set_tqdm_hook(lambda factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))

@@ -51,8 +51,8 @@ def config_options(group: str) -> List[str]:
 
 def _group_options(groups: Optional[List[str]] = None) -> Dict[str, List[str]]:
     """The options of each config group (every group but Hydra's when ``groups`` is None)."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from hydra import initialize_config_dir  # cli: only treelit list reads the config groups
+    from hydra.core.global_hydra import GlobalHydra  # as above
 
     from treelit.cli.config import CONF_DIR, register_resolvers
 
@@ -67,7 +67,7 @@ def _group_options(groups: Optional[List[str]] = None) -> Dict[str, List[str]]:
 def _source_options(data_options: List[str]) -> Dict[str, List[str]]:
     """For each data source name, the ``data=`` options that stream from it (read from their
     config files' ``source.name``)."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # cli: only treelit list reads the config files
 
     from treelit.cli.config import CONF_DIR
 

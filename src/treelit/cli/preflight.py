@@ -24,9 +24,11 @@ import logging
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from hydra.experimental.callback import Callback
 
 from treelit.cli.config import ConfigError
@@ -154,8 +156,6 @@ def redact_hydra_files(output_dir: Path, subdir: Optional[str]) -> None:
     credentials redacted (they hold the command-line overrides as typed)."""
     if subdir is None:
         return
-    import yaml
-
     for path in (Path(output_dir) / subdir).glob("*.yaml"):
         try:
             text = path.read_text()
@@ -184,8 +184,6 @@ class OutputDirCheck(Callback):
         except ConfigError as exc:  # Hydra turns a callback's exception into a warning and goes on: exit here
             # the user's HYDRA_FULL_ERROR (treelit-train sets it to 1 while Hydra starts, keeping the user's)
             if os.environ.get("HYDRA_FULL_ERROR_USER", os.environ.get("HYDRA_FULL_ERROR")) == "1":
-                import traceback
-
                 traceback.print_exc()
             print(f"error: {redact_text(str(exc))}", file=sys.stderr)
             sys.exit(1)

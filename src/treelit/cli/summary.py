@@ -9,6 +9,8 @@ MLflow UI on it.
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -17,8 +19,6 @@ __all__ = ["build_summary", "data_line", "format_summary"]
 
 def _short(path: str) -> str:
     """``path`` relative to the working directory when it lies below it."""
-    import os
-
     rel = os.path.relpath(os.path.abspath(path))
     return path if rel.startswith("..") else rel
 
@@ -53,7 +53,7 @@ def build_summary(
 ) -> Dict[str, Any]:
     """Collect the run's results from the trainer, its callbacks and loggers (JSON-ready;
     credentials in URIs redacted, see :mod:`treelit.utils.redact`)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint  # heavy (~3 s CPU): imported once a run has trained
 
     from treelit.lightning.callbacks import HFExport, RewardMargin, StepMetrics
     from treelit.lightning.mlflow_logger import TreeMLFlowLogger

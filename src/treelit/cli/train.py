@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import hydra
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, register_resolvers, validate_config
@@ -32,7 +33,6 @@ from treelit.cli.console import (SetupError, full_error_requested, hydra_error_m
                                  tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
 from treelit.cli.summary import data_line
-from treelit.utils.launchers import shared_run_name
 from treelit.utils.redact import redact_config, redact_text
 
 log = logging.getLogger("treelit.train")
@@ -41,8 +41,6 @@ log = logging.getLogger("treelit.train")
 def build(node: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` that surfaces treelit's own error (which names the
     option and the known choices) instead of Hydra's wrapper around it."""
-    from hydra.errors import InstantiationException
-
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as exc:
@@ -118,7 +116,7 @@ def _torch_threads(setting: Any, model: Any, accelerator: str) -> Iterator[None]
     OpenMP threads spin-wait for each other, so on cores shared with other work a two-thread
     step was measured 5x slower than a one-thread step - unless ``OMP_NUM_THREADS`` is set;
     torch's default otherwise. ``null``: torch's default; a number: that many threads."""
-    import torch
+    import torch  # cli: treelit-train --help pays for Hydra only
 
     n: Optional[int] = None
     if setting not in (None, "auto"):
@@ -148,7 +146,7 @@ def _build_loggers(group: Any, resume: Optional[Dict[str, Any]]) -> List[Any]:
         if not node:
             continue
         if "MLFlow" in str(node.get("_target_", "")):
-            import mlflow  # noqa: F401  (installs MLflow's log handlers, which the next line removes)
+            import mlflow  # noqa: F401  (heavy, with the MLflow logger only: installs log handlers the next line removes)
 
             tidy_library_logging()
         kwargs: Dict[str, Any] = {}
@@ -214,7 +212,7 @@ def _ranks_stopped(trainer: Any) -> Iterator[None]:
 
 def _collective_failure(exc: BaseException) -> bool:
     """torch.distributed's own errors, gloo's/NCCL's, and the training step's report of them."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # cli: treelit-train --help pays for Hydra only
 
     text = str(exc)
     return (isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
@@ -248,12 +246,13 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    import lightning.pytorch as pl  # heavy (~5 s CPU): only once a run is configured
+    from lightning.pytorch.callbacks import ModelCheckpoint  # as above
 
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
     from treelit.lightning.module import TreeLitModule
+    from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
     resume = read_resume_checkpoint(str(cfg.resume_from)) if cfg.get("resume_from") else None
     pl.seed_everything(cfg.seed, workers=True, verbose=False)

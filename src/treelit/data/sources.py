@@ -125,7 +125,7 @@ class HFDatasetSource(DataSource):
     def __init__(self, path: Optional[str] = None, data_files: Any = None, format: str = "json", split: str = "train",
                  num_shards: int = 1) -> None:
         try:
-            import datasets
+            import datasets  # optional and heavy (~2 s CPU): data=hf_dataset only
         except ImportError as exc:  # an optional dependency
             raise ImportError("data source hf_dataset needs the 'datasets' package (pip install datasets)") from exc
         if (path is None) == (data_files is None):

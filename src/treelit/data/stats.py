@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Optional, Sequence, Union
 
+from tqdm import tqdm
+
 from treelit.builders.assemble import Assembler, Limits
 from treelit.builders.base import TreeBuilder
 from treelit.data.records import DataError, ReadStats
@@ -28,8 +30,6 @@ def stream_stats(paths: Union[str, Sequence[str]], builder: TreeBuilder, *, on_e
     Groups must lie within ``group_window`` records (and one file). ``progress``: a progress bar
     (default: when stderr is a terminal).
     """
-    from tqdm import tqdm
-
     source = FileSource(paths)
     stats = ReadStats()
     # advantages are not needed to count tokens: the estimator is not run

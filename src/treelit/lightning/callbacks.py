@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Tuple
+from weakref import proxy
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
@@ -167,8 +171,6 @@ class TreeCheckpoint(ModelCheckpoint):
         return out
 
     def _check_written(self, filepath: str) -> None:
-        import os
-
         gone = [p for p in self._written if not os.path.exists(p)]
         if not gone:
             return
@@ -184,10 +186,6 @@ class TreeCheckpoint(ModelCheckpoint):
                         where, names, os.path.basename(filepath))
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        import os
-        import shutil
-        from weakref import proxy
-
         if trainer.is_global_zero:
             self._check_written(filepath)
         partial = f"{filepath}.partial"
@@ -334,9 +332,6 @@ class RewardMargin(pl.Callback):
         self.history: list = []
 
     def _measure(self, trainer, pl_module) -> None:
-        import numpy as np
-        import torch
-
         rows = self._rows(trainer)
         if not rows:
             return
@@ -399,10 +394,10 @@ class RewardMargin(pl.Callback):
             self._measure(trainer, pl_module)  # every rank: under FSDP2 the model's passes are collectives
         if not trainer.is_global_zero:
             return
-        import matplotlib
+        import matplotlib  # heavy (~1 s CPU): only when the plot is drawn
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # heavy: as above, after choosing the Agg backend
 
         steps = [h["step"] for h in self.history]
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)

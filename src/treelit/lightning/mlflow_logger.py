@@ -33,6 +33,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from treelit.utils.mlflow_store import (
     DEFAULT_TRACKING_URI,
@@ -53,8 +54,6 @@ CHECKPOINT_KEY = "treelit_mlflow"
 
 
 def _interrupted(exc: Optional[BaseException]) -> bool:
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     return isinstance(exc, (KeyboardInterrupt, SIGTERMException))
 
 
@@ -128,7 +127,7 @@ class TreeMLFlowLogger(MLFlowLogger):
         return client
 
     def _reopenable(self) -> bool:
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # heavy (~1 s CPU): imported when a store is opened
 
         try:
             return self._mlflow_client.get_run(self._run_id).info.lifecycle_stage == "active"

@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, Optional
 import lightning.pytorch as pl
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from treelit.lightning.data import StepBatch
 from treelit.lightning.planner import MemoryPlanner
@@ -55,8 +57,6 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 
 def _is_collective_error(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc).lower()
@@ -172,8 +172,6 @@ class TreeLitModule(pl.LightningModule):
         return Collectives(device=self.device)
 
     def on_train_start(self) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
         wrapped = getattr(self.trainer.strategy, "model", None)
         if isinstance(wrapped, DistributedDataParallel):
             # Several forward/backward passes per update (micro-batches, partitions): DDP's own
@@ -272,8 +270,6 @@ class TreeLitModule(pl.LightningModule):
         rank issues the same collectives whatever its number of partitions or passes."""
         if not self._distributed() or self._fsdp():
             return
-        import torch.distributed as dist
-
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
+from omegaconf import OmegaConf
 
 from treelit.models.hf import save_hf_checkpoint
 
@@ -193,8 +194,6 @@ class PolicyPublisher:
             raise ValueError(f"publish.dir: {str(directory)!r} cannot be written ({existing} is not a writable directory)")
         self.dtype, self.keep = DTYPES[dtype], keep
         self.tokenizer = None if tokenizer is None else Path(str(tokenizer))
-        from omegaconf import OmegaConf
-
         if OmegaConf.is_config(hooks):
             hooks = OmegaConf.to_container(hooks, resolve=True)
         self.hooks: List[HttpHook] = [HttpHook(name, **dict(opts)) for name, opts in (hooks or {}).items() if opts]

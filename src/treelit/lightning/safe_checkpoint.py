@@ -26,6 +26,8 @@ import re
 from pathlib import Path
 from typing import Any, Union
 
+import torch
+
 from treelit.models.errors import CheckpointError
 from treelit.utils.paths import confined
 
@@ -45,8 +47,6 @@ def load_checkpoint(path: Union[str, Path], what: str = "resume_from") -> Any:
     """``torch.load(path, weights_only=True)`` on CPU (memory-mapped when the file is a zip
     archive). A file that names anything but tensors and plain data is refused with a
     :class:`CheckpointError` naming it; so is an unreadable one."""
-    import torch
-
     p = Path(path)
     try:
         try:
@@ -83,8 +83,6 @@ _METADATA_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return getattr(torch, name)
         if name in _METADATA_GLOBALS.get(module, ()):
@@ -112,8 +110,7 @@ def check_sharded_metadata(directory: Union[str, Path], what: str = "resume_from
 
 def _check_byte_items(d: Path, metadata_file: Path, items: Any, storage: Any, what: str) -> None:
     """Each data file ``storage`` names lies in ``d``; each non-tensor item loads weights-only."""
-    import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # heavy (~1 s CPU): sharded checkpoints only
 
     for index, info in storage.items():
         data = confined(d, info.relative_path, f"{what}: {metadata_file}: data file", error=CheckpointError)

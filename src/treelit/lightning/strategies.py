@@ -16,6 +16,7 @@ over the data-parallel mesh; treelit's module shards the decoder per block) with
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -66,8 +67,6 @@ class FSDP2(ModelParallelStrategy):
                                  f"{world} processes (trainer.devices x trainer.num_nodes)")
         super().setup_environment()
         if self.replicate_degree > 1:
-            import warnings
-
             # torch >= 2.11 warns on every mesh["data_parallel"] (a flattened dim sliced from the root mesh),
             # which this strategy's data sampler and treelit's module read; it is still the slice they need
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from treelit.models.config import DecoderConfig, check_rope_scaling, decode_special_floats, parse_config_json
 from treelit.models.decoder import TreeDecoder
@@ -243,8 +244,6 @@ def _load_file(f: Path) -> Dict[str, torch.Tensor]:
     """One weights file, its errors naming it (a truncated or corrupt file is a user error)."""
     try:
         if f.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             return load_file(str(f))
         return torch.load(str(f), map_location="cpu", weights_only=True)
     except Exception as exc:  # safetensors raises its own error types; torch.load various
@@ -269,8 +268,6 @@ def _write_shards(sd: Dict[str, torch.Tensor], path: Path, max_shard_bytes: Opti
     """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards of at most
     ``max_shard_bytes`` each plus ``model.safetensors.index.json`` (the Hugging Face layout).
     Weights files of an earlier save in the directory are removed first."""
-    from safetensors.torch import save_file
-
     for old in list(path.glob("model*.safetensors")) + [path / SAFE_INDEX]:
         if old.is_file():
             old.unlink()

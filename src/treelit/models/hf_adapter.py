@@ -76,7 +76,7 @@ def _treelit_attention(module, query, key, value, attention_mask, dropout: float
 def register_attention() -> None:
     global _REGISTERED
     if not _REGISTERED:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
         AttentionInterface.register(ATTENTION_NAME, _treelit_attention)
         _REGISTERED = True
@@ -274,11 +274,11 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
                   device: Union[str, torch.device] = "cpu") -> HFTreeModel:
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
     ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`."""
-    import transformers
+    import transformers  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
     path = Path(path)
     raw, cfg_file = read_config_json(path)
-    from huggingface_hub.errors import StrictDataclassError  # transformers' config validators raise it
+    from huggingface_hub.errors import StrictDataclassError  # with transformers (HF paths): its validators raise it
 
     try:  # never the checkpoint's own Python code (auto_map)
         cfg = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)

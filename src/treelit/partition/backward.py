@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+import torch
+
 from treelit.attention.base import AttentionBackend
 from treelit.loss.tree import prepare_batch
 from treelit.objectives.base import make_objective
@@ -81,7 +83,5 @@ def tree_backward(
                              attention=attention, chunk_rows=chunk_rows, stats=stats,
                              router_normalizer=router_normalizer)
     if result.failed:
-        import torch
-
         raise torch.OutOfMemoryError(f"out of memory in a partition pass (budget {budget} tokens)")
     return result.loss

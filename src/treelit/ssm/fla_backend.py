@@ -53,7 +53,7 @@ def level_scan(kernel, inputs: List[torch.Tensor], layout, state_shape, init_sta
 
 
 def gdn_scan_fla(q, k, v, beta, g, layout, init, scale) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional (treelit[cuda], Triton): ssm=fla only
 
     def kernel(xs, h0, cu):
         qq, kk, vv, bb, gg = (x[None] for x in xs)
@@ -66,7 +66,7 @@ def gdn_scan_fla(q, k, v, beta, g, layout, init, scale) -> Tuple[torch.Tensor, O
 
 
 def ssd_scan_fla(xs, dt, A, Bh, Ch, D, layout, init) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    from fla.ops.simple_gla import chunk_simple_gla
+    from fla.ops.simple_gla import chunk_simple_gla  # optional (treelit[cuda], Triton): ssm=fla only
 
     Dh = D[:, None] if D.dim() == 1 else D
     H, P, N = xs.shape[1], xs.shape[2], Bh.shape[2]

@@ -28,7 +28,9 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["shard_model", "is_sharded", "Collectives", "mixed_precision_policy", "hsdp_mesh", "fsdp_mesh"]
 
@@ -37,7 +39,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def is_sharded(model: nn.Module) -> bool:
     """True when ``model`` is an FSDP2 module (its parameters are sharded DTensors)."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # heavy (~0.9 s CPU): sharding only
 
     return isinstance(model, FSDPModule)
 
@@ -46,7 +48,7 @@ def mixed_precision_policy(param_dtype: Optional[str] = None, reduce_dtype: Opti
     """An FSDP2 ``MixedPrecisionPolicy`` from dtype names (None: no policy)."""
     if param_dtype is None and reduce_dtype is None:
         return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # heavy (~0.9 s CPU): sharding only
 
     def parse(name):
         if name is None:
@@ -76,7 +78,7 @@ def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
     in ``fsdp_blocks()``), the embeddings (untied heads only) and the root. Returns ``model``
     (now an ``FSDPModule``). The blocks must be called through their module call in every
     pass (they are in treelit's decoders)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard  # heavy (~0.9 s CPU): sharding only
 
     if is_sharded(model):
         return model
@@ -108,8 +110,6 @@ def hsdp_mesh(replicas: int, world: int, device_type: str = "cpu"):
     flattened to ``data_parallel`` (every process: what Lightning and the data readers see).
     Consecutive ranks share a replica: with one replica per node, parameters are sharded
     within the node and only the replicas' all-reduce crosses nodes."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if replicas < 1 or world % replicas:
         raise ValueError(f"replicate_degree={replicas} does not divide the {world} processes")
     mesh = init_device_mesh(device_type, (replicas, world // replicas, 1),
@@ -134,8 +134,6 @@ class Collectives:
     """The step-level collectives over the default process group; no-ops on one process."""
 
     def __init__(self, world_size: Optional[int] = None, device: Optional[torch.device] = None) -> None:
-        import torch.distributed as dist
-
         active = dist.is_available() and dist.is_initialized()
         self.world = int(world_size) if world_size is not None else (dist.get_world_size() if active else 1)
         self.rank = dist.get_rank() if active and self.world > 1 else 0
@@ -148,33 +146,23 @@ class Collectives:
     def _reduce(self, value: float, op) -> float:
         if not self.distributed:
             return float(value)
-        import torch.distributed as dist
-
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=op)
         return float(t[0])
 
     def sum(self, value: float) -> float:
-        import torch.distributed as dist
-
         return self._reduce(value, dist.ReduceOp.SUM if self.distributed else None)
 
     def min(self, value: float) -> float:
-        import torch.distributed as dist
-
         return self._reduce(value, dist.ReduceOp.MIN if self.distributed else None)
 
     def max(self, value: float) -> float:
-        import torch.distributed as dist
-
         return self._reduce(value, dist.ReduceOp.MAX if self.distributed else None)
 
     def gather_lists(self, values: List[int]) -> List[List[int]]:
         """Every rank's list of small ints (all ranks receive all lists)."""
         if not self.distributed:
             return [list(values)]
-        import torch.distributed as dist
-
         n = torch.tensor([len(values)], dtype=torch.long, device=self.device)
         sizes = [torch.zeros_like(n) for _ in range(self.world)]
         dist.all_gather(sizes, n)

@@ -28,6 +28,8 @@ from datetime import timedelta
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, Optional
 
+import torch.distributed as dist
+
 __all__ = ["RUN_NAME_ENV", "STORE_TIMEOUT_S", "launcher", "launcher_run_name", "shared_run_name"]
 
 RUN_NAME_ENV = "TREELIT_RUN_NAME"
@@ -82,8 +84,6 @@ def launcher_run_name(fresh: Callable[[], str], env: Optional[Dict[str, str]] = 
 
 
 def _from_store(fresh: Callable[[], str], env: Dict[str, str]) -> str:
-    import torch.distributed as dist
-
     host, port = env.get("MASTER_ADDR", "127.0.0.1"), _int(env.get("MASTER_PORT"))
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))

@@ -93,7 +93,7 @@ def store_lock(uri: str, timeout: float = 600.0, report_every: float = 10.0) -> 
     holder writes its pid, host and start time into the lock file."""
     path = sqlite_path(uri)
     try:
-        import fcntl
+        import fcntl  # POSIX only: elsewhere the store is used unlocked
     except ImportError:  # pragma: no cover - not POSIX: no lock (the race stays possible)
         fcntl = None
     if path is None or fcntl is None:
