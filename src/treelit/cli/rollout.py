@@ -28,6 +28,7 @@ treelit's decoder, recomputing the prefix for every token (small models only).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -62,7 +63,7 @@ def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[s
                 if tok is None:
                     if tokenizer_dir is None:
                         raise ValueError(f"{path}:{n}: chat messages need a tokenizer in the published checkpoint")
-                    from transformers import AutoTokenizer
+                    from transformers import AutoTokenizer  # heavy (~1.5 s CPU): chat prompts only
 
                     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
                 ids = tok.apply_chat_template(rec.pop("messages"), add_generation_prompt=True, tokenize=True,
@@ -82,7 +83,7 @@ class Sampler:
     """The newest published policy, sampled at temperature 1 with per-token log-probs."""
 
     def __init__(self, publish_dir: str, dtype: str = "float32") -> None:
-        import torch
+        import torch  # cli: treelit-rollout --help pays for no torch
 
         self.dir = Path(publish_dir)
         self.dtype = getattr(torch, dtype)
@@ -98,7 +99,7 @@ class Sampler:
         return read_latest(self.dir)
 
     def load(self, latest: Dict[str, Any]) -> None:
-        import torch
+        import torch  # cli: treelit-rollout --help pays for no torch
 
         path = Path(latest["path"])
         cfg = json.loads((path / "config.json").read_text())
@@ -108,8 +109,8 @@ class Sampler:
 
             self.model = treelit.load_hf_checkpoint(path, dtype=self.dtype).eval()
         else:
-            from transformers import AutoModelForCausalLM
-            from transformers.utils import logging as hf_logging
+            from transformers import AutoModelForCausalLM  # heavy (~1.5 s CPU): transformers checkpoints only
+            from transformers.utils import logging as hf_logging  # as above
 
             hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
             self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).eval()
@@ -121,7 +122,7 @@ class Sampler:
 
     def _logits(self, ids, past):
         if self.native:
-            import torch
+            import torch  # cli: treelit-rollout --help pays for no torch
 
             from treelit.models.context import CausalContext
             from treelit.models.decoder import decoder_hidden, output_weight
@@ -129,8 +130,6 @@ class Sampler:
             pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
             h = decoder_hidden(self.model, ids, pos, CausalContext())
             return (h[:, -1] @ output_weight(self.model).t()), None
-        import inspect
-
         # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` before)
         name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         out = self.model(input_ids=ids if past is None else ids[:, -1:], use_cache=True, **{name: past})
@@ -138,7 +137,7 @@ class Sampler:
 
     def sample(self, prompt: List[int], n: int, max_new_tokens: int, generator) -> List[Tuple[List[int], List[float]]]:
         """``n`` completions of ``prompt``: (token ids, their log-probs), each cut after EOS."""
-        import torch
+        import torch  # cli: treelit-rollout --help pays for no torch
 
         ids = torch.tensor([prompt] * n)
         past, toks, lps = None, [], []
@@ -194,7 +193,7 @@ def _args(argv):
 
 
 def run(a) -> int:
-    import torch
+    import torch  # cli: treelit-rollout --help pays for no torch
 
     from treelit.rl.rewards import resolve_reward
 

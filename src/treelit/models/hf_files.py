@@ -24,6 +24,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from safetensors import safe_open
+
 from treelit.models.errors import CheckpointError
 from treelit.utils.paths import confined
 
@@ -64,8 +66,6 @@ def header_shapes(files: Sequence[Path]) -> Optional[Dict[str, List[int]]]:
     when a file is not safetensors."""
     if any(f.suffix != ".safetensors" for f in files):
         return None
-    from safetensors import safe_open
-
     shapes: Dict[str, List[int]] = {}
     for f in files:
         try:
