@@ -65,7 +65,7 @@ def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[s
                         raise ValueError(f"{path}:{n}: chat messages need a tokenizer in the published checkpoint")
                     from transformers import AutoTokenizer  # heavy (~1.5 s CPU): chat prompts only
 
-                    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+                    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)  # never its own code
                 ids = tok.apply_chat_template(rec.pop("messages"), add_generation_prompt=True, tokenize=True,
                                               return_dict=False)
                 rec["input_ids"] = list(ids)
@@ -113,7 +113,8 @@ class Sampler:
             from transformers.utils import logging as hf_logging  # as above
 
             hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype,
+                                                              trust_remote_code=False).eval()
         gen = path / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
         self.eos = eos[0] if isinstance(eos, list) else eos

@@ -20,6 +20,7 @@ is loaded or allocated:
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -114,6 +115,12 @@ def check_shapes(cfg: Dict[str, Any], shapes: Dict[str, List[int]], where: str, 
         if vocab_name and key in shapes and len(shapes[key]) == 2 and shapes[key][0] != vocab:
             refuse(vocab_name, vocab, key)
     if prefix is None:
+        # no embedding found by name (left out, or a family naming it otherwise): the model still
+        # allocates vocab x hidden values for one, which a complete checkpoint holds among its weights
+        total = sum(math.prod(s) for s in shapes.values())
+        if vocab_name and hidden_name and vocab * hidden > total:
+            raise CheckpointError(f"{where} {vocab_name}={vocab} and {hidden_name}={hidden} make an embedding of "
+                                  f"{vocab * hidden} values, but the weights hold {total} values in all")
         return
     blocks = re.compile(rf"^{re.escape(prefix)}(layers|h|blocks)\.(\d+)\.")
     found: Dict[str, set] = {}

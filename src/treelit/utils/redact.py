@@ -27,16 +27,20 @@ __all__ = ["MASK", "redact_text", "redact_config", "RedactFilter"]
 
 MASK = "***"
 
-# scheme://user:password@  or  scheme://token@  (user info ends at the last '@' before the path)
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^\s/?#@:'\"]*)(?::(?P<pw>[^\s/?#'\"]*))?@")
+# scheme://user:password@  or  scheme://token@  (user info ends at the last '@' of the word: SQLAlchemy
+# takes '/', '?' and '#' unescaped in a password, as in postgresql://alice:a/b?c@db/mlflow)
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^\s/?#@:'\"]*)(?::(?P<pw>[^\s'\"]*))?@")
 _SECRET_NAME = r"[A-Za-z0-9_.\-]*(?:pass|pwd|token|secret|key|auth|sig|credential|session)[A-Za-z0-9_.\-]*"
 # ?name=value / &name=value / ;name=value inside a URI
 _QUERY = re.compile(r"(?P<lead>[?&;](?i:" + _SECRET_NAME + r")=)(?P<value>[^&#\s'\"]*)")
 # config keys whose whole value is a credential (also as ``key=value`` / ``a.b.key=value`` in text)
-_SECRET_KEY = (r"(?:password|passwd|pwd|secret|token|api_?key|access_?key|secret_?key|private_?key|client_?secret|"
-               r"access_?token|auth_?token|hf_?token|credentials?|\w*_password|\w*_secret|\w*_api_?key|\w*_access_?key)")
+_SECRET_KEY = (r"(?:password|passwd|pwd|secret|token|api[_\-]?key|access_?key|secret_?key|private_?key|client_?secret|"
+               r"access_?token|auth_?token|hf_?token|credentials?|(?:proxy[_\-]?)?authorization|\w*_password|\w*_secret|"
+               r"[\w\-]*[_\-]api[_\-]?key|\w*_access_?key)")
 _SECRET_KEYS = re.compile(r"(?i)^" + _SECRET_KEY + r"$")
-_ASSIGN = re.compile(r"(?P<lead>(?<![\w.?&;])(?:[\w\-]+\.)*(?i:" + _SECRET_KEY + r")=)(?P<value>[^\s,;'\"]+)")
+# the value: quoted, or one word (two for an HTTP header's "Bearer TOKEN")
+_ASSIGN = re.compile(r"(?P<lead>(?<![\w.?&;])(?:[\w\-]+\.)*(?i:" + _SECRET_KEY + r")=)"
+                     r"(?P<value>\"[^\"\n]*\"|'[^'\n]*'|(?:(?i:bearer|basic|token|digest)[ \t]+)?[^\s,;'\"]+)")
 
 
 def _userinfo(m: "re.Match[str]") -> str:
