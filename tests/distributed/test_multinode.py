@@ -55,7 +55,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(args: Sequence[str], cwd: Path, logs: Path, nodes: int = 2) -> List[subprocess.Popen]:
+def start_nodes(args: Sequence[str], cwd: Path, logs: Path, nodes: int = 2, per_node: int = 1) -> List[subprocess.Popen]:
     """One ``torchrun`` per simulated node, each in its own process group (so a node can be killed whole)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("TREELIT_RUN_NAME", "HYDRA_FULL_ERROR"):  # errors as users see them: one line, no traceback
@@ -63,7 +63,7 @@ def start_nodes(args: Sequence[str], cwd: Path, logs: Path, nodes: int = 2) -> L
     port = _free_port()
     procs = []
     for r in range(nodes):
-        cmd = [TORCHRUN, "--nnodes", str(nodes), "--node-rank", str(r), "--nproc-per-node", "1", "--master-addr",
+        cmd = [TORCHRUN, "--nnodes", str(nodes), "--node-rank", str(r), "--nproc-per-node", str(per_node), "--master-addr",
                "127.0.0.1", "--master-port", str(port), "--no-python", str(Path(sys.executable).with_name("treelit-train")),
                *args]
         log = open(logs / f"node{r}.log", "w")
@@ -116,7 +116,7 @@ def node_logs(logs: Path) -> str:
 
 
 def weights(out: Path):
-    return treelit.load_hf_checkpoint(out / "hf_checkpoint").state_dict()
+    return treelit.load_hf_checkpoint(out / "hf_checkpoint", dtype=None).state_dict()  # as saved: float64
 
 
 def test_run_name_of_each_launcher(monkeypatch):
@@ -151,19 +151,33 @@ def test_run_name_of_each_launcher(monkeypatch):
     assert "TREELIT_RUN_NAME" not in os.environ
 
 
-@pytest.fixture(scope="module")
-def single(data):
-    out, log = data / "single", data / "single.log"
-    rc = run([*COMMON, "logger=none", f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}"], data, log)
+# grpo: the bundled synthetic rollout groups, two PPO epochs, old log-probs recomputed (a collective pass)
+GRPO = ["experiment=rl_synthetic", "data.max_trees=8", "data.shuffle=false", "data.micro_batch_tokens=400",
+        "callbacks.reward_margin=null", "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_steps=2",
+        "callbacks.progress=null", "trainer.enable_progress_bar=false", "model.dtype=float64",
+        "model.config.num_layers=2", "model.config.embed_dim=32", "model.config.intermediate_dim=64"]
+
+
+def _args(objective: str, data: Path) -> List[str]:
+    return [*COMMON, f"data.train_path={data / 'trees.jsonl'}"] if objective == "sft" else list(GRPO)
+
+
+HSDP = ["trainer=fsdp2_cpu", "trainer.num_nodes=2", "trainer.devices=2", "trainer.strategy.replicate_degree=2"]
+
+
+@pytest.mark.slow  # about 3 minutes (sft) on 2 cores
+@pytest.mark.parametrize("objective,per_node", [("sft", 1), ("grpo", 1), ("sft", 2)],
+                         ids=["sft", "grpo", "sft-hsdp-2x2"])
+def test_two_nodes_train_as_one_process_into_one_run(data, objective, per_node):
+    """``sft-hsdp-2x2``: two processes per node, HSDP with one replica per node."""
+    one, log = data / f"single_{objective}", data / f"single_{objective}.log"
+    rc = run([*_args(objective, data), "logger=none", f"output_dir={one}"], data, log)
     assert rc == 0, tail(log)
-    return weights(out)
-
-
-@pytest.mark.slow  # about 3 minutes on 2 cores
-def test_two_nodes_train_as_one_process_into_one_run(data, single):
-    work = data / "two_nodes"
+    single = weights(one)
+    work = data / f"two_nodes_{objective}_{per_node}"
     work.mkdir()
-    procs = start_nodes([*COMMON, *TWO_NODES, f"data.train_path={data / 'trees.jsonl'}"], work, work)
+    procs = start_nodes([*_args(objective, data), *(TWO_NODES if per_node == 1 else HSDP)], work, work,
+                        per_node=per_node)
     assert wait_all(procs, work, 500) == [0, 0], node_logs(work)
     runs = sorted((work / "outputs").iterdir())
     assert len(runs) == 1, f"one run folder for both nodes, got {[r.name for r in runs]}"
@@ -174,10 +188,10 @@ def test_two_nodes_train_as_one_process_into_one_run(data, single):
         torch.testing.assert_close(got[k], single[k], rtol=1e-9, atol=1e-12, msg=k)
     assert all(v.dtype == torch.float64 for v in got.values())
     summary = json.loads((out / "summary.json").read_text())
-    one = json.loads((data / "single" / "summary.json").read_text())
-    assert summary["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-9)
+    assert summary["metrics"]["loss"] == pytest.approx(json.loads((one / "summary.json").read_text())["metrics"]["loss"],
+                                                       rel=1e-9)
     shards = sorted(p.name for p in (out / "checkpoints" / "last.ckpt").glob("*.distcp"))
-    assert len(shards) == 2, f"the sharded checkpoint holds both ranks' shards: {shards}"
+    assert len(shards) == 2 * per_node, f"the sharded checkpoint holds both ranks' shards: {shards}"
     assert summary["mlflow"]["run_name"] == out.name, summary["mlflow"]
     import mlflow
 
