@@ -1,9 +1,10 @@
-"""Tree-exact kernels for transformers' hybrid layers (Gated DeltaNet, Mamba2, short convolutions).
+"""Tree-exact kernels for transformers' hybrid layers (Gated DeltaNet, KDA, Mamba2, short convolutions).
 
-transformers' hybrid mixers (Qwen3.5 / Qwen3-Next / OLMo-hybrid Gated DeltaNet, Nemotron-H /
-Bamba / Granite-4 / Falcon-H1 Mamba2, LFM2 short convolutions) compute everything - projections,
-gates, norms, MoE - in their own code and call a handful of kernel entry points for the sequence
-mixing: ``causal_conv1d_fn``, ``chunk_gated_delta_rule``, ``mamba_chunk_scan_combined``, ... Each
+transformers' hybrid mixers (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / OLMo-hybrid Gated DeltaNet,
+Kimi-Linear Kimi Delta Attention, Nemotron-H / Bamba / Granite-4 / Falcon-H1 Mamba2, LFM2 short
+convolutions) compute everything - projections, gates, norms, MoE - in their own code and call a
+handful of kernel entry points for the sequence mixing: ``causal_conv1d_fn``,
+``chunk_gated_delta_rule``, ``chunk_kda``, ``mamba_chunk_scan_combined``, ... Each
 is a module-level function of the modelling file, decorated with
 ``use_kernel_func_from_hub_with_fallback(name, package)``: the decorator picks fla / mamba-ssm /
 causal-conv1d when importable (their CUDA/Triton kernels: they fail on CPU) and keeps the
@@ -29,10 +30,11 @@ read back (named ``conv0``, ``state0``, ... per layer, in call order). Without a
 (the model called directly) the dispatcher runs transformers' own torch function, never fla.
 
 Limits: the fused ``mamba_split_conv1d_scan_combined`` answers ``None`` (what its torch
-fallback answers), so the layer runs its unfused path; decode-step kernels (``*_update``,
-``selective_state_update``, ``fused_recurrent_*`` with a cache) never run in tree mode (no
-cache) and raise if reached with a tree context; an entry point not listed in
-:data:`TREE_KERNELS` refuses the model at load time.
+fallback answers), so the layer runs its unfused path; decode steps (``causal_conv1d_update``,
+``selective_state_update``, any kernel handed a cache state) never run in tree mode (it runs
+without a cache) and raise if reached with a tree context; an entry point not listed in
+:data:`TREE_KERNELS` refuses the model at load time. ``ssm.chunk_size`` sets the scans' block
+size per layer (``_treelit_chunk_size``); ``ssm=fla`` is refused for these layers.
 """
 
 from __future__ import annotations
