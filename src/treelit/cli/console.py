@@ -121,7 +121,7 @@ def _user_error_types() -> tuple:
     from omegaconf.errors import OmegaConfBaseException  # as above
 
     from treelit.cli.config import ConfigError
-    from treelit.models.hf import CheckpointError
+    from treelit.models.errors import CheckpointError
     from treelit.registry import RegistryError
     from treelit.tree.token_tree import TreeInputError
 

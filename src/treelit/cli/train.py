@@ -78,7 +78,7 @@ def read_resume_checkpoint(path: str) -> Dict[str, Any]:
     naming anything else is refused (see :mod:`treelit.lightning.safe_checkpoint`)."""
     from treelit.lightning.mlflow_logger import CHECKPOINT_KEY
     from treelit.lightning.safe_checkpoint import check_sharded_metadata, load_checkpoint
-    from treelit.models.hf import CheckpointError
+    from treelit.models.errors import CheckpointError
 
     p = Path(path)
     info: Dict[str, Any] = {"path": str(p), "global_step": None, "mlflow": None}
