@@ -133,3 +133,26 @@ def test_the_rollout_worker_never_runs_code_from_a_published_folder(tmp_path, mo
     with pytest.raises(Refuse):
         read_prompts(str(prompts), tokenizer_dir=Path(tmp_path))
     assert calls == [("model", False), ("tokenizer", False)]
+
+
+def test_rollout_staleness_reads_each_file_within_the_data_limits(tmp_path):
+    """The staleness gate reads each rollout file for its policy versions before the tree
+    builder does; it read with the default limits, so a record over the user's
+    ``data.max_record_bytes`` was parsed whole (and counted as stale) instead of refused."""
+    from treelit.data.limits import ReadLimits
+    from treelit.data.records import DataError
+    from treelit.lightning.rollouts import RolloutDirDataModule
+    from treelit.lightning.staleness import record_versions
+
+    d = tmp_path / "rollouts"
+    d.mkdir()
+    fresh = {"id": "a", "policy_version": 3, "branches": [{"input_ids": [1, 2, 3], "advantage": 1.0}]}
+    long = {"id": "b", "policy_version": 0, "branches": [{"input_ids": [5] * 2000, "advantage": 1.0}]}
+    (d / "f0.jsonl").write_text(json.dumps(fresh) + "\n" + json.dumps(long) + "\n")
+    assert record_versions(d / "f0.jsonl", ReadLimits(max_record_bytes=2048)) == [3]
+
+    dm = RolloutDirDataModule(str(d), timeout_s=1, poll_s=0.01, max_staleness=1, max_record_bytes=2048)
+    dm.policy_version = lambda: 3
+    dm.setup()
+    with pytest.raises(DataError, match=r"f0\.jsonl:2: the record is longer than data\.max_record_bytes=2048"):
+        dm.load_step(0)

@@ -193,7 +193,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
         """Wait for the next file, build its trees and pack this rank's share (step ``index``)."""
         self._mark(index)
         path = self._wait_next(index)
-        while not self.staleness.admit(path, index, self.policy_version()):
+        while not self.staleness.admit(path, index, self.policy_version(), self.read_limits):
             path = self._wait_next(index)  # that file was too stale (data.max_staleness) and is skipped
         self.step_files[index] = path.name
         trees = build_trees(str(path), self.builder, on_error=self.on_error, limits=self.limits, stats=self.read_stats,

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from treelit.data.records import DataError, Record, iter_file
+from treelit.data.records import DataError, ReadLimits, Record, iter_file
 from treelit.lightning.publish import PublishPolicy
 
 __all__ = ["StalenessGate", "record_versions", "trainer_policy_version"]
@@ -40,11 +40,12 @@ def trainer_policy_version(trainer: Any) -> int:
     return int(trainer.global_step)
 
 
-def record_versions(path: Path) -> List[Optional[int]]:
-    """Each readable record's ``policy_version`` (None: not given). Unreadable records are left
-    to the tree builder, which reports or skips them (``data.on_error``)."""
+def record_versions(path: Path, limits: Optional[ReadLimits] = None) -> List[Optional[int]]:
+    """Each readable record's ``policy_version`` (None: not given), read within ``limits`` (the
+    ``data.max_*`` options). Unreadable records are left to the tree builder, which reports or
+    skips them (``data.on_error``)."""
     out: List[Optional[int]] = []
-    for item in iter_file(path):
+    for item in iter_file(path, limits=limits):
         if not isinstance(item, Record) or not isinstance(item.data, dict):
             continue
         v = item.data.get("policy_version")
@@ -74,10 +75,10 @@ class StalenessGate:
     def names(self) -> set:
         return {n for names in self.skipped.values() for n in names}
 
-    def admit(self, path: Path, index: int, version: int) -> bool:
-        """Whether the file ``path`` may train step ``index`` (trainer at ``version``); a stale
-        file is recorded as skipped (False) or refused (:class:`DataError`)."""
-        versions = record_versions(path)
+    def admit(self, path: Path, index: int, version: int, limits: Optional[ReadLimits] = None) -> bool:
+        """Whether the file ``path`` (read within ``limits``) may train step ``index`` (trainer at
+        ``version``); a stale file is recorded as skipped (False) or refused (:class:`DataError`)."""
+        versions = record_versions(path, limits)
         if any(v is None for v in versions) and not self.warned_unversioned:
             self.warned_unversioned = True
             log.warning("%s: records without policy_version count as version 0 (stamp each record with the version "
