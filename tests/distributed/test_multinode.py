@@ -230,3 +230,42 @@ def test_a_killed_node_stops_the_other_naming_the_step(data):
     assert len(errors) == 1 and re.match(r"error: step \d+(, | \(data step \d+\), )rank 0 of 2: a collective failed",
                                          errors[0]), f"one error line naming the step: {text}"
     assert "[rank0]: Traceback" not in text, f"treelit printed a traceback: {text}"
+
+
+@pytest.mark.slow  # about 5 minutes on 2 cores
+def test_two_nodes_resume_after_kill_to_the_uninterrupted_weights(data):
+    """AdamW (sharded state), partitions, checkpoint every step: node 1 killed with SIGKILL
+    once the step-1 checkpoint is complete (``meta.pt`` last), node 0 stops; both relaunched
+    with ``resume_from`` reach the weights of a two-node run that was never interrupted."""
+    base = [c for c in COMMON if not c.startswith(("optimizer", "trainer.max_steps"))] + [
+        "optimizer=adamw", "optimizer.lr=0.01", "callbacks.checkpoint.every_n_train_steps=1", "logger=none",
+        f"data.train_path={data / 'trees.jsonl'}", *TWO_NODES]
+
+    def launch(name: str, *extra: str) -> Path:
+        work = data / name
+        work.mkdir()
+        assert wait_all(start_nodes([*base, *extra], work, work), work, 500) == [0, 0], node_logs(work)
+        (out,) = (work / "outputs").iterdir()
+        return out
+
+    full = weights(launch("uninterrupted", "trainer.max_steps=3"))
+    work = data / "killed_run"
+    work.mkdir()
+    procs = start_nodes([*base, "trainer.max_steps=50", "trainer.strategy.timeout_s=60"], work, work)
+    try:
+        end = time.monotonic() + 400
+        while not list(work.glob("outputs/*/checkpoints/step-000001.ckpt/meta.pt")):
+            assert all(p.poll() is None for p in procs), "a node ended before it was killed: " + node_logs(work)
+            assert time.monotonic() < end, "no step-1 checkpoint: " + node_logs(work)
+            time.sleep(0.2)
+        kill(procs[1])
+        assert wait_all(procs[:1], work, 120)[0] != 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill(p)
+    (ckpt,) = work.glob("outputs/*/checkpoints/step-000001.ckpt")
+    resumed = weights(launch("resumed", "trainer.max_steps=3", f"resume_from={ckpt}"))
+    for k in full:
+        assert torch.equal(resumed[k], full[k]), k
+
