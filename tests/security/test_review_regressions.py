@@ -156,3 +156,41 @@ def test_rollout_staleness_reads_each_file_within_the_data_limits(tmp_path):
     dm.setup()
     with pytest.raises(DataError, match=r"f0\.jsonl:2: the record is longer than data\.max_record_bytes=2048"):
         dm.load_step(0)
+
+
+def test_a_checkpoint_without_its_mlp_weights_is_refused_before_allocating(tmp_path):
+    """``intermediate_size=10000000`` with every MLP weight left out (so no MLP shape can be
+    compared with it): ``treelit.load_hf_checkpoint`` names the missing weights in one line
+    before the model is built, under an address-space cap far below what it would take."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("qwen2_tiny", torch.float32, max_seq_len=64)
+    d = treelit.save_hf_checkpoint(model, tmp_path / "hf")
+    save_file({k: v for k, v in load_file(str(d / "model.safetensors")).items() if ".mlp." not in k},
+              str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 10_000_000}))
+    script = _UNDER_A_CAP.replace("(treelit.load_hf_checkpoint, treelit.load_hf_model)", "(treelit.load_hf_checkpoint,)")
+    res = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.splitlines() == [f"CheckpointError {d}: missing weights for layers.0.mlp.w1.weight, "
+                                       "layers.0.mlp.w2.weight, layers.0.mlp.w3.weight, layers.1.mlp.w1.weight, "
+                                       "layers.1.mlp.w2.weight, layers.1.mlp.w3.weight"], res.stdout + res.stderr[-2000:]
+
+
+def test_a_weight_whose_shape_disagrees_with_the_config_is_one_line(tmp_path):
+    """A shape the config does not make (here ``num_key_value_heads``, which no header check
+    covers) is a :class:`CheckpointError` naming the weight, not a raw size-mismatch error."""
+    from treelit.models.errors import CheckpointError
+
+    model = tiny_model("qwen2_tiny", torch.float32, max_seq_len=64)
+    d = treelit.save_hf_checkpoint(model, tmp_path / "hf")
+    cfg = json.loads((d / "config.json").read_text())
+    kv = cfg["num_key_value_heads"]
+    other = next(h for h in range(1, cfg["num_attention_heads"] + 1)
+                 if h != kv and cfg["num_attention_heads"] % h == 0)
+    (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": other}))
+    with pytest.raises(CheckpointError, match=r"config\.json: the config makes layers\.0\.attn\.k_proj\.weight of "
+                                              r"shape \[\d+, \d+\], but the weights hold \[\d+, \d+\]"):
+        treelit.load_hf_checkpoint(d)

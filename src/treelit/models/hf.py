@@ -418,11 +418,18 @@ def load_hf_checkpoint(
     tune_sd = _read_state_dict(path)
     if cfg.get("model_type") != NATIVE_MODEL_TYPE:
         tune_sd = _hf_weights_to_tune(tune_sd, config, path)
-    model = TreeDecoder(config)
-    expected = set(model.state_dict().keys())
-    missing = sorted(expected - set(tune_sd))
+    # names and shapes on the meta device (nothing allocated): weights left out of the checkpoint, or
+    # sizes in config.json the weights do not have, are refused before the model is built at those sizes
+    with torch.device("meta"):
+        expected = {k: list(v.shape) for k, v in TreeDecoder(config).state_dict().items()}
+    missing = sorted(set(expected) - set(tune_sd))
     if missing:
         raise CheckpointError(f"{path}: missing weights for {', '.join(missing[:8])}")
+    for key, shape in expected.items():
+        if list(tune_sd[key].shape) != shape:
+            raise CheckpointError(f"{cfg_file}: the config makes {key} of shape {shape}, but the weights hold "
+                                  f"{list(tune_sd[key].shape)}")
+    model = TreeDecoder(config)
     # assign: the checkpoint's tensors themselves (a float64 checkpoint must not round through the
     # float32 parameters a fresh module starts with)
     model.load_state_dict(tune_sd, strict=True, assign=True)
