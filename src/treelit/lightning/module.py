@@ -64,6 +64,19 @@ def _is_collective_error(exc: BaseException) -> bool:
                                                                       "connection closed", "connection reset"))
 
 
+def add_micro_batch_metrics(acc: Dict[str, float], m: Dict[str, Any], n: int) -> None:
+    """Fold one of ``n`` micro-batches' metrics into ``acc``: means over the micro-batches, except
+    extremes (``*_max`` / ``*_min``, e.g. ``behavior/ratio_max``, ``adv_min``), which stay extremes."""
+    for k, v in m.items():
+        v = float(v)
+        if k.endswith("_max"):
+            acc[k] = max(acc.get(k, v), v)
+        elif k.endswith("_min"):
+            acc[k] = min(acc.get(k, v), v)
+        else:
+            acc[k] = acc.get(k, 0.0) + v / n
+
+
 class TreeLitModule(pl.LightningModule):
     """Args:
         model: a :class:`~treelit.models.TreeDecoder`.
@@ -352,8 +365,7 @@ class TreeLitModule(pl.LightningModule):
                 stats.partitions += 1
                 stats.token_forwards += mb.num_tokens
             total += loss_value
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro_batches)
+            add_micro_batch_metrics(metrics, m, len(micro_batches))
         if self.partition != "none" and comm.max(float(failed)) > 0:
             return None
         self.last_partition_stats = stats
