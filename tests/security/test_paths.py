@@ -62,6 +62,15 @@ def test_a_rollout_checkpoint_naming_files_outside_the_directory_is_refused(tmp_
     assert (tmp_path / "rollouts" / "step-000.jsonl.consumed").is_file()
 
 
+@pytest.mark.parametrize("state", [{"files": "step-000.jsonl"}, {"files": [], "stale": {"skipped": ["../x"]}},
+                                   {"files": [], "stale": {"skipped": {"0": "../x"}}}, {"files": [], "stale": [1]}])
+def test_a_malformed_rollout_checkpoint_state_is_one_data_error(tmp_path, state):
+    dm = RolloutDirDataModule(str(tmp_path / "rollouts"))
+    dm.setup()
+    with pytest.raises(DataError, match="rollout-directory state is malformed"):
+        dm.load_state_dict({"consumed_steps": 1, **state})
+
+
 @pytest.mark.parametrize("target", ["outside", "inside"])
 def test_the_rollout_directory_takes_regular_files_only(tmp_path, target):
     d = tmp_path / "rollouts"

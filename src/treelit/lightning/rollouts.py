@@ -248,14 +248,18 @@ class RolloutDirDataModule(pl.LightningDataModule):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The state of :meth:`state_dict`; its file names come from the checkpoint (a file
         someone may have handed over) and must be plain names of files in ``directory``."""
-        names = list(state.get("files", []))
+        what = "resume_from: the checkpoint's rollout-directory state"
+        names, stale = state.get("files", []), state.get("stale") or {}
+        skipped_by_step = stale.get("skipped") or {} if isinstance(stale, dict) else None
+        if (not isinstance(names, list) or not isinstance(skipped_by_step, dict)
+                or not all(isinstance(v, list) for v in skipped_by_step.values())):
+            raise DataError(f"{what} is malformed (files: a list of names; stale.skipped: lists of names by step)")
         for name in names:
             self._named(name)
         self.consumed_steps = int(state.get("consumed_steps", 0))
         self.step_files = {i: name for i, name in enumerate(names)}
         self.marked = set()
-        stale = state.get("stale") or {}
-        for skipped in (stale.get("skipped") or {}).values():
+        for skipped in skipped_by_step.values():
             for name in skipped:
                 self._named(name)
         self.staleness.load(stale)
