@@ -18,6 +18,10 @@ relative gradient difference between modes. The default model has a real checkpo
 head/trunk cost ratio (``--preset realistic``); cases run at ``--scale`` of their full
 size (message lengths; hybrid cases at ``--hybrid-scale`` of that), and the per-branch
 micro-batches (``--linear-tokens``, 8192 padded tokens at full size) shrink with the case.
+Besides the agentic cases (:mod:`agentic`) the suite has the RL shapes of :data:`RL_CASES`:
+GRPO groups of 16 completions of 512 tokens under a 1,024-token prompt and of 64 x 256
+under 2,048 (lengths at full size, chat frames included), and a 3-level agent tree of 27
+leaves.
 
     python benchmarks/bench_step.py --json benchmarks/results/bench_step.json
     python benchmarks/bench_step.py --cases tau_bench --json benchmarks/results/bench_step_tau_bench.json

@@ -19,17 +19,24 @@ mask, and ``is_causal``) and merged through their log-sum-exps
 (:mod:`treelit.attention.merged`). Long chains read their queries and own keys as
 slices of the row; only prefixes are gathered.
 
-*Batching.* Short chains (at most ``batch_below`` tokens) are padded into groups of
-similar size and run as one batch per group and layer; padded prefix keys are hidden
-by a ``[n, 1, 1, P]`` bias, padded own keys come after every real query and are
-never seen causally, padded queries are dropped.
+*Prefix units.* A chain with a prefix belongs to a *unit*: the chains that share that
+prefix (the branches of a fan-out, at most 1.5x apart in padded causal work), or the
+chain alone. A unit's queries, concatenated, attend to its prefix in one pass, never
+to a copy of the prefix per chain; each chain attends to itself causally.
 
-*Siblings.* Chains with the same prefix (the branches of a fan-out) are not given a
-copy of the prefix each: their queries, concatenated, attend to the prefix keys in
-one call, and each chain attends to itself in a padded causal batch; the two parts
-merge by log-sum-exp (:class:`~treelit.attention.merged.SharedPrefixAttention`).
-Siblings of very different lengths go to separate calls so that padding costs at
-most 1.5x their own causal work.
+*Batching across units.* Units of similar shape (the sibling groups under the different
+parents of one tree level, the short chains under different prefixes) run together: one
+call for their prefix parts (``[units, H, A, D]`` queries against ``[units, Hkv, P, D]``
+prefixes, padded keys hidden by a ``[units, 1, 1, P]`` bias, padded query slots reading a
+zero query) and one padded causal call for all their chains (padded keys come after every
+real query, so causality hides them); the two parts merge by log-sum-exp
+(:class:`~treelit.attention.merged.BatchedPrefixAttention`). Units join a bucket, largest
+prefixes first, while its padded work stays within 1.5x its real work, so the number of
+calls follows the tree's depth and the spread of its shapes, not its number of segments
+(a GRPO group: its first chain plus one batched group; a 3-level tree of 27 leaves with
+equal segment lengths: its first chain plus one group per level). Chains longer
+than ``batch_below`` that have no siblings run alone on slices of the row; short chains
+without a prefix (the roots of a packed row) are padded into groups of similar length.
 
 *Irregular externals.* External keys visible to only part of a chain (not produced
 by treelit's partitioner) fall back to explicitly masked blocks.
@@ -122,8 +129,9 @@ class SegmentAttention(AttentionBackend):
 
     Args:
         batch_below: chains of at most this many tokens are batched with similar ones;
-            longer chains run one by one on slices of the row.
-        share_prefixes: sibling chains with the same prefix attend to it in one call.
+            longer chains without siblings run one by one on slices of the row.
+        share_prefixes: sibling chains with the same prefix attend to it in one call
+            (otherwise every chain is a unit of its own; units are still batched).
     """
 
     name = "segment"
