@@ -9,6 +9,7 @@ local runs. Tests size their example counts with ``strategies.examples(n)``.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import zlib
@@ -47,3 +48,32 @@ def pytest_terminal_summary(terminalreporter):
             f"{EXAMPLES['vacuous_allowed']} zero on both sides where allowed "
             f"(require_grad=False: clipped RL objectives, the untrained-tree case)"
         )
+
+
+@pytest.fixture
+def cli_main(monkeypatch):
+    """Run ``treelit-train ARGS`` in this process: returns the exit status (0 when it returns).
+    Hydra's logging setup and global state are undone afterwards."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from treelit.cli import train
+
+    root = logging.getLogger()
+    level, before = root.level, list(root.handlers)
+
+    def call(*args: str) -> int:
+        monkeypatch.setattr(sys, "argv", ["treelit-train", *args])
+        GlobalHydra.instance().clear()
+        try:
+            train.main()
+        except SystemExit as exc:
+            return int(exc.code or 0)
+        return 0
+
+    yield call
+    GlobalHydra.instance().clear()
+    for h in list(root.handlers):
+        if h not in before:
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(level)

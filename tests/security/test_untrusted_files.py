@@ -7,7 +7,6 @@ than its weights is one line naming the key, before anything is allocated."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
 import subprocess
@@ -40,33 +39,6 @@ def _crafted(path: Path, marker: Path, legacy: bool = False) -> Path:
     torch.save({"global_step": 1, "state_dict": {}, "x": _Creates(marker)}, path,
                _use_new_zipfile_serialization=not legacy)
     return path
-
-
-@pytest.fixture
-def cli_main(monkeypatch):
-    """``treelit-train ARGS`` in this process; returns its exit status."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    from treelit.cli import train
-
-    root = logging.getLogger()
-    level, before = root.level, list(root.handlers)
-
-    def call(*args: str) -> int:
-        monkeypatch.setattr(sys, "argv", ["treelit-train", *args])
-        GlobalHydra.instance().clear()
-        try:
-            train.main()
-        except SystemExit as exc:
-            return int(exc.code or 0)
-        return 0
-
-    yield call
-    GlobalHydra.instance().clear()
-    for h in [h for h in root.handlers if h not in before]:
-        root.removeHandler(h)
-        h.close()
-    root.setLevel(level)
 
 
 def test_a_crafted_checkpoint_is_refused_by_the_command_line_and_runs_nothing(tmp_path, cli_main, monkeypatch, capsys):
