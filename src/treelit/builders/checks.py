@@ -57,6 +57,16 @@ def check_limits(src: str, branches: List[Dict[str, Any]], limits, tokenizer: An
                             "raise the model's max_seq_len or truncate the data")
 
 
+def _target_without(br: dict, field: str):
+    """The first target position (``loss_mask`` 1, never position 0) of branch ``br`` whose
+    per-token ``field`` has no value; None when every target has one."""
+    vals, mask = br.get(field), br.get("loss_mask")
+    for t in range(1, len(br["input_ids"])):
+        if (mask is None or mask[t]) and (vals is None or vals[t] is None):
+            return t
+    return None
+
+
 def check_needs(rec, branches: List[Dict[str, Any]], limits, est: Optional[str], builder) -> None:
     """What the objective (and the advantage estimator) read from the record is there."""
     needs, src, obj = limits.needs or {}, rec.source, limits.objective
@@ -79,20 +89,16 @@ def check_needs(rec, branches: List[Dict[str, Any]], limits, est: Optional[str],
                 )
     if needs.get("ref_logprobs"):
         for br in branches:
-            ref = br.get("ref_logprobs")
-            mask = br.get("loss_mask")
-            for t in range(1, len(br["input_ids"])):
-                if (mask is None or mask[t]) and (ref is None or ref[t] is None):
-                    raise DataError(f"{src}: {br['_where']}.ref_logprobs: {obj} needs a reference log-prob for "
-                                    f"every target token; position {t} has none (or use objective.reference=initial)")
+            t = _target_without(br, "ref_logprobs")
+            if t is not None:
+                raise DataError(f"{src}: {br['_where']}.ref_logprobs: {obj} needs a reference log-prob for "
+                                f"every target token; position {t} has none (or use objective.reference=initial)")
     if needs.get("behavior_logprobs"):
         for br in branches:
-            old = br.get("old_logprobs")
-            mask = br.get("loss_mask")
-            for t in range(1, len(br["input_ids"])):
-                if (mask is None or mask[t]) and (old is None or old[t] is None):
-                    raise DataError(f"{src}: {br['_where']}.old_logprobs: {obj} with a behaviour correction needs the "
-                                    f"sampler's log-prob for every target token; position {t} has none")
+            t = _target_without(br, "old_logprobs")
+            if t is not None:
+                raise DataError(f"{src}: {br['_where']}.old_logprobs: {obj} with a behaviour correction needs the "
+                                f"sampler's log-prob for every target token; position {t} has none")
     if needs.get("pairs"):
         for br in branches:
             if br.get("pair") is None or not isinstance(br.get("chosen"), bool):
