@@ -4,8 +4,9 @@ trainer.num_nodes=2 trainer.devices=1`` in one shared working directory without 
 ``output_dir``. They train exactly as one process (float64), into one run folder (the
 name global rank 0 made up, read by rank 1 from torchrun's store) with one sharded
 checkpoint holding both ranks' shards, one export and one MLflow run. A node killed with
-SIGKILL makes the other launch exit non-zero with one line naming the step. Every launch
-has a deadline (a hang fails, never blocks)."""
+SIGKILL makes the other launch exit non-zero with one line naming the step. Only global rank
+0 writes Hydra's ``.hydra/`` files and ``train.log`` there (rank 1: ``train.rank1.log``).
+Every launch has a deadline (a hang fails, never blocks)."""
 
 from __future__ import annotations
 
@@ -230,6 +231,15 @@ def test_a_killed_node_stops_the_other_naming_the_step(data):
     assert len(errors) == 1 and re.match(r"error: step \d+(, | \(data step \d+\), )rank 0 of 2: a collective failed",
                                          errors[0]), f"one error line naming the step: {text}"
     assert "[rank0]: Traceback" not in text, f"treelit printed a traceback: {text}"
+    # the shared run folder: Hydra's files and train.log are global rank 0's, rank 1 logs to train.rank1.log
+    (out,) = (work / "outputs").iterdir()
+    files = {p.name for p in out.iterdir()}
+    assert {".hydra", "config.yaml", "train.log", "train.rank1.log"} <= files, files
+    assert not any(f.endswith(".log") and f not in ("train.log", "train.rank1.log") for f in files), files
+    assert sorted(p.name for p in (out / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    for log in ("train.log", "train.rank1.log"):  # each rank logs its data line once, into its own file
+        lines = (out / log).read_text().splitlines()
+        assert sum("[treelit.train][INFO] - data: " in ln for ln in lines) == 1, (log, lines[:20])
 
 
 @pytest.mark.slow  # about 3 minutes (one process per node) on 2 cores

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from importlib import resources
 from datetime import datetime
@@ -54,7 +55,34 @@ def new_run_name() -> str:
     return name
 
 
+def rank_zero_only(value: Optional[str]) -> Optional[str]:
+    """``value`` in global rank 0 (or a process alone), ``None`` in the other processes of a
+    multi-process run: ``hydra.output_subdir`` - Hydra's ``.hydra/`` files are written once,
+    by global rank 0, not by every process into the shared output folder."""
+    from treelit.cli.console import process_rank
+
+    return value if process_rank() == 0 else None
+
+
+def rank_log_file(job_name: str) -> str:
+    """The name of this process's full log in the output folder: ``<job>.log``
+    (``train.log``) for global rank 0 (or a process alone), ``<job>.rank<R>.log`` for
+    global rank R > 0 of a multi-process run (torchrun, srun, Lightning's launcher, whose
+    processes are named ``<job>_ddp_process_<R>``), so that no two processes append to
+    one file."""
+    from treelit.cli.console import process_rank
+
+    rank = process_rank()
+    if rank == 0:
+        return f"{job_name}.log"
+    return f"{re.sub(r'_ddp_process_[0-9]+$', '', job_name)}.rank{rank}.log"
+
+
 def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("treelit.rank_zero_only"):
+        OmegaConf.register_new_resolver("treelit.rank_zero_only", rank_zero_only)
+    if not OmegaConf.has_resolver("treelit.rank_log_file"):
+        OmegaConf.register_new_resolver("treelit.rank_log_file", rank_log_file)
     if not OmegaConf.has_resolver("treelit.run_name"):
         # cached per composed config: output_dir and the MLflow run name share one value
         OmegaConf.register_new_resolver("treelit.run_name", new_run_name, use_cache=True)

@@ -29,8 +29,8 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, register_resolvers, validate_config
-from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, quiet_transformers_bars,
-                                 tidy_library_logging, user_error_message)
+from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, process_rank,
+                                 quiet_transformers_bars, tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
 from treelit.cli.summary import data_line
 from treelit.utils.redact import redact_config, redact_text
@@ -165,6 +165,8 @@ def _build_loggers(group: Any, resume: Optional[Dict[str, Any]]) -> List[Any]:
 
 def _start_tracking(loggers: List[Any], cfg: DictConfig, data_stats: Dict[str, Any], out: Path,
                     resume: Optional[Dict[str, Any]]) -> None:
+    if process_rank() != 0:  # the other processes' loggers log nothing (Lightning's rank-zero rule)
+        return
     for lg in loggers:
         lg.log_hyperparams(_flat_params(cfg))
         if type(lg).__name__.endswith("MLFlowLogger"):
@@ -256,8 +258,9 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
 
     resume = read_resume_checkpoint(str(cfg.resume_from)) if cfg.get("resume_from") else None
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    # resolved, credentials redacted (the loggers receive the real values)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(redact_config(OmegaConf.to_container(cfg, resolve=True))))
+    if process_rank() == 0:  # one writer: every process of a multi-process run shares the folder
+        # resolved, credentials redacted (the loggers receive the real values)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(redact_config(OmegaConf.to_container(cfg, resolve=True))))
 
     with _setup_errors():
         model = build(cfg.model)
