@@ -361,9 +361,9 @@ def test_rl_objectives_tree_equal_their_per_branch_form(family, objective, tmp_p
                           torch.float64, f"{family}/{objective['name']}", require_grad=False)
 
 
-def test_ssm_chunk_size_applies_and_fla_is_refused(tmp_path_factory):
+def test_ssm_chunk_size_applies_to_hybrid_layers(tmp_path_factory):
     """``ssm.chunk_size`` reaches the hybrid layers (1: the per-token recurrence, same gradients
-    to rounding); ``ssm=fla`` is refused for them, naming the layer, rather than ignored."""
+    to rounding). (``ssm=fla`` for them: tests/models/test_hf_hybrid_fla.py.)"""
     from treelit.ssm import set_ssm_backend
 
     ours, _ = hybrid_models("kimi_linear", torch.float64, tmp_path_factory)
@@ -380,5 +380,3 @@ def test_ssm_chunk_size_applies_and_fla_is_refused(tmp_path_factory):
     assert all(m._treelit_chunk_size == 64 for m in ours.modules() if hasattr(m, "_treelit_forward"))
     for k, g in grads[0].items():
         torch.testing.assert_close(grads[1][k], g, rtol=1e-9, atol=1e-12)
-    with pytest.raises(ValueError, match="KimiLinearDeltaAttention.*ssm=torch"):
-        set_ssm_backend(ours, "fla")

@@ -29,12 +29,20 @@ with partitioning the states and convolution contexts at partition boundaries ar
 read back (named ``conv0``, ``state0``, ... per layer, in call order). Without a treelit context
 (the model called directly) the dispatcher runs transformers' own torch function, never fla.
 
+**Backends** (``ssm=torch|fla``, :func:`treelit.ssm.set_ssm_backend`, per layer
+``_treelit_backend``): ``torch`` runs treelit's chunked scans (any device, exact in the input
+precision; ``ssm.chunk_size`` sets their block size, ``_treelit_chunk_size``); ``fla`` (CUDA)
+runs Gated DeltaNet and KDA through fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and the
+Mamba2 scan through mamba-ssm's ``mamba_chunk_scan_combined``, level by level with per-segment
+initial states (:mod:`treelit.ssm.fla_backend`). The inputs are prepared identically for both
+(gates, l2-normalised q/k, dt's bias / softplus / limits, z's gate after the scan); the short
+convolutions run on treelit's torch gather in both.
+
 Limits: the fused ``mamba_split_conv1d_scan_combined`` answers ``None`` (what its torch
 fallback answers), so the layer runs its unfused path; decode steps (``causal_conv1d_update``,
 ``selective_state_update``, any kernel handed a cache state) never run in tree mode (it runs
 without a cache) and raise if reached with a tree context; an entry point not listed in
-:data:`TREE_KERNELS` refuses the model at load time. ``ssm.chunk_size`` sets the scans' block
-size per layer (``_treelit_chunk_size``); ``ssm=fla`` is refused for these layers.
+:data:`TREE_KERNELS` refuses the model at load time.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treelit.ssm.fla_backend import gdn_scan_fla, kda_scan_fla, ssd_scan_mamba
 from treelit.ssm.layers import causal_conv, conv_context_at
 from treelit.ssm.scan import chunked_scan, gdn_chunk, kda_chunk, ssd_chunk
 
@@ -70,6 +79,7 @@ class _Call:
     ctx: Any
     layer: int
     chunk_size: int = CHUNK_SIZE
+    backend: str = "torch"  # ssm=torch|fla
     counts: Dict[str, int] = field(default_factory=dict)
 
     def name(self, kind: str) -> str:
@@ -118,11 +128,17 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _scan(call: _Call, chunk, K: int, B: int, L: int, state_shape, out_shape, like):
-    """Run ``chunk`` over the context's segments; capture / read the boundary state."""
+def _scan(call: _Call, torch_chunk: Callable, fla_scan: Callable, K: int, B: int, L: int, state_shape, out_shape,
+          like):
+    """Run the recurrence over the context's segments - ``ssm=torch``: the blocks of ``torch_chunk()``;
+    ``ssm=fla``: ``fla_scan(layout, initial state)`` - and capture / read the boundary state."""
     layout = call.ctx.recurrent_layout(K, B, L, like.device)
     name = call.name("state")
-    out, cap = chunked_scan(chunk, layout, state_shape, out_shape, like, call.external(name), call.chunk_size)
+    init = call.external(name)
+    if call.backend == "fla":
+        out, cap = fla_scan(layout, init)
+    else:
+        out, cap = chunked_scan(torch_chunk(), layout, state_shape, out_shape, like, init, call.chunk_size)
     if cap is not None:
         call.record(name, cap)
     return out
@@ -138,11 +154,15 @@ def _gdn(call: _Call, query, key, value, g, beta, chunk_size=64, initial_state=N
     q, k = query.reshape(B * L, H, Dk), key.reshape(B * L, H, Dk)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
-    if HV != H:  # value head j reads q/k head j // (HV/H)
-        q, k = q.repeat_interleave(HV // H, 1), k.repeat_interleave(HV // H, 1)
     v = value.reshape(B * L, HV, Dv).to(q.dtype)
-    chunk = gdn_chunk(q, k, v, beta.reshape(B * L, HV).to(q.dtype), g.reshape(B * L, HV).to(q.dtype), Dk**-0.5)
-    out = _scan(call, chunk, 1, B, L, (HV, Dk, Dv), (HV, Dv), q)
+    b, gg = beta.reshape(B * L, HV).to(q.dtype), g.reshape(B * L, HV).to(q.dtype)
+
+    def heads(x):  # value head j reads q/k head j // (HV/H) (fla's kernels do this themselves)
+        return x.repeat_interleave(HV // H, 1) if HV != H else x
+
+    out = _scan(call, lambda: gdn_chunk(heads(q), heads(k), v, b, gg, Dk**-0.5),
+                lambda layout, init: gdn_scan_fla(q, k, v, b, gg, layout, init, Dk**-0.5),
+                1, B, L, (HV, Dk, Dv), (HV, Dv), q)
     return out.view(B, L, HV, Dv).to(query.dtype), None
 
 
@@ -159,9 +179,10 @@ def _kda(call: _Call, query, key, value, g, beta, chunk_size=64, initial_state=N
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     wd = q.dtype
-    chunk = kda_chunk(q, k, value.reshape(B * L, H, Dv).to(wd), beta.reshape(B * L, H).to(wd),
-                      g.reshape(B * L, H, Dk).to(wd), Dk**-0.5)
-    out = _scan(call, chunk, 1, B, L, (H, Dk, Dv), (H, Dv), q)
+    v, b, gg = value.reshape(B * L, H, Dv).to(wd), beta.reshape(B * L, H).to(wd), g.reshape(B * L, H, Dk).to(wd)
+    out = _scan(call, lambda: kda_chunk(q, k, v, b, gg, Dk**-0.5),
+                lambda layout, init: kda_scan_fla(q, k, v, b, gg, layout, init, Dk**-0.5),
+                1, B, L, (H, Dk, Dv), (H, Dv), q)
     return out.view(B, L, H, Dv).to(query.dtype), None
 
 
@@ -180,11 +201,16 @@ def _ssd(call: _Call, hidden_states, dt, A, B, C, chunk_size=256, D=None, dt_bia
     x = hidden_states.reshape(b * L, H, P)
     wd = torch.promote_types(x.dtype, dt.dtype)
     x = x.to(wd)
-    Bh = B.reshape(b * L, G, N).to(wd).repeat_interleave(H // G, 1)  # head h reads group h // (H/G)
-    Ch = C.reshape(b * L, G, N).to(wd).repeat_interleave(H // G, 1)
+    Bg, Cg = B.reshape(b * L, G, N).to(wd), C.reshape(b * L, G, N).to(wd)
+    d, Aw = dt.reshape(b * L, H).to(wd), A.to(wd)
     Dv = torch.zeros(H, dtype=wd, device=x.device) if D is None else D.to(wd)
-    chunk = ssd_chunk(x, dt.reshape(b * L, H).to(wd), A.to(wd), Bh, Ch, Dv)
-    y = _scan(call, chunk, 1, b, L, (H, P, N), (H, P), x).view(b, L, H, P)
+
+    def heads(v):  # head h reads group h // (H/G) (mamba-ssm's kernel does this itself)
+        return v.repeat_interleave(H // G, 1)
+
+    y = _scan(call, lambda: ssd_chunk(x, d, Aw, heads(Bg), heads(Cg), Dv),
+              lambda layout, init: ssd_scan_mamba(x, d, Aw, Bg, Cg, Dv, layout, init, chunk_size),
+              1, b, L, (H, P, N), (H, P), x).view(b, L, H, P)
     if z is not None:
         y = y * F.silu(z.to(y.dtype))
     return y
@@ -322,8 +348,9 @@ def _torch_only(torch_fn: Callable) -> Callable:
 
 
 def _tree_forward(self, *args, **kwargs):
-    token = _CALL.set(_Call(kwargs.get("treelit_ctx"), self._treelit_layer,
-                            getattr(self, "_treelit_chunk_size", CHUNK_SIZE)))
+    call = _Call(kwargs.get("treelit_ctx"), self._treelit_layer, getattr(self, "_treelit_chunk_size", CHUNK_SIZE),
+                 getattr(self, "_treelit_backend", "torch"))
+    token = _CALL.set(call)
     try:
         return self._treelit_forward(self, *args, **kwargs)
     finally:
@@ -346,6 +373,7 @@ def _bind(model: nn.Module, make: Callable[[str, Callable], Callable], tree: boo
             g = _inner(cls.forward).__globals__
             rebuilt[cls] = _rebind(cls.forward, {n_: make(k, _inner(g[n_])) for n_, k in calls.items()})
         mod._treelit_forward = rebuilt[cls]
+        mod._treelit_kernels = frozenset(calls.values())  # (set_ssm_backend: which packages ssm=fla needs)
         layer = getattr(mod, "layer_idx", None)  # the key of its captured states (partitioning)
         mod._treelit_layer = int(layer) if layer is not None else -1 - index
         mod.forward = types.MethodType(_tree_forward, mod)
