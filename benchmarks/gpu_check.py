@@ -11,7 +11,11 @@ On a CUDA machine this:
    and a sliding window, and a Qwen3 checkpoint through the transformers adapter;
 3. times one attention layer forward+backward per backend on 8k/16k/32k-token trees;
 4. compares the fla-kernel recurrent backend with the exact torch backend for Gated
-   DeltaNet, Mamba2 and a hybrid model (loss, every gradient) and times both.
+   DeltaNet, Mamba2 and a hybrid model (loss, every gradient) and times both;
+5. the same for transformers' hybrids through the adapter (tiny Qwen3.5, Nemotron-H and
+   Kimi-Linear checkpoints): ``ssm=fla`` (fla's ``chunk_gated_delta_rule`` / ``chunk_kda``,
+   mamba-ssm's ``mamba_chunk_scan_combined``) vs ``ssm=torch``, unpartitioned and
+   partitioned, loss and every gradient, timed (needs the ``cuda`` extra: fla, mamba-ssm).
 
 Exits with status 1 if any comparison fails; prints a table and writes JSON.
 """
@@ -133,6 +137,83 @@ def check_ssm(results) -> bool:
     return ok
 
 
+ADAPTER_BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, max_position_embeddings=8192)
+ADAPTER_HYBRIDS = {  # name -> (model_type, config): the layers ssm=fla routes to fla / mamba-ssm
+    "qwen3_5 (Gated DeltaNet, grouped value heads)": ("qwen3_5_text", dict(
+        num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4)),
+    "nemotron_h (Mamba2, n_groups 2)": ("nemotron_h", dict(
+        layers_block_type=["mamba", "attention", "moe", "mamba"], ssm_state_size=64, mamba_num_heads=8,
+        mamba_head_dim=32, n_groups=2, conv_kernel=4, chunk_size=64, use_conv_bias=True, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=128, moe_shared_expert_intermediate_size=128)),
+    "kimi_linear (KDA)": ("kimi_linear", dict(
+        num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_num_heads=4, linear_head_dim=64,
+        linear_conv_kernel_dim=4, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, pad_token_id=0, bos_token_id=1,
+        eos_token_id=1)),
+}
+
+
+def _backend_run(model, tree, budget, sync):
+    """(loss, gradients, seconds) of one forward+backward, after a warm-up pass."""
+    for _ in range(2):  # warm-up (Triton compiles on first use), then the timed pass
+        model.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        if budget is None:
+            loss = treelit.tree_loss(model, tree)
+            loss.backward()
+            loss = loss.item()
+        else:
+            loss = treelit.tree_backward(model, tree, budget_tokens=budget)
+        sync()
+        seconds = time.perf_counter() - t0
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seconds
+
+
+def check_hybrid_adapters(results, dev="cuda") -> bool:
+    """Tiny transformers hybrids through the adapter: ssm=fla vs ssm=torch (loss 1e-4, every
+    gradient 1e-3 relative), unpartitioned and partitioned at the longest branch, each timed.
+    A family that raises is reported as failed and the others still run."""
+    import tempfile
+
+    import transformers
+    from treelit.ssm import set_ssm_backend
+
+    ok = True
+    results["hybrid_adapters"] = []
+    c = make_case("tool_fanout", scale=0.25, vocab=ADAPTER_BASE["vocab_size"])
+    tree = treelit.TokenTree.from_branches(c.branches, c.masks)
+    longest = max(len(b) for b in c.branches)
+    sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)
+    for what, (model_type, cfg) in ADAPTER_HYBRIDS.items():
+        model = None
+        for budget in (None, longest):
+            row = dict(model=what, tree_tokens=tree.num_tokens, partition_budget=budget)
+            try:
+                if model is None:  # a transformers-written checkpoint, loaded by the adapter
+                    with tempfile.TemporaryDirectory() as d:
+                        torch.manual_seed(0)
+                        config = transformers.AutoConfig.for_model(model_type, **ADAPTER_BASE, **cfg)
+                        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(d)
+                        model = treelit.load_hf_model(d, dtype=torch.float32).to(dev)
+                out = {b: _backend_run(set_ssm_backend(model, b), tree, budget, sync) for b in ("torch", "fla")}
+                (ref, g_ref, t_ref), (got, g_fla, t_fla) = out["torch"], out["fla"]
+                scale = max(g.norm().item() for g in g_ref.values())
+                worst = max(((g_fla[n] - g).norm() / g.norm().clamp_min(1e-5 * scale)).item()
+                            for n, g in g_ref.items())
+                rel = abs(got - ref) / abs(ref)
+                row.update(loss_rel_diff=rel, max_rel_grad_diff=worst, time_torch_s=t_ref, time_fla_s=t_fla,
+                           passed=rel < 1e-4 and worst < 1e-3 and g_fla.keys() == g_ref.keys())
+            except Exception as exc:  # noqa: BLE001 - reported, and the other families still run
+                row.update(error=f"{type(exc).__name__}: {exc}"[:500], passed=False)
+            ok &= row["passed"]
+            results["hybrid_adapters"].append(row)
+            print("hybrid adapter", row)
+    return ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
@@ -189,6 +270,7 @@ def main(argv=None) -> int:
         results["timings"].append(row)
         print("timing", row)
     ok &= check_ssm(results)
+    ok &= check_hybrid_adapters(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -72,7 +72,8 @@ def _delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     the N sequences of ``cu_seqlens`` -> ``(o [1, T, HV, V], final [N, HV, K, V])``."""
     assert q.shape[0] == 1 and cu_seqlens is not None and output_final_state
     assert initial_state.shape == (len(cu_seqlens) - 1, v.shape[2], q.shape[3], v.shape[3])
-    assert not any(kwargs.get(o) for o in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel"))
+    assert not any(kwargs.get(o) for o in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                           "use_beta_sigmoid_in_kernel"))  # (prepared by the tree layer)
     CALLS.append(("kda" if per_channel else "gdn", [int(c) for c in cu_seqlens]))
     r = v.shape[2] // q.shape[2]  # value head j reads q/k head j // r
     q, k, v, g, beta = q[0].repeat_interleave(r, 1), k[0].repeat_interleave(r, 1), v[0], g[0], beta[0]
@@ -222,7 +223,8 @@ def test_fla_padding_keeps_each_segments_final_state(standins):
     batch = treelit.TokenTree.from_branches(BRANCHES).to_batch()
     T, H, P, G, N = batch.num_tokens, 4, 3, 2, 5
     gen = torch.Generator().manual_seed(0)
-    x, dt = torch.randn(T, H, P, generator=gen, dtype=torch.float64), torch.rand(T, H, generator=gen, dtype=torch.float64)
+    x = torch.randn(T, H, P, generator=gen, dtype=torch.float64)
+    dt = torch.rand(T, H, generator=gen, dtype=torch.float64)
     A, D = -torch.rand(H, generator=gen, dtype=torch.float64) - 0.1, torch.randn(H, generator=gen, dtype=torch.float64)
     B, C = (torch.randn(T, G, N, generator=gen, dtype=torch.float64) for _ in range(2))
     init = torch.randn(H, P, N, generator=gen, dtype=torch.float64)
