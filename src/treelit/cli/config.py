@@ -55,12 +55,19 @@ def new_run_name() -> str:
     return name
 
 
+def process_rank() -> int:
+    """This process's rank in a multi-process run (0 when alone), from the launcher's environment."""
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def rank_zero_only(value: Optional[str]) -> Optional[str]:
     """``value`` in global rank 0 (or a process alone), ``None`` in the other processes of a
     multi-process run: ``hydra.output_subdir`` - Hydra's ``.hydra/`` files are written once,
     by global rank 0, not by every process into the shared output folder."""
-    from treelit.cli.console import process_rank
-
     return value if process_rank() == 0 else None
 
 
@@ -70,8 +77,6 @@ def rank_log_file(job_name: str) -> str:
     global rank R > 0 of a multi-process run (torchrun, srun, Lightning's launcher, whose
     processes are named ``<job>_ddp_process_<R>``), so that no two processes append to
     one file."""
-    from treelit.cli.console import process_rank
-
     rank = process_rank()
     if rank == 0:
         return f"{job_name}.log"

@@ -34,6 +34,8 @@ from typing import List, Optional, Sequence
 
 from tqdm import tqdm
 
+from treelit.cli.config import process_rank  # the rank a line is printed for
+
 __all__ = ["ConsoleFormatter", "ConsoleHandler", "SetupError", "hydra_error_message", "quiet_transformers_bars",
            "tidy_library_logging", "user_error_message"]
 
@@ -64,15 +66,6 @@ class ConsoleFormatter(logging.Formatter):
         if record.levelno >= logging.WARNING:
             return f"warning: {msg}"
         return msg
-
-
-def process_rank() -> int:
-    """This process's rank in a multi-process run (0 when alone), from the launcher's environment."""
-    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 class ConsoleHandler(logging.Handler):

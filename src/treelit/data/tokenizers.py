@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import secrets
+import socket
 from pathlib import Path
 from typing import Optional, Union
 
@@ -58,17 +60,59 @@ def build_qwen_tokenizer(out_dir: Union[str, Path], chat_template: str = CHATML_
     return out
 
 
+CACHE_NAME = "qwen2-chatml-tokenizer"
+
+
 def qwen_tokenizer_dir(cache_dir: Optional[Union[str, Path]] = None) -> str:
-    """A cached Qwen tokenizer directory (built on first use)."""
+    """A cached Qwen tokenizer directory, ``<cache>/qwen2-chatml-tokenizer`` (``cache_dir``,
+    else ``TREELIT_CACHE``, else ``~/.cache/treelit``), built on first use.
+
+    Safe for every process that may build it at the same moment - the ranks of a run, and
+    the nodes of a run when the cache is on a filesystem they share: each process builds
+    into a fresh directory of its own beside the entry (host name, pid and a random
+    suffix in its name; two nodes can run processes with the same pid), syncs it, and renames it
+    into place in one step (``os.replace``, an atomic ``rename(2)`` of a directory). A
+    reader therefore finds the complete directory or none, never a partial file; the first
+    rename wins, the others are refused (the place is taken) and remove their copy. Nodes
+    that do not share the cache each build their own.
+    """
     root = Path(cache_dir or os.environ.get("TREELIT_CACHE", Path.home() / ".cache" / "treelit"))
-    out = root / "qwen2-chatml-tokenizer"
-    if not (out / "tokenizer.json").is_file():
-        tmp = root / f".qwen2-tokenizer-{os.getpid()}"
+    out = root / CACHE_NAME
+    if (out / "tokenizer.json").is_file():
+        return str(out)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{CACHE_NAME}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()  # exclusive: never another process's directory (and the umask's mode, unlike mkdtemp's 0700)
+    try:
         build_qwen_tokenizer(tmp)
+        _sync_tree(tmp)  # the files' contents reach the disk before the name does
         try:
-            tmp.replace(out)  # atomic; a process that built it at the same moment may have won
-        except OSError:
+            os.replace(tmp, out)
+        except OSError:  # another process renamed its copy first (ENOTEMPTY / EEXIST)
             if not (out / "tokenizer.json").is_file():
-                raise
+                raise OSError(f"tokenizer cache {out} exists but has no tokenizer.json (left by something else?): "
+                              "remove it, it is rebuilt on the next run") from None
+        else:
+            _sync_tree(root, files=False)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def _sync_tree(path: Path, files: bool = True) -> None:
+    """fsync the files directly in ``path`` (with ``files``) and ``path`` itself."""
+    if files:
+        for f in path.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a filesystem that cannot open directories: nothing more to sync
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
