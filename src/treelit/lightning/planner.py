@@ -1,12 +1,18 @@
 """``MemoryPlanner``: pick the partition budget before each step from the memory available.
 
-Memory available, per rank: on CUDA the free device memory (``torch.cuda.mem_get_info``,
-measured before the step, so after sharding: under FSDP2 each rank holds its shards of
-the parameters, gradients and optimizer state) times ``fraction``; on CPU a configured
-``memory_limit_bytes`` (one number, or one per rank). The cost model is linear in the
-tokens alive along a chain of partitions, ``peak = bytes_per_token * chain_tokens``;
-``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on each
-rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
+Memory available, per rank: on CUDA the memory this process can still allocate, measured
+before the step - the device's free memory (``torch.cuda.mem_get_info``) plus what torch's
+caching allocator holds without using it (``memory_reserved - memory_allocated``: the
+blocks an earlier step freed) - times ``fraction``; on CPU a configured
+``memory_limit_bytes`` (one number, or one per rank), the memory a step may use. Measured
+after sharding: under FSDP2 a rank holds 1/world of the parameters, gradients and
+optimizer state, under HSDP (``replicate_degree`` R) 1/(world/R), and that resident state
+is already allocated when the step starts, so it is not available. The cost model is
+linear in the tokens alive along a chain of partitions, ``peak = bytes_per_token *
+chain_tokens``, where ``peak`` is what the step allocates above what was allocated when it
+started (the resident state is counted once: out of the memory available, not again per
+token); ``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on
+each rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
 margin). Each rank's budget is ``available / (bytes_per_token * margin)``; the budget
 used is the **minimum over ranks**, so every rank plans with the same budget and (under
 FSDP2) runs aligned passes. On an out-of-memory error on any rank, every rank asks
@@ -58,6 +64,7 @@ class MemoryPlanner(pl.Callback):
         self.history: list = []
         self._tracker: Optional[LiveBytes] = None
         self._shrunk = False
+        self._resident = 0.0  # bytes allocated on the device when the step started (CUDA)
 
     # memory available ------------------------------------------------------------------------
     def _limit(self, pl_module) -> Optional[float]:
@@ -78,7 +85,8 @@ class MemoryPlanner(pl.Callback):
         limit = self._limit(pl_module)
         if dev.type == "cuda":
             free, _ = torch.cuda.mem_get_info(dev)
-            avail = float(free) if limit is None else min(float(free), limit)
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # reusable by this process
+            avail = float(free + cached) if limit is None else min(float(free + cached), limit)
         else:
             if limit is None:
                 raise ValueError("MemoryPlanner on CPU needs callbacks.memory_planner.memory_limit_bytes")
@@ -106,13 +114,14 @@ class MemoryPlanner(pl.Callback):
         pl_module.budget_tokens = self.budget_for(pl_module, batch.micro_batches)
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self._resident = float(torch.cuda.memory_allocated(pl_module.device))
         elif self.measure_cpu:
             self._tracker = LiveBytes()
             self._tracker.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.device.type == "cuda":
-            peak = float(torch.cuda.max_memory_allocated(pl_module.device))
+            peak = max(0.0, float(torch.cuda.max_memory_allocated(pl_module.device)) - self._resident)
         elif self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             peak = float(self._tracker.peak)
