@@ -54,7 +54,8 @@ def cuda_kernel(name: str) -> Callable:
             raise KeyError(name)
     except ImportError as exc:
         package = "mamba-ssm" if name.startswith("mamba") else "flash-linear-attention"
-        raise ValueError(f"ssm=fla needs {package} for {name} ({exc}): pip install 'treelit[cuda]'") from None
+        why = " ".join(str(exc).split())  # (one line, whatever the failed import said)
+        raise ValueError(f"ssm=fla needs {package} for {name} ({why}): pip install 'treelit[cuda]'") from None
     return fn
 
 
