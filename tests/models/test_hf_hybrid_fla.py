@@ -267,14 +267,20 @@ def test_fla_selection_on_hybrid_layers(monkeypatch, tmp_path_factory):
     assert all(m._treelit_backend == "torch" for m in bound)
 
 
+# head and state sizes of at least 16 for the Triton kernels' matrix blocks
+CUDA_SIZES = {"qwen3_5": dict(linear_key_head_dim=32, linear_value_head_dim=32),
+              "qwen3_next": dict(linear_key_head_dim=32, linear_value_head_dim=32),
+              "kimi_linear": dict(linear_head_dim=32),
+              "nemotron_h": dict(mamba_head_dim=16, ssm_state_size=16, chunk_size=16)}
+
+
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_real_kernels_match_the_torch_backend(family, tmp_path_factory):
     """fla's and mamba-ssm's kernels (float32, CUDA) against the torch backend: loss 1e-4, every
     gradient 1e-3 relative, unpartitioned and partitioned."""
-    overrides = dict(chunk_size=16) if family == "nemotron_h" else {}  # (mamba-ssm's Triton blocks)
-    model = adapted(family, torch.float32, tmp_path_factory, **overrides).cuda()
+    model = adapted(family, torch.float32, tmp_path_factory, **CUDA_SIZES[family]).cuda()
     batch = treelit.TokenTree.from_branches(BRANCHES, MASKS, WEIGHTS).to_batch().to("cuda")
     try:
         for budget in BUDGETS:
