@@ -58,6 +58,33 @@ def test_treelit_train_help_loads_only_hydra():
     assert heavy == ["hydra"], heavy
 
 
+def test_treelit_train_on_a_transformers_checkpoint_loads_no_torchtune(tmp_path):
+    """``treelit-train model=hf_auto``: one training step of a transformers model (and its export)
+    runs through transformers' modelling code; torchtune (and the torchao and datasets it loads)
+    is for treelit's own decoders only."""
+    pytest.importorskip("transformers")
+    from hf_oracle import random_hf_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    random_hf_checkpoint(ckpt, "qwen3", std=0.1, vocab_size=16, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=64)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"branches": [{"input_ids": [1, 2, 3, 4, 5, 6]}, {"input_ids": [1, 2, 3, 7, 8]}]}) + "\n")
+    out = tmp_path / "run"
+    argv = ["treelit-train", "model=hf_auto", f"model.hf_checkpoint={ckpt}", "data=jsonl", f"data.train_path={data}",
+            "logger=none", "callbacks.checkpoint=null", "callbacks.progress=null", "trainer.enable_progress_bar=false",
+            "trainer.max_steps=1", f"output_dir={out}"]
+    heavy, _ = _loaded("import contextlib, io\n"
+                       f"sys.argv = {argv!r}\n"
+                       "from treelit.cli.train import main\n"
+                       "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+                       "    try:\n        main()\n    except SystemExit as e:\n        assert not e.code, e.code")
+    assert (out / "hf_checkpoint" / "config.json").is_file(), "the run did not finish"
+    assert "transformers" in heavy and "lightning" in heavy, heavy  # the check saw the training path
+    assert not {"torchtune", "torchao", "datasets", "mlflow"} & set(heavy), heavy
+
+
 def test_the_check_sees_a_heavy_import():
     heavy, _ = _loaded("import treelit\ntreelit.TokenTree.from_branches([[1, 2]]).to_batch()")
     assert "torch" in heavy

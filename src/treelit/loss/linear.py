@@ -18,7 +18,7 @@ import torch
 from treelit.loss.branches import Branches
 from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.models.context import CausalContext
-from treelit.models.decoder import decoder_hidden, in_forward, output_weight
+from treelit.models.forward import decoder_hidden, in_forward, output_weight
 
 __all__ = ["Branches", "LinearBranches", "sft_linear_loss", "linear_micro_batches", "linear_branch_logprobs"]
 

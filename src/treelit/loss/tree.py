@@ -16,7 +16,7 @@ import torch
 from treelit.attention.base import AttentionBackend, resolve_backend
 from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.models.context import ExternalKV, TreeContext
-from treelit.models.decoder import decoder_hidden, in_forward, output_weight
+from treelit.models.forward import decoder_hidden, in_forward, output_weight
 from treelit.tree.batch import TreeBatch, global_normalizer
 from treelit.tree.token_tree import TokenTree
 

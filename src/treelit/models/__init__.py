@@ -19,6 +19,7 @@ _EXPORTS = {
     "DecoderConfig": "treelit.models.config",
     "TreeDecoder": "treelit.models.decoder",
     "build_decoder": "treelit.models.decoder",
+    "layers_hidden": "treelit.models.decoder",  # treelit.models.forward runs a torchtune builder's decoder with it
     "load_hf_checkpoint": "treelit.models.hf",
     "save_hf_checkpoint": "treelit.models.hf",
     "MODELS": "treelit.models.registry",

@@ -3,8 +3,8 @@
 :class:`TreeDecoder` *is* a torchtune ``TransformerDecoder`` (same modules, same
 parameter names as torchtune's own llama3.2 / qwen2 / mistral builders), so
 torchtune checkpoints, recipes and its own ``forward`` keep working. What treelit
-adds is :func:`decoder_hidden`, a forward over the same modules that takes its
-attention (and recurrent-state routing) from a *sequence context*:
+adds is :meth:`TreeDecoder.tree_hidden_states` (:func:`layers_hidden`), a forward over the
+same modules that takes its attention (and recurrent-state routing) from a *sequence context*:
 
 * :class:`~treelit.models.context.CausalContext` - independent causal rows
   (the linearized per-branch baseline);
@@ -17,6 +17,11 @@ post-RoPE, un-expanded K/V; partitioning needs to inject and capture per-layer
 K/V; and torchtune's RMSNorm and interleaved RoPE round through float32, which
 would make float64 equivalence tests meaningless. For bf16/fp16 inputs the
 norm and RoPE are computed in float32 exactly like torchtune does.
+
+What the loss and partition passes call on a model (:func:`~treelit.models.forward.decoder_hidden`,
+:func:`~treelit.models.forward.in_forward`, :func:`~treelit.models.forward.output_weight`) lives
+in :mod:`treelit.models.forward`, which imports no torchtune (a transformers model's run never
+loads it); they are re-exported here.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from torchtune.modules import (
 
 from treelit.models.config import DecoderConfig
 from treelit.models.context import CausalContext
+from treelit.models.forward import decoder_hidden, in_forward, output_weight
 from treelit.models.moe import MoEFeedForward, record_pass
 from treelit.models.rope import TreeRoPE, rotate
 from treelit.ssm.layers import build_recurrent_layer
@@ -47,7 +53,8 @@ from treelit.utils.blocks import call_block
 from treelit.utils.numerics import compute_dtype as _compute_dtype
 from treelit.utils.numerics import rms_norm
 
-__all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "in_forward", "output_weight", "rope_style_of"]
+__all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "in_forward", "layers_hidden", "output_weight",
+           "rope_style_of"]
 
 
 class TreeDecoder(TransformerDecoder):
@@ -95,6 +102,11 @@ class TreeDecoder(TransformerDecoder):
     def vocab_size(self) -> int:
         return self.tok_embeddings.num_embeddings
 
+    def tree_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """Final-norm hidden states ``[B, L, D]`` (:func:`layers_hidden`; see
+        :func:`treelit.models.forward.decoder_hidden`)."""
+        return layers_hidden(self, input_ids, position_ids, ctx)
+
     def forward(self, tokens=None, *, treelit_fn=None, **kwargs):
         """torchtune's forward, or - with ``treelit_fn`` - ``treelit_fn(self)`` run *inside* this
         module's forward. treelit's tree and per-branch passes go through here so that wrappers
@@ -114,16 +126,8 @@ class TreeDecoder(TransformerDecoder):
                     "(q/k norms or sliding windows); call it with token ids only")
             B, L = tokens.shape
             pos = torch.arange(L, device=tokens.device).expand(B, L)
-            return self.output(decoder_hidden(self, tokens, pos, CausalContext()))
+            return self.output(layers_hidden(self, tokens, pos, CausalContext()))
         return super().forward(tokens, **kwargs)
-
-
-def in_forward(model, fn):
-    """Run ``fn(model)`` inside ``model``'s forward when it supports that (see TreeDecoder.forward)."""
-    if (isinstance(model, TreeDecoder) or hasattr(model, "tree_hidden_states")
-            or hasattr(getattr(model, "module", None), "config")):
-        return model(treelit_fn=fn)
-    return fn(model)
 
 
 def build_decoder(config: Optional[DecoderConfig] = None, **overrides) -> TreeDecoder:
@@ -198,18 +202,6 @@ def apply_rope(rope: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Ten
     return rotate(rope, x, pos, rope_style_of(rope))
 
 
-def output_weight(model: TransformerDecoder) -> torch.Tensor:
-    """The ``[V, D]`` weight of the language-model head (tied or not)."""
-    out = model.output
-    if isinstance(out, TiedLinear):
-        return out.tied_module.weight
-    if isinstance(out, nn.Linear):
-        if out.bias is not None:
-            raise NotImplementedError("an output projection with bias is not supported")
-        return out.weight
-    raise TypeError(f"unsupported output projection {type(out).__name__}")
-
-
 def _attention_block(layer: TransformerSelfAttentionLayer, idx: int, x: torch.Tensor, pos, ctx) -> torch.Tensor:
     attn: MultiHeadAttention = layer.attn
     B, L, _ = x.shape
@@ -254,19 +246,19 @@ def _embed(model, input_ids, ctx):
     return model.tok_embeddings(input_ids)
 
 
-def decoder_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
-    """Final-norm hidden states ``[B, L, D]`` of ``model`` over ``input_ids [B, L]``.
+def layers_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
+    """Final-norm hidden states ``[B, L, D]`` of a torchtune decoder ``model`` over ``input_ids [B, L]``,
+    computed over its modules.
 
     ``ctx`` decides what each token sees (see :mod:`treelit.models.context`).
     Layers that are not torchtune self-attention layers must provide
     ``tree_forward(x, layer_index, ctx)`` (treelit's recurrent layers do).
     Each layer runs through its module call (:func:`~treelit.utils.blocks.call_block`), so
     hooks on it (FSDP2's per-block unshard/reshard and gradient reduction) see the pass;
-    ``model.activation_checkpointing`` recomputes each layer in the backward. A model that
-    runs its own layers (the transformers adapter) provides ``tree_hidden_states``.
+    ``model.activation_checkpointing`` recomputes each layer in the backward. Callers go
+    through :func:`treelit.models.forward.decoder_hidden` (a model that runs its own layers,
+    the transformers adapter, provides ``tree_hidden_states``).
     """
-    if hasattr(model, "tree_hidden_states"):
-        return model.tree_hidden_states(input_ids, position_ids, ctx)
     ckpt = bool(getattr(model, "activation_checkpointing", False))
     guard = getattr(ctx, "oom_guard", None)
     h = _embed(model, input_ids, ctx)

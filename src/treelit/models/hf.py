@@ -16,13 +16,13 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from treelit import models  # the package face: the decoder (torchtune) is imported when a checkpoint is loaded
 from treelit.models.config import DecoderConfig, check_rope_scaling, decode_special_floats, parse_config_json
-from treelit.models.decoder import TreeDecoder
 from treelit.models.errors import CheckpointError
 from treelit.models.hf_files import SAFE_INDEX, check_weight_shapes, weight_files
 from treelit.models.hf_keys import check_config_keys, effective_windows
@@ -32,6 +32,9 @@ from treelit.models.hf_recurrent import (
     hf_to_tune_recurrent,
     tune_to_hf_recurrent,
 )
+
+if TYPE_CHECKING:
+    from treelit.models.decoder import TreeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +424,7 @@ def load_hf_checkpoint(
     # names and shapes on the meta device (nothing allocated): weights left out of the checkpoint, or
     # sizes in config.json the weights do not have, are refused before the model is built at those sizes
     with torch.device("meta"):
-        expected = {k: list(v.shape) for k, v in TreeDecoder(config).state_dict().items()}
+        expected = {k: list(v.shape) for k, v in models.TreeDecoder(config).state_dict().items()}
     missing = sorted(set(expected) - set(tune_sd))
     if missing:
         raise CheckpointError(f"{path}: missing weights for {', '.join(missing[:8])}")
@@ -429,7 +432,7 @@ def load_hf_checkpoint(
         if list(tune_sd[key].shape) != shape:
             raise CheckpointError(f"{cfg_file}: the config makes {key} of shape {shape}, but the weights hold "
                                   f"{list(tune_sd[key].shape)}")
-    model = TreeDecoder(config)
+    model = models.TreeDecoder(config)
     # assign: the checkpoint's tensors themselves (a float64 checkpoint must not round through the
     # float32 parameters a fresh module starts with)
     model.load_state_dict(tune_sd, strict=True, assign=True)
@@ -479,7 +482,7 @@ def save_hf_checkpoint(
         raise TypeError("save_hf_checkpoint needs a treelit TreeDecoder (it carries the model config)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "tree_hidden_states"):  # an adapted transformers model: its own format and names
+    if hasattr(model, "save_pretrained"):  # an adapted transformers model: its own format and names
         sd = state_dict if state_dict is not None else full_state_dict(model)
         if dtype is not None:
             sd = {k: v.to(dtype) for k, v in sd.items()}

@@ -33,7 +33,7 @@ import torch
 
 from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.loss.router import RouterTerms
-from treelit.models.decoder import in_forward, output_weight
+from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions

@@ -22,7 +22,7 @@ import torch
 
 from treelit.attention.base import resolve_backend
 from treelit.models.context import ExternalKV, TreeContext
-from treelit.models.decoder import decoder_hidden
+from treelit.models.forward import decoder_hidden
 from treelit.partition.plan import Partition, PartitionPlan
 from treelit.tree.batch import TreeBatch
 from treelit.tree.token_tree import TokenTree
@@ -146,7 +146,7 @@ class RowPlan:
 def forward_partition(model, sub: TreeBatch, attention, external: Optional[ExternalKV], capture: bool,
                       boundary: Optional[np.ndarray], embedding_grad_accumulator=None, oom_guard=None):
     """Final hidden states ``[n, D]`` of the row ``sub`` and its context (with the captures
-    when ``capture``). Call inside the model's forward (:func:`~treelit.models.decoder.in_forward`)."""
+    when ``capture``). Call inside the model's forward (:func:`~treelit.models.forward.in_forward`)."""
     backend = resolve_backend(attention, sub.device, sub)
     bnd = boundary if capture and boundary is not None and len(boundary) else None
     ctx = TreeContext(sub, backend, external=external, capture_kv=capture, capture_tokens=bnd)

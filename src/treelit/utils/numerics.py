@@ -3,13 +3,18 @@
 
 Float32 and float64 inputs are computed in their own precision, so float64 models are
 exact; half-precision inputs are computed in float32, as torchtune and transformers do.
+
+torchtune is not imported here (it loads torchao and datasets): a model holding torchtune's
+``RMSNorm`` was built after ``torchtune.modules`` was imported, so :func:`rms_norm` looks the
+class up in ``sys.modules`` and a run that never loads torchtune (a transformers model) never pays for it.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
-from torchtune.modules import RMSNorm
 
 __all__ = ["compute_dtype", "rms_norm"]
 
@@ -20,7 +25,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Apply a torchtune ``RMSNorm`` in the input's precision (float32 for half types)."""
-    if not isinstance(norm, RMSNorm):
+    rms_norm_type = getattr(sys.modules.get("torchtune.modules"), "RMSNorm", None)  # None: no model holds one
+    if rms_norm_type is None or not isinstance(norm, rms_norm_type):
         return norm(x)
     xf = x.to(compute_dtype(x))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
