@@ -173,6 +173,21 @@ def _moe_options(cfg) -> Dict[str, Any]:
             "router_aux_loss": "micro_batch"}
 
 
+def bias_routed(hf_model: nn.Module) -> Optional[str]:
+    """Why treelit's router loss does not fit this model's routing, or None: a router that picks
+    its experts by bias-corrected scores (``e_score_correction_bias``: the sigmoid routers of
+    Nemotron-H, Kimi-Linear, DeepSeek-V3 and their kin, balanced without an auxiliary loss).
+    treelit's router loss is the Switch load-balancing loss - the experts' share of each token's
+    top-k of the softmax probabilities, times their mean probability - which is not a loss of
+    that routing, and transformers defines none for it."""
+    for mod in hf_model.modules():
+        if hasattr(mod, "e_score_correction_bias"):
+            return (f"{type(mod).__name__} picks experts by bias-corrected scores (e_score_correction_bias); "
+                    "treelit's router loss (the Switch load-balancing loss over softmax probabilities and their "
+                    "top-k) is not a loss of this routing, and transformers defines none for it: set it to 0")
+    return None
+
+
 class HFTreeModel(nn.Module):
     """A transformers causal LM (``attn_implementation="treelit"``) that treelit's passes run.
 
@@ -197,6 +212,7 @@ class HFTreeModel(nn.Module):
         self._head_scale = (float(getattr(cfg, "lm_head_multiplier", 1.0) or 1.0)
                             / float(getattr(cfg, "logits_scaling", 1.0) or 1.0))
         self.hf.train()  # from_pretrained returns eval mode; dropout is refused, so the mode changes nothing
+        self._router_refusal = bias_routed(hf_model) if self.config.moe else None
 
     @property
     def base(self) -> nn.Module:
@@ -232,6 +248,9 @@ class HFTreeModel(nn.Module):
             else:
                 getattr(self.hf, f"{kind}_checkpointing_disable")()
             self._checkpointing_on = self.activation_checkpointing
+        if self._router_refusal and self.config.moe.get("router_aux_loss_coef", 0.0) > 0:
+            raise ValueError(f"router_aux_loss_coef = {self.config.moe['router_aux_loss_coef']}: "
+                             f"{self._router_refusal}")
         kw = {"output_router_logits": True} if self.config.moe else {}
         out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                         attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)
@@ -312,7 +331,12 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
                                   f"transformers {transformers.__version__} model calls a kernel entry point "
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
-    return HFTreeModel(hf).to(device)
+    model = HFTreeModel(hf).to(device)
+    coef = model.config.moe.get("router_aux_loss_coef", 0.0)
+    if model._router_refusal and coef > 0:
+        raise CheckpointError(f"{cfg_file}: config key 'router_aux_loss_coef' = {coef} (with output_router_logits): "
+                              f"{model._router_refusal}")
+    return model
 
 
 def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
@@ -323,5 +347,7 @@ def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_co
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
     model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype))
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
+    if model._router_refusal and model.config.moe.get("router_aux_loss_coef", 0.0) > 0:
+        raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")
     model.activation_checkpointing = bool(activation_checkpointing)
     return model
