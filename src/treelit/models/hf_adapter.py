@@ -17,7 +17,10 @@ resets a tree has; the attention function ignores it.
 decoder: the base model runs to its final hidden states and log-probs go through
 treelit's chunked head (never the full ``[N, V]`` logits). For MoE families the router
 logits come back from the base model and the router loss is treelit's tree-exact one
-(:mod:`treelit.loss.router`), never transformers' own function on the tree row.
+(:mod:`treelit.loss.router`), never transformers' own function on the tree row; it is the
+Switch loss over softmax probabilities, so a router that picks experts by bias-corrected
+sigmoid scores (Nemotron-H, Kimi-Linear: :func:`bias_routed`) refuses it rather than get a loss
+of another routing.
 
 Hybrid families (Gated DeltaNet, Kimi Delta Attention, Mamba2 and short-convolution layers;
 ``hf_kernels.HYBRID_FAMILIES``) run their recurrent layers through treelit's tree kernels,
