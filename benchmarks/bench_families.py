@@ -17,7 +17,13 @@ It reports the adapter's time over the native one (target <= 1.3x), both speedup
 transformers loop, and the MoE case's speedup over its per-branch path against its
 compute-weighted ideal (the active expert parameters count per token).
 
+``--hybrid`` times the hybrid transformers families instead (:mod:`hybrid_families`): a
+Qwen3.5-shaped and a Nemotron-H-shaped model through the adapter (tree step and treelit's
+per-branch path) and in plain transformers on its torch kernels, branch by branch, with the
+step split per layer kind (attention, Gated DeltaNet / Mamba2, MLP, head).
+
     python benchmarks/bench_families.py --json benchmarks/results/bench_families.json
+    python benchmarks/bench_families.py --hybrid --json benchmarks/results/bench_families_hybrid.json
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import treelit  # noqa: E402
 from bench_models import PRESETS, attention_model, compute_weighted_ideal, cost_model  # noqa: E402
 from bench_step import BASE_LINEAR_TOKENS, load_case  # noqa: E402
 from hf_peer import grad_diff, load_peer, peer_step  # noqa: E402
+from hybrid_families import HYBRID_CASES, SHAPES  # noqa: E402
+from hybrid_families import main as hybrid_main  # noqa: E402
 
 CASES = ["grpo_group", "multi_turn", "tool_fanout", "wide_fanout"]
 
@@ -128,14 +136,28 @@ def run_case(name, models, args) -> Dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=None, help=f"default {','.join(CASES)}; --hybrid: {','.join(HYBRID_CASES)}")
     p.add_argument("--scale", type=float, default=0.25, help="size of the synthetic cases (as bench_step)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--preset", default="realistic", choices=sorted(PRESETS))
+    p.add_argument("--hybrid", nargs="?", const=",".join(SHAPES), default=None, metavar="SHAPES",
+                   help=f"time the hybrid families instead (default {','.join(SHAPES)}; see hybrid_families)")
+    p.add_argument("--tree-reps", type=int, default=3, help="--hybrid: tree-step samples per repetition")
+    p.add_argument("--hybrid-scale", type=float, default=0.16,
+                   help="--hybrid: the hybrid/ cases run at this fraction of --scale (default: 0.04 of full size)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    args.seed, args.mask, args.tau_calls = 0, "all", 3
+    if args.hybrid:
+        unknown = sorted(set(args.hybrid.split(",")) - set(SHAPES))
+        if unknown:
+            p.error(f"--hybrid: unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
+        args.cases = args.cases or ",".join(HYBRID_CASES)
+        hybrid_main(args)
+        return 0
+    args.cases = args.cases or ",".join(CASES)
     args.model_cfg = dict(PRESETS[args.preset])
-    args.seed, args.mask, args.hybrid_scale, args.tau_calls = 0, "all", 1.0, 3
+    args.hybrid_scale = 1.0
     cfg = args.model_cfg
     native = attention_model(**cfg)
     with tempfile.TemporaryDirectory() as d:
