@@ -24,6 +24,7 @@ step split per layer kind (attention, Gated DeltaNet / Mamba2, MLP, head).
 
     python benchmarks/bench_families.py --json benchmarks/results/bench_families.json
     python benchmarks/bench_families.py --hybrid --json benchmarks/results/bench_families_hybrid.json
+    python benchmarks/bench_families.py --hybrid --precision    # float32 gradients of both sides vs float64
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from bench_step import BASE_LINEAR_TOKENS, load_case  # noqa: E402
 from hf_peer import grad_diff, load_peer, peer_step  # noqa: E402
 from hybrid_families import HYBRID_CASES, SHAPES  # noqa: E402
 from hybrid_families import main as hybrid_main  # noqa: E402
+from hybrid_families import precision as hybrid_precision  # noqa: E402
 
 CASES = ["grpo_group", "multi_turn", "tool_fanout", "wide_fanout"]
 
@@ -143,6 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--hybrid", nargs="?", const=",".join(SHAPES), default=None, metavar="SHAPES",
                    help=f"time the hybrid families instead (default {','.join(SHAPES)}; see hybrid_families)")
     p.add_argument("--tree-reps", type=int, default=3, help="--hybrid: tree-step samples per repetition")
+    p.add_argument("--precision", action="store_true",
+                   help="--hybrid: instead of timing, compare both sides' float32 gradients with float64")
     p.add_argument("--hybrid-scale", type=float, default=0.16,
                    help="--hybrid: the hybrid/ cases run at this fraction of --scale (default: 0.04 of full size)")
     args = p.parse_args(argv)
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--hybrid: unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
         args.cases = args.cases or ",".join(HYBRID_CASES)
-        hybrid_main(args)
+        (hybrid_precision if args.precision else hybrid_main)(args)
         return 0
     args.cases = args.cases or ",".join(CASES)
     args.model_cfg = dict(PRESETS[args.preset])

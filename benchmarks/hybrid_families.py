@@ -24,16 +24,8 @@ by branch in padded micro-batches (``hf``, :mod:`hf_peer`). The compute-weighted
 :mod:`bench_models`' (trunk per token, attention per pair, head per target; the recurrent scans
 are not counted).
 
-**Split per layer kind** (one extra pass of each mode, before the timed ones): every mixer of a
-decoder layer (attention, Gated DeltaNet / Mamba2, MLP) and the head run inside an autograd
-function that runs the module on a detached copy of its input and, in the backward pass, runs
-the module's own backward (``torch.autograd.backward`` from its output); this process's CPU
-time of both is charged to the module's kind. ``attention`` / ``recurrent`` are whole mixers
-(projections, convolution, scan, gates, norms inside them); ``head`` is treelit's chunked head
-(``weighted_nll``) for treelit's modes, and ``lm_head`` + transformers' loss function for
-``hf``; ``other`` is the rest of the step (embedding, layer norms, residuals, gathers, autograd
-bookkeeping). The split pass's gradients are checked against the timed passes'
-(``split_grad_diff``); its totals are one sample each, the timed medians are the speed figures.
+One extra pass of each mode, before the timed ones, splits its step per layer kind: attention,
+recurrent (Gated DeltaNet / Mamba2), MLP, head and the rest (:mod:`layer_split`).
 """
 
 from __future__ import annotations
@@ -41,8 +33,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -50,8 +41,8 @@ import treelit
 from bench_models import compute_weighted_ideal
 from bench_step import BASE_LINEAR_TOKENS, case_scale, load_case
 from hf_peer import peer_step
+from layer_split import mixers, split
 
-KINDS = ("attention", "recurrent", "mlp", "head")
 HYBRID_CASES = ["hybrid/grpo_group", "hybrid/multi_turn"]
 
 SHAPES: Dict[str, Tuple[str, dict, str]] = {
@@ -74,8 +65,9 @@ SHAPES: Dict[str, Tuple[str, dict, str]] = {
 }
 
 
-def build(shape: str, dtype=torch.float32):
-    """``(tree model, transformers model on its torch kernels)`` with the same random weights."""
+def build(shape: str, dtypes=(torch.float32,)):
+    """``{dtype: (tree model, transformers model on its torch kernels)}``, all with the same
+    random weights (one float32 checkpoint)."""
     import transformers
 
     from treelit.models.hf_kernels import bind_torch_kernels
@@ -83,36 +75,19 @@ def build(shape: str, dtype=torch.float32):
     model_type, cfg, _ = SHAPES[shape]
     config = transformers.AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = {}
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        ours = treelit.load_hf_model(d, dtype=dtype)
-        peer = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa")
-    if bind_torch_kernels(peer) == 0:
-        raise RuntimeError(f"{shape}: no hybrid layer bound to transformers' torch kernels")
-    peer.train()
-    return ours, peer
-
-
-def layer_kind(module: torch.nn.Module):
-    """The kind of a decoder layer's child by its class name (None: norms and the like)."""
-    name = type(module).__name__
-    if "GatedDeltaNet" in name or "Mamba" in name:
-        return "recurrent"
-    if "Attention" in name:
-        return "attention"
-    if "MLP" in name or "MoE" in name:
-        return "mlp"
-    return None
-
-
-def mixers(layers) -> Dict[str, list]:
-    out = {k: [] for k in KINDS if k != "head"}
-    for layer in layers:
-        for child in layer.children():
-            kind = layer_kind(child)
-            if kind is not None:
-                out[kind].append(child)
+        for dtype in dtypes:
+            ours = treelit.load_hf_model(d, dtype=dtype)
+            # (.to: parameters a family keeps in float32 follow dtype, as in the adapter)
+            peer = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa")
+            peer = peer.to(dtype)
+            if bind_torch_kernels(peer) == 0:
+                raise RuntimeError(f"{shape}: no hybrid layer bound to transformers' torch kernels")
+            peer.train()
+            out[dtype] = (ours, peer)
     return out
 
 
@@ -128,115 +103,6 @@ def hf_cost(model) -> Dict[str, float]:
 
 
 # -- the split per layer kind ------------------------------------------------------------------------
-CLOCK: Dict[str, float] = {}
-
-
-class _Charged(torch.autograd.Function):
-    """``run(x)`` on a detached copy of ``x``; forward and backward CPU time charged to ``kind``."""
-
-    @staticmethod
-    def forward(ctx, kind, run, x):
-        leaf = x.detach().requires_grad_(x.requires_grad)
-        t0 = time.process_time()
-        with torch.enable_grad():
-            out = run(leaf)
-        CLOCK[kind] += time.process_time() - t0
-        ctx.kind, ctx.out, ctx.leaf = kind, out, leaf
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, g):
-        t0 = time.process_time()
-        if ctx.out.requires_grad:
-            torch.autograd.backward(ctx.out, g)  # the module's parameters accumulate their gradients here
-        CLOCK[ctx.kind] += time.process_time() - t0
-        grad = ctx.leaf.grad if ctx.leaf.requires_grad else None
-        ctx.out = ctx.leaf = None
-        return None, None, grad
-
-
-def _charge(kind: str, x: torch.Tensor, run: Callable):
-    """``run(x) -> tensor or (tensor, ...)`` through :class:`_Charged` (other outputs returned as they are)."""
-    box = {}
-
-    def inner(leaf):
-        r = run(leaf)
-        box["rest"] = r[1:] if isinstance(r, tuple) else None
-        return r[0] if isinstance(r, tuple) else r
-
-    out = _Charged.apply(kind, inner, x)
-    return out if box["rest"] is None else (out, *box["rest"])
-
-
-def _module_forward(kind: str, orig: Callable) -> Callable:
-    def forward(*args, **kwargs):
-        x = args[0] if args else kwargs.pop("hidden_states")
-
-        return _charge(kind, x, lambda leaf: orig(leaf, *args[1:], **kwargs))
-
-    return forward
-
-
-@contextmanager
-def charged(model, kind_of_head: str):
-    """Route ``model``'s mixers and head through :class:`_Charged` (restored on exit).
-    ``kind_of_head``: ``treelit`` (the chunked head of treelit's passes) or ``hf`` (the
-    transformers model's ``lm_head`` and loss function)."""
-    from treelit.loss import linear as linear_mod
-    from treelit.loss import tree as tree_mod
-
-    layers = model.layers if kind_of_head == "treelit" else model.model.layers
-    saved_mods, saved_attrs = [], []
-    for kind, mods in mixers(layers).items():
-        for m in mods:
-            saved_mods.append((m, m.__dict__.get("forward")))
-            m.forward = _module_forward(kind, m.forward)
-    if kind_of_head == "treelit":
-        for mod in (tree_mod, linear_mod):
-            orig = mod.weighted_nll
-            saved_attrs.append((mod, "weighted_nll", orig))
-
-            def head(hidden, weight, targets, coef, _orig=orig, **kw):
-                return _charge("head", hidden, lambda h: _orig(h, weight, targets, coef, **kw))
-
-            mod.weighted_nll = head
-    else:
-        lm = model.lm_head
-        saved_mods.append((lm, lm.__dict__.get("forward")))
-        lm.forward = _module_forward("head", lm.forward)
-        loss_fn = model.loss_function
-        saved_attrs.append((model, "loss_function", loss_fn))
-
-        def loss(logits, labels, *a, **kw):
-            return _charge("head", logits, lambda x: loss_fn(x, labels, *a, **kw))
-
-        model.loss_function = loss
-    try:
-        yield
-    finally:
-        for obj, name, orig in reversed(saved_attrs):
-            setattr(obj, name, orig)
-        for m, fwd in saved_mods:
-            if fwd is None:
-                del m.forward
-            else:
-                m.forward = fwd
-
-
-def split(step: Callable, model, kind_of_head: str) -> Dict[str, float]:
-    """CPU seconds of one ``step`` in total and per kind (``other`` = the rest)."""
-    CLOCK.clear()
-    CLOCK.update({k: 0.0 for k in KINDS})
-    model.zero_grad(set_to_none=True)
-    t0 = time.process_time()
-    with charged(model, kind_of_head):
-        step()
-    total = time.process_time() - t0
-    out = {"total": total, **CLOCK}
-    out["other"] = total - sum(CLOCK[k] for k in KINDS)
-    return out
-
-
 # -- one case ------------------------------------------------------------------------------------------
 def grads_of(model, strip: str = "") -> Dict[str, torch.Tensor]:
     g = {n[len(strip):]: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -352,7 +218,7 @@ def main(args) -> Dict:
     rows = []
     doc = {"env": env, "cases": rows, "complete": False}
     for shape in args.hybrid.split(","):
-        ours, peer = build(shape)
+        ours, peer = build(shape)[torch.float32]
         cost = hf_cost(ours)
         env["models"][shape] = {"description": SHAPES[shape][2], "trunk_params": cost["trunk_params"],
                                 "head_over_trunk": cost["head_over_trunk"]}
@@ -379,3 +245,40 @@ def main(args) -> Dict:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     return doc
+
+
+def precision(args) -> None:
+    """Float32 gradients of both sides against a float64 reference (``--precision``): the tree step
+    and the transformers loop on each case, every model in float32 and in float64 (transformers'
+    float32 upcasts kept in float64, ``tests/float64_mode.py``); prints the largest relative
+    parameter-gradient differences and where they are."""
+    import contextlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from float64_mode import KeepFloat64
+
+    for shape in args.hybrid.split(","):
+        models = build(shape, (torch.float32, torch.float64))
+        for name in args.cases.split(","):
+            case, kind = load_case(name, args, models[torch.float32][0].vocab_size)
+            batch = treelit.TokenTree.from_branches(case.branches, case.masks).to_batch()
+            micro = max(256, round(BASE_LINEAR_TOKENS * case_scale(kind, args)))
+            g = {}
+            for dtype, (ours, peer) in models.items():
+                with KeepFloat64() if dtype == torch.float64 else contextlib.nullcontext():
+                    treelit.tree_loss(ours, batch).backward()
+                    peer_step(peer, case.branches, case.masks, micro)
+                g["tree", dtype], g["hf", dtype] = grads_of(ours, "hf."), grads_of(peer)
+            ref = g["tree", torch.float64]
+
+            def worst(a):
+                r = {k: ((a[k].double() - ref[k]).norm() / ref[k].norm().clamp_min(1e-300)).item() for k in ref}
+                k = max(r, key=r.get)
+                return f"{r[k]:.1e} ({k})"
+
+            print(f"{shape} {case.name}: float64 tree vs transformers "
+                  f"{max_rel_diff(g['tree', torch.float64], g['hf', torch.float64]):.1e}; against float64, "
+                  f"float32 tree {worst(g['tree', torch.float32])}, float32 transformers "
+                  f"{worst(g['hf', torch.float32])}", flush=True)
