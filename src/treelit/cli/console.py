@@ -116,9 +116,10 @@ def _user_error_types() -> tuple:
     from treelit.cli.config import ConfigError
     from treelit.models.errors import CheckpointError
     from treelit.registry import RegistryError
+    from treelit.partition.plan import BudgetError
     from treelit.tree.token_tree import TreeInputError
 
-    types = [ConfigError, CheckpointError, RegistryError, TreeInputError, SetupError, OSError,
+    types = [ConfigError, CheckpointError, RegistryError, TreeInputError, SetupError, OSError, BudgetError,
              InstantiationException, OmegaConfBaseException]
     try:
         from mlflow.exceptions import MlflowException  # optional, heavy (~1 s CPU); known only if installed
@@ -139,6 +140,8 @@ def user_error_message(exc: BaseException) -> Optional[str]:
     name = type(exc).__name__
     if name == "MlflowException":
         return f"MLflow: {exc}"
+    if name == "BudgetError":  # a fixed budget below a branch met in training (a streamed tree)
+        return f"partition.budget_tokens: {exc}"
     if name == "InstantiationException":
         return _instantiation_message(exc)
     return str(exc).strip() or name

@@ -28,7 +28,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, register_resolvers, validate_config
+from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, ConfigError, register_resolvers, validate_config
 from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, process_rank,
                                  quiet_transformers_bars, tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
@@ -93,6 +93,17 @@ def read_resume_checkpoint(path: str) -> Dict[str, Any]:
     info["global_step"] = int(ckpt["global_step"])
     info["mlflow"] = ckpt.get(CHECKPOINT_KEY)
     return info
+
+
+def _check_budget(cfg: DictConfig, data_stats: Dict[str, Any]) -> None:
+    """A fixed partition budget must hold the longest branch (of the data, or of the trees a
+    stream has read so far; a later streamed tree is reported when it comes)."""
+    budget = (cfg.get("partition") or {}).get("budget_tokens")
+    longest = data_stats.get("longest_branch") or 0
+    planner = (cfg.get("callbacks") or {}).get("memory_planner")  # chooses its own budget each step
+    if cfg.partition.name == "redundancy_free" and budget is not None and not planner and longest > int(budget):
+        raise ConfigError(f"partition.budget_tokens={budget} cannot hold the longest branch of the data ({longest} "
+                          f"tokens): a partition chain holds at least one root-to-leaf path; use at least {longest}")
 
 
 @contextmanager
@@ -274,6 +285,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
                                  objective=objective)
         data_stats = datamodule.stats()
         log.info("data: %s", data_line(data_stats))
+        _check_budget(cfg, data_stats)
 
         module = TreeLitModule(
             model=model,

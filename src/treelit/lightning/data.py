@@ -304,6 +304,7 @@ class TreeDataModule(pl.LightningDataModule):
             "por": 1 - tree / flat,
             "ideal_speedup": flat / tree,
             "records_skipped": self.read_stats.skipped,
+            "longest_branch": max((b.max_depth for b in self._batches), default=0),
         }
 
     # the step stream -----------------------------------------------------------------------

@@ -178,6 +178,7 @@ class StreamingTreeDataModule(pl.LightningDataModule):
             "trees": len(batches), "branches": sum(b.num_branches for b in batches), "flat_tokens": flat,
             "tree_tokens": tree, "por": 1 - tree / flat if flat else 0.0, "ideal_speedup": flat / tree if tree else 0.0,
             "records_skipped": self.read_stats.skipped, "shards": len(self.source.shards()),
+            "longest_branch": max((b.max_depth for b in batches), default=0),  # of the trees read so far
             "streamed": True, "records_read": self.read_stats.read,  # so far: not the whole data
             "readers": self._num_readers(),
         }
