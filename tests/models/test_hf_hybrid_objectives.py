@@ -306,6 +306,8 @@ def test_router_loss_on_a_bias_routed_moe_is_refused_naming_the_option(family, t
     random_hf_checkpoint(tmp_path / "on", model_type, output_router_logits=True, router_aux_loss_coef=0.01, **cfg)
     with pytest.raises(CheckpointError, match=r"config\.json: config key 'router_aux_loss_coef' = 0\.01"):
         treelit.load_hf_model(tmp_path / "on")
+    model = make_hf_model(str(tmp_path / "on"), "float64", router_aux_loss_coef=0.0)  # the option turns it off
+    assert model.config.moe["router_aux_loss_coef"] == 0.0
 
 
 def test_router_loss_on_a_softmax_routed_hybrid_equals_transformers(tmp_path):

@@ -293,9 +293,11 @@ def _umask() -> int:
 
 
 def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = torch.float32,
-                  device: Union[str, torch.device] = "cpu") -> HFTreeModel:
+                  device: Union[str, torch.device] = "cpu", router_loss_set: bool = False) -> HFTreeModel:
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
-    ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`."""
+    ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`.
+    ``router_loss_set``: the caller sets the router loss itself (``model.router_aux_loss_coef``), so
+    config.json's is not checked here."""
     import transformers  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
     path = Path(path)
@@ -336,7 +338,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
     model = HFTreeModel(hf).to(device)
     coef = model.config.moe.get("router_aux_loss_coef", 0.0)
-    if model._router_refusal and coef > 0:
+    if model._router_refusal and coef > 0 and not router_loss_set:
         raise CheckpointError(f"{cfg_file}: config key 'router_aux_loss_coef' = {coef} (with output_router_logits): "
                               f"{model._router_refusal}")
     return model
@@ -348,7 +350,7 @@ def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_co
     per layer, non-reentrant)."""
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
-    model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype))
+    model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype), router_loss_set=router_aux_loss_coef is not None)
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
     if model._router_refusal and model.config.moe.get("router_aux_loss_coef", 0.0) > 0:
         raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")
