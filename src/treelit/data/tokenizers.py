@@ -89,6 +89,8 @@ def qwen_tokenizer_dir(cache_dir: Optional[Union[str, Path]] = None) -> str:
         try:
             os.replace(tmp, out)
         except OSError:  # another process renamed its copy first (ENOTEMPTY / EEXIST)
+            if not out.exists():  # not that: a cache that cannot be written (its own error)
+                raise
             if not (out / "tokenizer.json").is_file():
                 raise OSError(f"tokenizer cache {out} exists but has no tokenizer.json (left by something else?): "
                               "remove it, it is rebuilt on the next run") from None
