@@ -102,7 +102,6 @@ def hf_cost(model) -> Dict[str, float]:
             "per_target": 3 * 2.0 * d * V, "trunk_params": float(trunk), "head_over_trunk": d * V / trunk}
 
 
-# -- the split per layer kind ------------------------------------------------------------------------
 # -- one case ------------------------------------------------------------------------------------------
 def grads_of(model, strip: str = "") -> Dict[str, torch.Tensor]:
     g = {n[len(strip):]: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
