@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from cli import run, tail
-from test_multinode import COMMON, TWO_NODES, metric_history, node_logs, wait_all, weights
+from test_multinode import COMMON, HSDP, TWO_NODES, metric_history, node_logs, wait_all, weights
 
 EXE = str(Path(sys.executable).with_name("treelit-train"))
 
@@ -66,10 +66,10 @@ def slurm_env(job_id: str, proc_id: int, nodes: int, per_node: int, nodelist: st
 
 
 def start_tasks(args: Sequence[str], cwd: Path, job_id: str, nodes: int = 2, per_node: int = 1) -> List[subprocess.Popen]:
-    """One ``treelit-train`` per task, as ``srun`` starts them; output in ``cwd/node<R>.log``."""
+    """One ``treelit-train`` per task, as ``srun`` starts them; output in ``cwd/node<N>.task<R>.log``."""
     procs = []
     for r in range(nodes * per_node):
-        log = open(cwd / f"node{r}.log", "w")
+        log = open(cwd / f"node{r // per_node}.task{r}.log", "w")
         procs.append(subprocess.Popen([EXE, *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                       env=slurm_env(job_id, r, nodes, per_node), start_new_session=True))
     return procs
@@ -83,25 +83,29 @@ def test_slurm_env_is_lightnings_slurm_environment(monkeypatch):
     from treelit.cli.config import process_rank
     from treelit.utils.launchers import launcher, launcher_run_name
 
-    for r in (0, 1):
-        env = slurm_env("71234", r, 2, 1)
+    for r, per_node in [(0, 1), (1, 1), (0, 2), (1, 2), (2, 2), (3, 2)]:
+        env = slurm_env("71234", r, 2, per_node)
         for k in list(os.environ):
             monkeypatch.delenv(k)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert SLURMEnvironment.detect() and not TorchElasticEnvironment.detect()
         slurm = SLURMEnvironment()
-        slurm.validate_settings(num_devices=1, num_nodes=2)
-        with pytest.raises(ValueError, match="ntasks-per-node=1"):
-            slurm.validate_settings(num_devices=2, num_nodes=2)
-        assert (slurm.world_size(), slurm.global_rank(), slurm.local_rank(), slurm.node_rank()) == (2, r, 0, r)
+        slurm.validate_settings(num_devices=per_node, num_nodes=2)
+        with pytest.raises(ValueError, match=f"ntasks-per-node={per_node}"):
+            slurm.validate_settings(num_devices=3, num_nodes=2)
+        assert (slurm.world_size(), slurm.global_rank(), slurm.local_rank(), slurm.node_rank()) == (
+            2 * per_node, r, r % per_node, r // per_node)
         assert (slurm.main_address, slurm.main_port) == ("localhost", 15000 + 1234)
         assert process_rank() == r and launcher() == "slurm"
         assert launcher_run_name(lambda: "fresh") == "slurm-71234"
 
 
-@pytest.mark.slow  # about 2 minutes on 2 cores (the one-process reference, then the two tasks)
-def test_srun_two_nodes_train_as_one_process_into_the_jobs_run(tmp_path):
+@pytest.mark.slow  # about 1 (2 x 1) and 2 (2 x 2) minutes on 2 cores: the one-process reference, then the tasks
+@pytest.mark.parametrize("per_node", [1, 2], ids=["fsdp2-2x1", "hsdp-2x2"])
+def test_srun_two_nodes_train_as_one_process_into_the_jobs_run(tmp_path, per_node):
+    """``hsdp-2x2``: the README's sbatch shape, two tasks per node (``SLURM_LOCALID`` 0 and 1,
+    global ranks 0-3) and HSDP with one replica per node."""
     data = tmp_path / "trees.jsonl"
     prefix = list(range(1, 30))
     with data.open("w") as f:
@@ -116,8 +120,8 @@ def test_srun_two_nodes_train_as_one_process_into_the_jobs_run(tmp_path):
     work = tmp_path / "job"
     work.mkdir()
     job_id = _free_job_id()
-    procs = start_tasks([*args, *TWO_NODES], work, job_id)
-    assert wait_all(procs, work, 500) == [0, 0], node_logs(work)
+    procs = start_tasks([*args, *(TWO_NODES if per_node == 1 else HSDP)], work, job_id, per_node=per_node)
+    assert wait_all(procs, work, 600) == [0] * 2 * per_node, node_logs(work)
     runs = sorted(p.name for p in (work / "outputs").iterdir())
     assert runs == [f"slurm-{job_id}"], f"one run folder named after the job, got {runs}"
     out = work / "outputs" / runs[0]
@@ -135,13 +139,14 @@ def test_srun_two_nodes_train_as_one_process_into_the_jobs_run(tmp_path):
     assert mine.keys() == all_trees.keys() and mine, (mine, all_trees)
     assert sum(mine.values()) < sum(all_trees.values()), (mine, all_trees)
     shards = sorted(p.name for p in (out / "checkpoints" / "last.ckpt").glob("*.distcp"))
-    assert len(shards) == 2, f"the sharded checkpoint holds both ranks' shards: {shards}"
+    assert len(shards) == 2 * per_node, f"the sharded checkpoint holds every rank's shards: {shards}"
 
+    logs = ["train.log", *(f"train.rank{r}.log" for r in range(1, 2 * per_node))]
     files = {p.name for p in out.iterdir()}
-    assert {".hydra", "config.yaml", "train.log", "train.rank1.log", "summary.json", "hf_checkpoint"} <= files, files
-    assert not any(f.endswith(".log") and f not in ("train.log", "train.rank1.log") for f in files), files
+    assert {".hydra", "config.yaml", "summary.json", "hf_checkpoint", *logs} <= files, files
+    assert not any(f.endswith(".log") and f not in logs for f in files), files
     assert sorted(p.name for p in (out / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
-    for log in ("train.log", "train.rank1.log"):  # each rank logs its data line once, into its own file
+    for log in logs:  # each rank logs its data line once, into its own file
         lines = (out / log).read_text().splitlines()
         assert sum("[treelit.train][INFO] - data: " in ln for ln in lines) == 1, (log, lines[:20])
 
