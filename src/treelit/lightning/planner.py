@@ -5,14 +5,17 @@ before the step - the device's free memory (``torch.cuda.mem_get_info``) plus wh
 caching allocator holds without using it (``memory_reserved - memory_allocated``: the
 blocks an earlier step freed) - times ``fraction``; on CPU a configured
 ``memory_limit_bytes`` (one number, or one per rank), the memory a step may use. Measured
-after sharding: under FSDP2 a rank holds 1/world of the parameters, gradients and
-optimizer state, under HSDP (``replicate_degree`` R) 1/(world/R), and that resident state
-is already allocated when the step starts, so it is not available. The cost model is
+after sharding: under FSDP2 a rank holds 1/world of the parameters and optimizer state,
+under HSDP (``replicate_degree`` R) 1/(world/R), and that resident state is already
+allocated when the step starts, so it is not available. The cost model is
 linear in the tokens alive along a chain of partitions, ``peak = bytes_per_token *
 chain_tokens``, where ``peak`` is what the step allocates above what was allocated when it
 started (the resident state is counted once: out of the memory available, not again per
-token); ``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on
-each rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
+token). What a step allocates besides its activations is folded into that per-token cost:
+the gradients' shards (freed after every update, ``zero_grad(set_to_none=True)``) and, in
+the first step, the optimizer state (created by its first update): the cost of chains at
+least as long as the ones measured is over-estimated, not under-estimated.
+``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on each rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
 margin). Each rank's budget is ``available / (bytes_per_token * margin)``; the budget
 used is the **minimum over ranks**, so every rank plans with the same budget and (under
 FSDP2) runs aligned passes. On an out-of-memory error on any rank, every rank asks
