@@ -22,32 +22,14 @@ import treelit
 from float64_mode import KeepFloat64
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad
 from hf_oracle import random_hf_checkpoint
+from test_hf_hybrid import HYBRID
 from treelit.ssm import fla_backend, set_ssm_backend
 
 pytest.importorskip("transformers")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-BASE = dict(vocab_size=12, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, max_position_embeddings=64)
-GDN = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-           linear_conv_kernel_dim=3)  # grouped value heads: 4 value heads read 2 q/k heads
-FAMILIES = {
-    "qwen3_5": ("qwen3_5_text", dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                     **GDN)),
-    "qwen3_next": ("qwen3_next", dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                      moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4,
-                                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.3,
-                                      **GDN)),
-    "kimi_linear": ("kimi_linear", dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                        linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=3,
-                                        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-                                        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-                                        pad_token_id=0, bos_token_id=1, eos_token_id=1)),
-    "nemotron_h": ("nemotron_h", dict(BASE, layers_block_type=["mamba", "attention", "moe", "mamba"], ssm_state_size=4,
-                                      mamba_num_heads=4, mamba_head_dim=8, n_groups=2, conv_kernel=3, chunk_size=4,
-                                      use_conv_bias=True, n_routed_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=8, moe_shared_expert_intermediate_size=8)),
-}
+# grouped value heads (4 value heads read 2 q/k heads), Mamba2 with 2 B/C groups, KDA, a router loss
+FAMILIES = {f: HYBRID[f] for f in ("qwen3_5", "qwen3_next", "kimi_linear", "nemotron_h")}
 # two roots, depth up to 4 segments, one-token segments ([4], [6], [1], [2], ...), and levels whose
 # segments range from 1 to 10 tokens: several of mamba's length classes in one level, and padded
 # rows ([9, 8, 7] beside [4, 5, 6, 7]) whose final state starts their children
