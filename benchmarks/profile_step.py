@@ -8,17 +8,22 @@ CPU time (this process only, so other load on a shared machine does not count):
 * ``rest``      - everything else: linear layers, norms, RoPE, MLPs, recurrent layers,
   embedding, bookkeeping.
 
+Each row also gives the step's minor page faults and system CPU time (part of ``total``):
+memory the allocator maps afresh and the kernel zeroes (see ``bench_step --malloc``).
+
 ``--ops`` also prints torch profiler operator tables (wall time per operator, which a
 loaded machine inflates).
 
     python benchmarks/profile_step.py --case grpo_group
     python benchmarks/profile_step.py --case tau_bench --ops
+    python benchmarks/profile_step.py --case grpo_64x256 --modes tree --malloc retain
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -30,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
 from bench_models import PRESETS, attention_model, hybrid_model  # noqa: E402
-from bench_step import BASE_LINEAR_TOKENS, case_scale, load_case  # noqa: E402
+from bench_step import BASE_LINEAR_TOKENS, case_scale, load_case, retain_freed_memory  # noqa: E402
 
 CLOCK = {"attention": 0.0, "head": 0.0}
 
@@ -93,15 +98,19 @@ def timed_parts():
 
 
 def breakdown(step, model, reps: int):
-    """Median over ``reps`` of (total, attention, head) CPU seconds of one step."""
+    """Median over ``reps`` (by total) of (total, attention, head) CPU seconds of one step,
+    its minor page faults and its system CPU seconds."""
     rows = []
     for _ in range(reps):
         CLOCK.update(attention=0.0, head=0.0)
         model.zero_grad(set_to_none=True)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.process_time()
         with timed_parts():
             step()
-        rows.append((time.process_time() - t0, CLOCK["attention"], CLOCK["head"]))
+        total = time.process_time() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        rows.append((total, CLOCK["attention"], CLOCK["head"], r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
     model.zero_grad(set_to_none=True)
     return sorted(rows)[len(rows) // 2]
 
@@ -135,9 +144,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (as bench_step)")
     p.add_argument("--modes", default="tree,per-branch",
                    help="comma-separated modes to time (tree, per-branch); the ratio row needs both")
+    p.add_argument("--malloc", choices=["default", "retain"], default="default", help="as bench_step's --malloc")
     p.add_argument("--ops", action="store_true", help="also print profiler operator tables")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
+    if args.malloc == "retain" and not retain_freed_memory():
+        p.error("--malloc retain needs glibc's mallopt")
     torch.set_num_threads(args.threads)
     cfg = PRESETS[args.preset]
     case, kind = load_case(args.case, args, cfg["vocab"])
@@ -153,15 +165,15 @@ def main(argv=None) -> int:
 
     print(f"# {case.name}: {batch.num_tokens} tree tokens, {sum(map(len, case.branches))} flat, "
           f"{batch.num_segments} segments; {torch.get_num_threads()} thread(s), CPU time, median of {args.reps}; "
-          f"load {os.getloadavg()[0]:.1f}")
-    print(f"{'mode':<12}{'total':>9}{'attention':>11}{'head':>9}{'rest':>9}")
+          f"malloc={args.malloc}; load {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<12}{'total':>9}{'attention':>11}{'head':>9}{'rest':>9}{'faults':>9}{'sys':>8}")
     parts = {}
     modes = [(n, s) for n, s in (("tree", tree_step), ("per-branch", linear_step)) if n in args.modes.split(",")]
     for name, step in modes:
         step()  # warm-up
-        total, att, head = breakdown(step, model, args.reps)
+        total, att, head, faults, sys_s = breakdown(step, model, args.reps)
         parts[name] = (total, att, head, total - att - head)
-        print(f"{name:<12}" + "".join(f"{x:>8.2f}s" for x in parts[name])
+        print(f"{name:<12}" + "".join(f"{x:>8.2f}s" for x in parts[name]) + f"{faults / 1e3:>8.0f}k{sys_s:>7.2f}s"
               + f"   attention {parts[name][1] / parts[name][0]:.1%} of the step")
     if len(parts) == 2:
         ratio = [b / a if a > 0 else float("nan") for a, b in zip(parts["tree"], parts["per-branch"])]
