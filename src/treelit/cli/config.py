@@ -128,6 +128,11 @@ def validate_config(cfg: DictConfig) -> None:
     accel = tr.get("accelerator")
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")
+    planner = (cfg.get("callbacks") or {}).get("memory_planner")
+    on_cpu = accel == "cpu" or (accel in (None, "auto") and not torch.cuda.is_available())
+    if planner and on_cpu and planner.get("memory_limit_bytes") is None:  # (on CUDA: the free device memory)
+        raise ConfigError("callbacks.memory_planner.memory_limit_bytes is needed on CPU: the memory a step may use, "
+                          "in bytes (one number, or a list with one per rank)")
     strategy = (tr.get("strategy") or {})
     target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy)
     fsdp = "ModelParallelStrategy" in target or target.endswith("strategies.FSDP2")

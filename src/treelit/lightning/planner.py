@@ -31,11 +31,17 @@ from typing import Optional
 import lightning.pytorch as pl
 import torch
 
+from treelit.partition.plan import BudgetError
 from treelit.utils.memory import LiveBytes
 
-__all__ = ["MemoryPlanner"]
+__all__ = ["MemoryPlanner", "MemoryBudgetError"]
 
 log = logging.getLogger(__name__)
+
+
+class MemoryBudgetError(BudgetError):
+    """The memory available cannot hold one root-to-leaf path of the step (a user error: too
+    little memory for the data, reported on one line)."""
 
 
 class MemoryPlanner(pl.Callback):
@@ -105,9 +111,9 @@ class MemoryPlanner(pl.Callback):
         budget = int(comm.min(local))
         longest = int(comm.max(longest))
         if budget < longest:
-            raise RuntimeError(
-                f"the memory available holds {budget} tokens per chain of partitions (the smallest over ranks; this "
-                f"rank: {avail / 2**20:.0f} MiB at about {self.bytes_per_token * self.margin / 1024:.1f} KiB per "
+            raise MemoryBudgetError(
+                f"callbacks.memory_planner: the memory available holds {budget} tokens per chain of partitions "
+                f"(the smallest over ranks; this rank: {avail / 2**20:.0f} MiB at about {self.bytes_per_token * self.margin / 1024:.1f} KiB per "
                 f"token), less than the longest branch ({longest} tokens)"
             )
         return budget
