@@ -3,10 +3,8 @@ before training (in-memory data), and during training for a tree streamed later.
 
 from __future__ import annotations
 
-import pytest
-
 from treelit.cli.console import user_error_message
-from treelit.partition import BudgetError, plan_partitions  # noqa: F401  (the error the engine raises)
+from treelit.partition import BudgetError
 
 
 def test_budget_below_the_longest_branch_fails_before_training(cli_main, tmp_path, capsys):
