@@ -156,3 +156,40 @@ def test_srun_two_nodes_train_as_one_process_into_the_jobs_run(tmp_path, per_nod
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
     found = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [(r.info.run_name, r.info.status) for r in found] == [(out.name, "FINISHED")]
+
+
+def test_launch_mismatch_names_the_options():
+    """No process: ``trainer.devices`` / ``num_nodes`` against the tasks srun (or torchrun) started."""
+    from treelit.utils.launchers import launch_mismatch
+
+    job = slurm_env("71234", 0, 2, 2)
+    assert launch_mismatch(2, 2, job) is None
+    assert "but SLURM started 4 tasks (SLURM_NTASKS)" in launch_mismatch(1, 2, job)
+    assert "SLURM starts 2 tasks per node (--ntasks-per-node)" in launch_mismatch(1, 4, job)
+    assert "the SLURM job has 2 nodes (--nodes)" in launch_mismatch(4, 1, {**job, "SLURM_NTASKS_PER_NODE": "4"})
+    assert "without --ntasks-per-node" in launch_mismatch(2, 2, {k: v for k, v in job.items() if k != "SLURM_NTASKS_PER_NODE"})
+    assert launch_mismatch(1, 2, {**job, "SLURM_JOB_NAME": "interactive"}) is None  # Lightning ignores SLURM then
+    assert launch_mismatch("auto", 2, job) is None
+    batch = {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}  # sbatch's script itself, no srun
+    assert launch_mismatch(1, 1, batch) is None and "but SLURM started 1 task (" in launch_mismatch(2, 1, batch)
+    torchrun = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4", **job}  # srun torchrun: torchrun's numbers count
+    assert launch_mismatch(2, 2, torchrun) is None and launch_mismatch(1, 4, torchrun) is None
+    assert "but torchrun started 4 (WORLD_SIZE)" in launch_mismatch(1, 2, torchrun)
+    assert launch_mismatch(2, 1, {}) is None  # no external launcher: Lightning starts the processes
+
+
+def test_srun_tasks_that_do_not_match_trainer_devices_are_one_error_line(tmp_path):
+    """Two tasks of a 2 x 1 job told ``trainer.devices=2``: each exits 1 with one ``error:`` line
+    naming the options before reading the data (Lightning itself would fail later, in the
+    device mesh, with a traceback)."""
+    (tmp_path / "trees.jsonl").write_text(json.dumps({"id": "t", "branches": [{"input_ids": [1, 2, 3]}]}) + "\n")
+    args = [*COMMON, f"data.train_path={tmp_path / 'trees.jsonl'}", "trainer=fsdp2_cpu", "trainer.num_nodes=2",
+            "trainer.devices=2", "logger=none"]
+    assert wait_all(start_tasks(args, tmp_path, _free_job_id()), tmp_path, 300) == [1, 1], node_logs(tmp_path)
+    for rank, log in enumerate(sorted(tmp_path.glob("node*.log"))):  # rank R > 0 prefixes its lines "[rank R] "
+        text = log.read_text()
+        assert "Traceback" not in text and "data: " not in text, (log.name, text)
+        prefix = f"[rank {rank}] " if rank else ""
+        assert [ln[len(prefix):] for ln in text.splitlines() if ln.startswith(prefix + "error: ")] == ["error: trainer.devices=2 x trainer.num_nodes=2 = 4 processes, but SLURM started "
+                                     "2 tasks (SLURM_NTASKS): set trainer.devices to --ntasks-per-node and "
+                                     "trainer.num_nodes to --nodes, and start the tasks with srun"], (log.name, text)

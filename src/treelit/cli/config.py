@@ -146,6 +146,11 @@ def validate_config(cfg: DictConfig) -> None:
         if world % replicas:
             raise ConfigError(f"trainer.strategy.replicate_degree={replicas} (HSDP replicas) must divide the {world} "
                               "processes (trainer.devices x trainer.num_nodes)")
+    from treelit.utils.launchers import launch_mismatch  # torchrun's / srun's processes vs trainer.devices x num_nodes
+
+    mismatch = launch_mismatch(tr.get("devices"), tr.get("num_nodes", 1))
+    if mismatch:
+        raise ConfigError(mismatch)
     correction = (cfg.get("objective") or {}).get("behavior_correction", "none")
     if correction not in (None, "none") and cfg.get("old_logprobs") != "rollout":
         raise ConfigError(f"objective.behavior_correction={correction} compares the sampler's log-probs with the "

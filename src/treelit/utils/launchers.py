@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch.distributed as dist
 
-__all__ = ["RUN_NAME_ENV", "STORE_TIMEOUT_S", "launcher", "launcher_run_name", "shared_run_name"]
+__all__ = ["RUN_NAME_ENV", "STORE_TIMEOUT_S", "launch_mismatch", "launcher", "launcher_run_name", "shared_run_name"]
 
 RUN_NAME_ENV = "TREELIT_RUN_NAME"
 STORE_TIMEOUT_S = 600.0
@@ -81,6 +81,40 @@ def launcher_run_name(fresh: Callable[[], str], env: Optional[Dict[str, str]] = 
     print(f"warning: {_int(env.get('WORLD_SIZE'), 1)} processes (no torchrun store, no SLURM job) cannot agree on "
           f"a run name, each makes up its own: give them all the same output_dir=DIR (or {RUN_NAME_ENV}=NAME)", file=sys.stderr)
     return fresh()
+
+
+def launch_mismatch(devices: object, num_nodes: object, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """One line saying how ``trainer.devices`` / ``trainer.num_nodes`` disagree with the processes
+    an external launcher started, else ``None``. Lightning picks the launcher's environment as it
+    does (torchrun: ``TORCHELASTIC_RUN_ID``; else SLURM: ``SLURM_NTASKS``, unless the job is named
+    ``bash`` or ``interactive``) but checks these numbers only when it starts the processes itself,
+    so a mismatch would otherwise fail in the device mesh after the data is read, with a traceback."""
+    env = os.environ if env is None else env
+    if isinstance(devices, bool) or not isinstance(devices, int) or isinstance(num_nodes, bool) \
+            or not isinstance(num_nodes, int):
+        return None  # devices=auto or a list: Lightning's to resolve
+    asked = f"trainer.devices={devices} x trainer.num_nodes={num_nodes} = {devices * num_nodes} processes"
+    if env.get("TORCHELASTIC_RUN_ID") is not None:
+        world = _int(env.get("WORLD_SIZE"), 0)
+        if world and world != devices * num_nodes:
+            return (f"{asked}, but torchrun started {world} (WORLD_SIZE): set trainer.devices to --nproc-per-node "
+                    "and trainer.num_nodes to --nnodes")
+        return None
+    if env.get("SLURM_NTASKS") is None or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return None
+    tasks, per_node = _int(env.get("SLURM_NTASKS"), 0), env.get("SLURM_NTASKS_PER_NODE")
+    hint = "set trainer.devices to --ntasks-per-node and trainer.num_nodes to --nodes, and start the tasks with srun"
+    if tasks > 1 and per_node is None:
+        return (f"SLURM started {tasks} tasks (SLURM_NTASKS) without --ntasks-per-node, which Lightning needs to "
+                f"place them: use --nodes and --ntasks-per-node ({asked})")
+    if tasks != devices * num_nodes:
+        return f"{asked}, but SLURM started {tasks} task{'s' * (tasks != 1)} (SLURM_NTASKS): {hint}"
+    if per_node is not None and _int(per_node, devices) != devices:
+        return f"trainer.devices={devices}, but SLURM starts {per_node} tasks per node (--ntasks-per-node): {hint}"
+    nodes = env.get("SLURM_NNODES")
+    if nodes is not None and _int(nodes, num_nodes) != num_nodes:
+        return f"trainer.num_nodes={num_nodes}, but the SLURM job has {nodes} nodes (--nodes): {hint}"
+    return None
 
 
 def _from_store(fresh: Callable[[], str], env: Dict[str, str]) -> str:
