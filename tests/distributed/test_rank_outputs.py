@@ -56,3 +56,26 @@ def test_lightning_launcher_processes_log_to_their_rank_file(rank):
     assert cfg.hydra.job_logging.handlers.file.filename == "/runs/out/train.rank1.log"
     rank("LOCAL_RANK", "0")
     assert rank_log_file("train") == "train.log" and rank_zero_only(".hydra") == ".hydra"
+
+
+def test_lightning_launcher_on_a_later_machine_is_never_rank_zero(monkeypatch):
+    """Lightning's own launcher started by hand on machine N > 0 (NODE_RANK, no RANK): its
+    processes must not write rank 0's files nor take the folder lock, and name themselves
+    by machine and local rank (their global rank is not known before Lightning launches)."""
+    from treelit.cli.config import process_rank, rank_label
+
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NODE_RANK", "1")
+    assert process_rank() != 0 and rank_label() == "node1.rank0"
+    assert rank_zero_only(".hydra") is None
+    assert rank_log_file("train") == "train.node1.rank0.log"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_log_file("train_ddp_process_1") == "train.node1.rank1.log"
+    monkeypatch.setenv("NODE_RANK", "0")  # the first machine: local rank = global rank
+    assert process_rank() == 1 and rank_label() == "rank1"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert process_rank() == 0 and rank_log_file("train") == "train.log"
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("RANK", "3")  # torchrun: the global rank wins
+    assert process_rank() == 3 and rank_label() == "rank3"

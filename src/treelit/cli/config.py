@@ -55,13 +55,41 @@ def new_run_name() -> str:
     return name
 
 
-def process_rank() -> int:
-    """This process's rank in a multi-process run (0 when alone), from the launcher's environment."""
-    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+def _env_int(*names: str) -> Optional[int]:
+    for var in names:
         value = os.environ.get(var, "")
         if value.isdigit():
             return int(value)
-    return 0
+    return None
+
+
+def _node_local() -> Optional[tuple]:
+    """``(node, local rank)`` of a process of Lightning's own launcher started by hand on a
+    machine other than the first (``NODE_RANK`` > 0, no global rank in the environment:
+    Lightning computes it later from ``trainer.devices``); ``None`` otherwise."""
+    if _env_int("RANK", "SLURM_PROCID") is not None:
+        return None
+    node = _env_int("NODE_RANK", "GROUP_RANK") or 0
+    return (node, _env_int("LOCAL_RANK") or 0) if node > 0 else None
+
+
+def process_rank() -> int:
+    """This process's rank in a multi-process run (0 when alone), from the launcher's environment.
+    A process on a machine other than the first whose global rank is not known yet (Lightning's
+    own launcher, ``NODE_RANK`` > 0) is never 0: it reports ``node * 1000 + local rank``,
+    a stand-in that only serves to name it (see :func:`rank_label`)."""
+    nl = _node_local()
+    if nl is not None:
+        return nl[0] * 1000 + nl[1]
+    rank = _env_int("RANK", "LOCAL_RANK", "SLURM_PROCID")
+    return 0 if rank is None else rank
+
+
+def rank_label() -> str:
+    """How this process names itself in file names and console prefixes: ``rank<R>``, or
+    ``node<N>.rank<L>`` (local rank L on machine N) where the global rank is not known yet."""
+    nl = _node_local()
+    return f"node{nl[0]}.rank{nl[1]}" if nl is not None else f"rank{process_rank()}"
 
 
 def rank_zero_only(value: Optional[str]) -> Optional[str]:
@@ -77,10 +105,9 @@ def rank_log_file(job_name: str) -> str:
     global rank R > 0 of a multi-process run (torchrun, srun, Lightning's launcher, whose
     processes are named ``<job>_ddp_process_<R>``), so that no two processes append to
     one file."""
-    rank = process_rank()
-    if rank == 0:
+    if process_rank() == 0:
         return f"{job_name}.log"
-    return f"{re.sub(r'_ddp_process_[0-9]+$', '', job_name)}.rank{rank}.log"
+    return f"{re.sub(r'_ddp_process_[0-9]+$', '', job_name)}.{rank_label()}.log"
 
 
 def register_resolvers() -> None:

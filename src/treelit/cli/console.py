@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence
 
 from tqdm import tqdm
 
-from treelit.cli.config import process_rank  # the rank a line is printed for
+from treelit.cli.config import process_rank, rank_label  # the rank a line is printed for
 
 __all__ = ["ConsoleFormatter", "ConsoleHandler", "SetupError", "hydra_error_message", "quiet_transformers_bars",
            "tidy_library_logging", "user_error_message"]
@@ -82,7 +82,8 @@ class ConsoleHandler(logging.Handler):
             if any(n in msg for n in NOISE):
                 return
             if rank:
-                msg = f"[rank {rank}] {msg}"
+                label = rank_label()
+                msg = f"[{'rank ' + str(rank) if label == f'rank{rank}' else label}] {msg}"
             stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
             tqdm.write(msg, file=stream)
         except Exception:  # pragma: no cover - logging must never raise
