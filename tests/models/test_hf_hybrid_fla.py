@@ -239,6 +239,13 @@ def test_fla_selection_on_hybrid_layers(monkeypatch, tmp_path_factory):
     monkeypatch.setitem(sys.modules, "mamba_ssm", None)  # as where it is not installed
     with pytest.raises(ValueError, match=r"ssm=fla needs mamba-ssm for mamba_chunk_scan_combined .*treelit\[cuda\]"):
         select_fla_on_cpu(nemotron, monkeypatch)
+    fla_module = sys.modules.get("fla")
+    monkeypatch.setitem(sys.modules, "fla", None)  # a Mamba2-only hybrid needs mamba-ssm, not fla
+    with pytest.raises(ValueError, match=r"ssm=fla needs mamba-ssm for mamba_chunk_scan_combined"):
+        select_fla_on_cpu(nemotron, monkeypatch)
+    with pytest.raises(ValueError, match=r"ssm=fla needs flash-linear-attention"):
+        select_fla_on_cpu(qwen, monkeypatch)
+    monkeypatch.setitem(sys.modules, "fla", fla_module)
     # (a layer never set runs the torch default: _tree_forward's getattr)
     assert {getattr(m, "_treelit_backend", "torch") for m in nemotron.modules() if hasattr(m, "_treelit_kernels")} \
         == {"torch"}

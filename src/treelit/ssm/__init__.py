@@ -37,11 +37,13 @@ def set_ssm_backend(model, name: str = "torch", chunk_size: int = 64):
     if name == "fla":
         if not torch.cuda.is_available():
             raise ValueError("ssm=fla needs CUDA (fla's Triton kernels); use ssm=torch on this machine")
-        try:
-            import fla  # noqa: F401  (optional, treelit[cuda]: checked only for ssm=fla)
-        except ImportError as exc:
-            raise ValueError("ssm=fla needs flash-linear-attention: pip install 'treelit[cuda]'") from exc
         needed = {_HYBRID_CUDA[k] for m in hybrid for k in getattr(m, "_treelit_kernels", ()) if k in _HYBRID_CUDA}
+        native = any(hasattr(m, "backend") and hasattr(m, "reset_tree_parameters") for m in model.modules())
+        if native or needed - {"mamba_chunk_scan_combined"}:  # Mamba2-only hybrids need mamba-ssm alone
+            try:
+                import fla  # noqa: F401  (optional, treelit[cuda]: checked only for ssm=fla)
+            except ImportError as exc:
+                raise ValueError("ssm=fla needs flash-linear-attention: pip install 'treelit[cuda]'") from exc
         for kernel in sorted(needed):  # e.g. mamba-ssm for Mamba2 mixers: one line naming it, before training
             fla_backend.cuda_kernel(kernel)
     for mod in hybrid:
