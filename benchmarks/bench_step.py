@@ -90,13 +90,13 @@ def retain_freed_memory() -> bool:
     """``--malloc retain``: make glibc serve every allocation from its heap and keep freed
     memory there (``mallopt``: no ``mmap`` chunks, no trimming), for the whole process.
 
-    By default glibc maps each allocation above 32 MiB afresh and unmaps it when freed, so
-    every step touches those pages anew (one minor page fault per 4 KiB, zeroed by the
-    kernel). A tree row's MLP activations are such blocks (4,614 tokens x 2,816 x 4 bytes
-    = 52 MB in grpo_64x256) where the per-branch micro-batches' are not, so the faults fall
-    mostly on the tree step (measured there: 0.85M faults, 2.1 s of system time in a 21 s
-    step). Both modes run under the same setting. Returns False where ``mallopt`` is missing
-    (not glibc)."""
+    By default glibc maps each allocation above 32 MiB afresh and unmaps it when freed (and
+    trims its heap), so every step touches those pages anew: one minor page fault per 4 KiB,
+    zeroed by the kernel. Both modes pay it, in different places: a long tree row's MLP
+    activations are such blocks (grpo_64x256: 4,614 tokens x 2,816 x 4 bytes = 52 MB; 0.9M
+    faults, 2.1-2.3 s of system time in a 21 s tree step), the per-branch path's head
+    allocates a 64 MB weight gradient per micro-batch. Both modes run under the same setting.
+    Returns False where ``mallopt`` is missing (not glibc)."""
     import ctypes
     import ctypes.util
 
