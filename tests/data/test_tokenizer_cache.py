@@ -20,6 +20,8 @@ from typing import Dict
 
 import pytest
 
+from treelit.data.tokenizers import CACHE_NAME
+
 FILES: Dict[str, bytes] = {"tokenizer.json": bytes(range(256)) * 4096, "tokenizer_config.json": b'{"a": 1}' * 64}
 CHUNKS = 16
 
@@ -57,7 +59,7 @@ def builder(root: str, start, result: str, fake: bool, delay: float) -> None:
 
 def reader(root: str, start, done, result: str) -> None:
     """Reads every file of the entry whenever it is there; writes the distinct contents seen."""
-    out = Path(root) / "qwen2-chatml-tokenizer"
+    out = Path(root) / CACHE_NAME
     seen: Dict[str, set] = {}
     reads = 0
     start.wait()
@@ -93,7 +95,7 @@ def race(root: Path, n: int, fake: bool, deadline: float):
                 p.kill()
     paths = [(root.parent / f"b{i}.txt").read_text() for i in range(n)]
     report = json.loads((root.parent / "reader.txt").read_text())
-    final = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in (root / "qwen2-chatml-tokenizer").iterdir()}
+    final = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in (root / CACHE_NAME).iterdir()}
     partial = [name for name, digests in report["seen"].items() if digests != [final.get(name)]]
     return paths, report["reads"], partial
 
@@ -101,12 +103,12 @@ def race(root: Path, n: int, fake: bool, deadline: float):
 def test_processes_racing_on_one_cache_dir_share_one_complete_entry(tmp_path):
     root = tmp_path / "cache"
     paths, seen, partial = race(root, 3, fake=True, deadline=time.monotonic() + 120)
-    entry = root / "qwen2-chatml-tokenizer"
+    entry = root / CACHE_NAME
     assert paths == [str(entry)] * 3, paths
     assert seen > 0, "the reader never saw the entry"
     assert partial == [], f"the reader saw these files other than whole: {partial}"
     assert {p.name: p.read_bytes() for p in entry.iterdir()} == FILES
-    assert [p.name for p in root.iterdir()] == ["qwen2-chatml-tokenizer"], "temporary directories left behind"
+    assert [p.name for p in root.iterdir()] == [CACHE_NAME], "temporary directories left behind"
     oct_mode = entry.stat().st_mode & 0o777
     umask = os.umask(0)
     os.umask(umask)
@@ -122,13 +124,13 @@ def test_an_entry_there_is_used_and_a_foreign_one_is_named(tmp_path, monkeypatch
     first = tk.qwen_tokenizer_dir(root)
     assert tk.qwen_tokenizer_dir(root) == first and len(built) == 1  # built once, then read
     other = tmp_path / "other"
-    (other / "qwen2-chatml-tokenizer").mkdir(parents=True)
-    (other / "qwen2-chatml-tokenizer" / "notes.txt").write_text("not a tokenizer")
-    with pytest.raises(OSError, match=r"qwen2-chatml-tokenizer exists but has no tokenizer.json.*remove it"):
+    (other / CACHE_NAME).mkdir(parents=True)
+    (other / CACHE_NAME / "notes.txt").write_text("not a tokenizer")
+    with pytest.raises(OSError, match=r"qwen2-chatml-tokenizer-[0-9a-f]{12} exists but has no tokenizer.json.*remove it"):
         tk.qwen_tokenizer_dir(other)
-    assert [p.name for p in other.iterdir()] == ["qwen2-chatml-tokenizer"]
-    (other / "qwen2-chatml-tokenizer" / "notes.txt").unlink()  # an empty directory is taken over
-    assert tk.qwen_tokenizer_dir(other) == str(other / "qwen2-chatml-tokenizer")
+    assert [p.name for p in other.iterdir()] == [CACHE_NAME]
+    (other / CACHE_NAME / "notes.txt").unlink()  # an empty directory is taken over
+    assert tk.qwen_tokenizer_dir(other) == str(other / CACHE_NAME)
 
 
 @pytest.mark.slow  # two real builds of the Qwen tokenizer at once (about 40 s on 2 busy cores)
@@ -137,7 +139,27 @@ def test_two_processes_building_the_real_tokenizer_at_once(tmp_path):
 
     root = tmp_path / "cache"
     paths, _, partial = race(root, 2, fake=False, deadline=time.monotonic() + 300)
-    assert paths == [str(root / "qwen2-chatml-tokenizer")] * 2 and partial == [], (paths, partial)
+    assert paths == [str(root / CACHE_NAME)] * 2 and partial == [], (paths, partial)
     tok = AutoTokenizer.from_pretrained(paths[0])
     assert tok.convert_tokens_to_ids("<|im_start|>") == 151644
-    assert [p.name for p in root.iterdir()] == ["qwen2-chatml-tokenizer"]
+    assert [p.name for p in root.iterdir()] == [CACHE_NAME]
+
+
+def test_the_entry_names_its_recipe_and_old_builds_are_removed(tmp_path, monkeypatch):
+    """The entry's name carries a digest of what it is built from (a changed chat template
+    gets a new entry, not a stale one), and a build directory a killed process left more
+    than a day ago is removed by the next build."""
+    import treelit.data.tokenizers as tk
+
+    assert CACHE_NAME.startswith("qwen2-chatml-tokenizer-") and len(CACHE_NAME.rsplit("-", 1)[1]) == 12
+    monkeypatch.setattr(tk, "CHATML_TEMPLATE", tk.CHATML_TEMPLATE + " ")
+    assert tk._recipe() != CACHE_NAME.rsplit("-", 1)[1]
+    monkeypatch.undo()
+    monkeypatch.setattr(tk, "build_qwen_tokenizer", slow_build)
+    old, fresh = tmp_path / f".{CACHE_NAME}-host-1-aaaa", tmp_path / f".{CACHE_NAME}-host-2-bbbb"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "tokenizer.json").write_bytes(b"partial")
+    os.utime(old, (time.time() - 2 * tk.STALE_BUILD_S,) * 2)
+    assert tk.qwen_tokenizer_dir(tmp_path) == str(tmp_path / CACHE_NAME)
+    assert not old.exists() and fresh.exists()  # a recent one may be a live build: kept

@@ -8,10 +8,12 @@ special tokens ``<|endoftext|>`` 151643, ``<|im_start|>`` 151644, ``<|im_end|>``
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import secrets
 import socket
+import time
 from pathlib import Path
 from typing import Optional, Union
 
@@ -60,11 +62,23 @@ def build_qwen_tokenizer(out_dir: Union[str, Path], chat_template: str = CHATML_
     return out
 
 
-CACHE_NAME = "qwen2-chatml-tokenizer"
+def _recipe() -> str:
+    """A short digest of what the cached tokenizer is built from (the BPE ranks, pattern,
+    special tokens and chat template): a change to any of them gets a new cache entry
+    instead of reusing a stale one."""
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    h = hashlib.sha256()
+    for part in (_QWEN2_PATTERN, "\0".join(_SPECIALS), CHATML_TEMPLATE, str(ranks.stat().st_size)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+CACHE_NAME = f"qwen2-chatml-tokenizer-{_recipe()}"
+STALE_BUILD_S = 24 * 3600  # a build directory this old was left by a killed process
 
 
 def qwen_tokenizer_dir(cache_dir: Optional[Union[str, Path]] = None) -> str:
-    """A cached Qwen tokenizer directory, ``<cache>/qwen2-chatml-tokenizer`` (``cache_dir``,
+    """A cached Qwen tokenizer directory, ``<cache>/qwen2-chatml-tokenizer-<digest of the recipe>`` (``cache_dir``,
     else ``TREELIT_CACHE``, else ``~/.cache/treelit``), built on first use.
 
     Safe for every process that may build it at the same moment - the ranks of a run, and
@@ -74,13 +88,20 @@ def qwen_tokenizer_dir(cache_dir: Optional[Union[str, Path]] = None) -> str:
     into place in one step (``os.replace``, an atomic ``rename(2)`` of a directory). A
     reader therefore finds the complete directory or none, never a partial file; the first
     rename wins, the others are refused (the place is taken) and remove their copy. Nodes
-    that do not share the cache each build their own.
+    that do not share the cache each build their own. A build directory older than a day
+    (left by a killed process) is removed.
     """
     root = Path(cache_dir or os.environ.get("TREELIT_CACHE", Path.home() / ".cache" / "treelit"))
     out = root / CACHE_NAME
     if (out / "tokenizer.json").is_file():
         return str(out)
     root.mkdir(parents=True, exist_ok=True)
+    for left in root.glob(f".{CACHE_NAME}-*"):  # builds of killed processes (a live build takes seconds)
+        try:
+            if time.time() - left.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(left, ignore_errors=True)
+        except OSError:  # removed meanwhile by another process
+            pass
     tmp = root / f".{CACHE_NAME}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()  # exclusive: never another process's directory (and the umask's mode, unlike mkdtemp's 0700)
     try:
