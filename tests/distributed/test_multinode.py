@@ -117,6 +117,15 @@ def wait_all(procs: List[subprocess.Popen], logs: Path, timeout: float) -> List[
     return [p.returncode for p in procs]
 
 
+def wait_for_step_1(procs: List[subprocess.Popen], work: Path, name: str, timeout: float = 400) -> None:
+    """Until the run in ``work`` has written ``name`` into its step-1 checkpoint, every node still alive."""
+    end = time.monotonic() + timeout
+    while not list(work.glob(f"outputs/*/checkpoints/step-000001.ckpt/{name}")):
+        assert all(p.poll() is None for p in procs), "a node ended before it was killed: " + node_logs(work)
+        assert time.monotonic() < end, "no step-1 checkpoint: " + node_logs(work)
+        time.sleep(0.2)
+
+
 def node_logs(logs: Path) -> str:
     return "\n".join(f"--- {f.name}\n{tail(f)}" for f in sorted(logs.glob("node*.log")))
 
@@ -251,11 +260,7 @@ def test_a_killed_node_stops_the_other_naming_the_step(data, how):
             "callbacks.checkpoint.every_n_train_steps=1", f"trainer.strategy.timeout_s={timeout_s}"]
     procs = start_nodes(args, work, work)
     try:
-        end = time.monotonic() + 400
-        while not list(work.glob("outputs/*/checkpoints/step-000001.ckpt/.metadata")):
-            assert all(p.poll() is None for p in procs), "a node ended before it was killed: " + node_logs(work)
-            assert time.monotonic() < end, "no step-1 checkpoint: " + node_logs(work)
-            time.sleep(0.2)
+        wait_for_step_1(procs, work, ".metadata")
         signal_node(procs[1], getattr(signal, how))
         killed = time.monotonic()
         rc = wait_all(procs[:1], work, timeout_s + 60)[0]
@@ -306,11 +311,7 @@ def test_two_nodes_resume_after_kill_to_the_uninterrupted_weights(data, per_node
     work.mkdir()
     procs = start_nodes([*base, "trainer.max_steps=50", "trainer.strategy.timeout_s=60"], work, work, per_node=per_node)
     try:
-        end = time.monotonic() + 400
-        while not list(work.glob("outputs/*/checkpoints/step-000001.ckpt/meta.pt")):
-            assert all(p.poll() is None for p in procs), "a node ended before it was killed: " + node_logs(work)
-            assert time.monotonic() < end, "no step-1 checkpoint: " + node_logs(work)
-            time.sleep(0.2)
+        wait_for_step_1(procs, work, "meta.pt")
         kill(procs[1])
         assert wait_all(procs[:1], work, 120)[0] != 0
     finally:
