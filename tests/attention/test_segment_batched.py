@@ -145,3 +145,47 @@ def test_buckets_keep_padding_within_the_waste_factor():
        seed=st.integers(0, 100), n_ext=st.integers(0, 2))
 def test_random_agent_trees(depth, k, lengths, seed, n_ext):
     compare(SegmentAttention(), layout_of(agent_tree(depth, k, lengths, seed), n_ext=n_ext))
+
+
+def grpo_group(prompt: int, completions: int, length: int, under=()):
+    """``completions`` branches of ``length`` tokens under one ``prompt``-token prefix, itself
+    below the token paths ``under`` (branches off the prompt's first token; longer ones come first)."""
+    token = iter(range(10, 10**6))
+    head = [next(token) for _ in range(prompt)]
+    grp = [head + [next(token) for _ in range(length)] for _ in range(completions)]
+    other = [[head[0]] + [next(token) for _ in range(n)] for n in under]
+    return other + grp
+
+
+@pytest.mark.parametrize("prompt,completions,length,under,n_ext", [
+    (5, 6, 4, (), 0),
+    (3, 5, 1, (), 0),  # one-token completions
+    (1, 4, 3, (), 0),  # one-token prompt
+    (4, 6, 2, (), 3),  # external keys before the prompt
+    (4, 3, 3, (20,), 0),  # the group under a second child: a prefix that is not one run of the row
+    (4, 3, 3, (20,), 2),
+])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grpo_group_reads_views_of_the_row(prompt, completions, length, under, n_ext, dtype):
+    """A GRPO group's completions after the first (equal lengths, in row order) form one unit
+    with no padded slot: its queries and own keys are a range of the row, its prefix a range when
+    the prompt's path is one run, and outputs and every gradient equal ``sdpa_dense``."""
+    layout = layout_of(grpo_group(prompt, completions, length, under), n_ext)
+    backend = SegmentAttention()
+    plan = backend.plan(layout)
+    (g,) = [g for g in plan.groups if g.units and g.n == completions - 1]
+    assert g.q_range is not None and g.q_idx is None and g.pre_slots is None
+    assert g.lq == length and g.lp == n_ext + prompt
+    assert (g.pre_range is not None) == (not under)
+    compare(backend, layout, dtype=dtype)
+
+
+def test_unequal_completions_keep_the_padded_path():
+    """Completions of different lengths need padded slots: the gathered path, still exact."""
+    branches = grpo_group(4, 4, 3)
+    branches[-1], branches[-2] = branches[-1] + [998], branches[-2] + [999]  # the first child takes one
+    layout = layout_of(branches)
+    backend = SegmentAttention()
+    (g,) = [g for g in backend.plan(layout).groups if g.units]
+    assert g.q_range is None and g.pre_slots is not None
+    compare(backend, layout)

@@ -136,9 +136,10 @@ class BatchedPrefixAttention(torch.autograd.Function):
     (``[G, 1, 1, P]``, 0 / dtype min; None when nothing is padded); ``q_own [C, H, L, D]`` /
     ``k_own, v_own [C, Hkv, L, D]``: the chains padded to L (padding after each chain's tokens,
     so causality hides it from real queries); ``pre_slots`` / ``own_slots`` ``[M]``: the
-    flattened ``G * A`` / ``C * L`` slot of each real query. Padded query slots must hold zero
-    queries (their rows are then finite in the forward and contribute nothing in the
-    backward). Returns ``[H, M, D]``, the real queries in slot order.
+    flattened ``G * A`` / ``C * L`` slot of each real query, or both None when no slot is padded
+    and the two layouts hold the queries in the same order (``M = G * A = C * L``). Padded query
+    slots must hold zero queries (their rows are then finite in the forward and contribute
+    nothing in the backward). Returns ``[H, M, D]``, the real queries in slot order.
     """
 
     @staticmethod
@@ -146,7 +147,11 @@ class BatchedPrefixAttention(torch.autograd.Function):
         o_a, l_a = _fwd(q_pre, k_pre, v_pre, False, bias_pre)
         o_b, l_b = _fwd(q_own, k_own, v_own, True, None)
         H = q_pre.shape[1]
-        flat = lambda t, slots: t.transpose(0, 1).reshape(H, -1, *t.shape[3:]).index_select(1, slots)  # noqa: E731
+
+        def flat(t, slots):
+            t = t.transpose(0, 1).reshape(H, -1, *t.shape[3:])
+            return t if slots is None else t.index_select(1, slots)
+
         o_a, l_a, o_b, l_b = flat(o_a, pre_slots), flat(l_a, pre_slots), flat(o_b, own_slots), flat(l_b, own_slots)
         lse = torch.logaddexp(l_a, l_b)
         o = _merge(o_a, l_a, o_b, l_b, lse)
@@ -160,6 +165,8 @@ class BatchedPrefixAttention(torch.autograd.Function):
 
         def padded(t, slots, like):  # real rows back into the padded layout, zeros elsewhere
             n, H, L = like.shape[:3]
+            if slots is None:
+                return t.view(H, n, L, *t.shape[2:]).transpose(0, 1).contiguous()
             full = t.new_zeros(H, n * L, *t.shape[2:])
             full.index_copy_(1, slots, t)
             return full.view(H, n, L, *t.shape[2:]).transpose(0, 1).contiguous()

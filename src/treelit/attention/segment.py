@@ -34,7 +34,10 @@ real query, so causality hides them); the two parts merge by log-sum-exp
 prefixes first, while its padded work stays within 1.5x its real work, so the number of
 calls follows the tree's depth and the spread of its shapes, not its number of segments
 (a GRPO group: its first chain plus one batched group; a 3-level tree of 27 leaves with
-equal segment lengths: its first chain plus one group per level). Chains longer
+equal segment lengths: its first chain plus one group per level). A unit alone in its
+bucket whose chains have equal lengths and follow each other in the row (a GRPO group's
+completions) needs no padded slot: its queries, own keys and (when contiguous) prefix are
+read as views of the row, with no gathers and no scatters back. Chains longer
 than ``batch_below`` that have no siblings run alone on slices of the row; short chains
 without a prefix (the roots of a packed row) are padded into groups of similar length.
 
@@ -88,6 +91,10 @@ class _Group:
     qpad_idx: Optional[torch.Tensor] = None
     pre_slots: Optional[torch.Tensor] = None  # [M] slot of each real query in units * la
     own_slots: Optional[torch.Tensor] = None  # [M] slot of each real query in n * lq
+    # one unit of equal chains in row order: its queries are the row's tokens [a, b) in slot
+    # order for both parts, read as views; slots are the identity (None)
+    q_range: Optional[Tuple[int, int]] = None
+    pre_range: Optional[Tuple[int, int]] = None  # ... and its prefix the keys [a, b)
     _bias: Optional[Dict[torch.dtype, torch.Tensor]] = None
 
     @property
@@ -260,15 +267,25 @@ class SegmentAttention(AttentionBackend):
         qz = None
         for g in plan.groups:
             if g.units:
-                if qz is None:  # the row's queries and one zero query (index N) for padded slots
-                    qz = torch.cat([q[0], q.new_zeros(Hq, 1, D)], dim=1)
+                if qz is None and g.q_range is None:  # the row's queries and a zero query (index N)
+                    qz = torch.cat([q[0], q.new_zeros(Hq, 1, D)], dim=1)  # for padded slots
                 G, A, P = g.units, g.la, g.lp
-                q_pre = qz.index_select(1, g.q_idx).view(Hq, G, A, D).transpose(0, 1)
-                kp = k[0].index_select(1, g.pre_idx).view(Hkv, G, P, D).transpose(0, 1)
-                vp = v[0].index_select(1, g.pre_idx).view(Hkv, G, P, D).transpose(0, 1)
-                q_own = qz.index_select(1, g.qpad_idx).view(Hq, g.n, g.lq, D).transpose(0, 1)
-                ko = k[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
-                vo = v[0].index_select(1, g.own_idx).view(Hkv, g.n, g.lq, D).transpose(0, 1)
+                if g.q_range is not None:  # views of the row: no gathers, no scatters back
+                    a, b = g.q_range
+                    rq, rk, rv = q[0, :, a:b], k[0, :, E + a : E + b], v[0, :, E + a : E + b]
+                else:
+                    rq = qz.index_select(1, g.q_idx)
+                    rk, rv = k[0].index_select(1, g.own_idx), v[0].index_select(1, g.own_idx)
+                q_pre = rq.view(Hq, G, A, D).transpose(0, 1)
+                q_own = (rq if g.q_range is not None else qz.index_select(1, g.qpad_idx))
+                q_own = q_own.view(Hq, g.n, g.lq, D).transpose(0, 1)
+                ko = rk.view(Hkv, g.n, g.lq, D).transpose(0, 1)
+                vo = rv.view(Hkv, g.n, g.lq, D).transpose(0, 1)
+                if g.pre_range is not None:
+                    kp, vp = k[:, :, g.pre_range[0] : g.pre_range[1]], v[:, :, g.pre_range[0] : g.pre_range[1]]
+                else:
+                    kp = k[0].index_select(1, g.pre_idx).view(Hkv, G, P, D).transpose(0, 1)
+                    vp = v[0].index_select(1, g.pre_idx).view(Hkv, G, P, D).transpose(0, 1)
                 outs.append(BatchedPrefixAttention.apply(q_pre, kp, vp, g.bias(q.dtype), q_own, ko, vo,
                                                          g.pre_slots, g.own_slots))
                 continue
@@ -412,8 +429,18 @@ def _batched_group(units, E: int, N: int, dev) -> Tuple[_Group, np.ndarray, int]
             t += n
             c += 1
     t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    q_flat = q_pre.reshape(-1)
+    a0 = int(q_flat[0])
+    if (G == 1 and a0 + A <= N and np.array_equal(q_flat, np.arange(a0, a0 + A))  # N: the zero query
+            and np.array_equal(q_own.reshape(-1), q_flat)):
+        # one unit of equal chains in row order (a GRPO group): views of the row, no padded slot
+        p0 = int(pre[0, 0])
+        pre_range = (p0, p0 + P) if np.array_equal(pre[0], np.arange(p0, p0 + P)) else None
+        group = _Group(C, L, P, pre_idx=None if pre_range else t(pre.reshape(-1)), units=1, la=A,
+                       q_range=(a0, a0 + A), pre_range=pre_range)
+        return group, np.concatenate(rows), A * P + C * L * (L + 1) // 2
     group = _Group(
-        C, L, P, q_idx=t(q_pre.reshape(-1)), own_idx=t(own.reshape(-1)), pre_idx=t(pre.reshape(-1)),
+        C, L, P, q_idx=t(q_flat), own_idx=t(own.reshape(-1)), pre_idx=t(pre.reshape(-1)),
         pre_bias=None if pre_valid.all() else t(pre_valid[:, None, None, :]),
         units=G, la=A, qpad_idx=t(q_own.reshape(-1)),
         pre_slots=t(np.concatenate(pre_slots)), own_slots=t(np.concatenate(own_slots)),
