@@ -277,7 +277,7 @@ class SegmentAttention(AttentionBackend):
                     rq = qz.index_select(1, g.q_idx)
                     rk, rv = k[0].index_select(1, g.own_idx), v[0].index_select(1, g.own_idx)
                 q_pre = rq.view(Hq, G, A, D).transpose(0, 1)
-                q_own = (rq if g.q_range is not None else qz.index_select(1, g.qpad_idx))
+                q_own = rq if g.q_range is not None else qz.index_select(1, g.qpad_idx)
                 q_own = q_own.view(Hq, g.n, g.lq, D).transpose(0, 1)
                 ko = rk.view(Hkv, g.n, g.lq, D).transpose(0, 1)
                 vo = rv.view(Hkv, g.n, g.lq, D).transpose(0, 1)
@@ -429,6 +429,7 @@ def _batched_group(units, E: int, N: int, dev) -> Tuple[_Group, np.ndarray, int]
             t += n
             c += 1
     t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    cost = G * A * P + C * L * (L + 1) // 2
     q_flat = q_pre.reshape(-1)
     a0 = int(q_flat[0])
     if (G == 1 and a0 + A <= N and np.array_equal(q_flat, np.arange(a0, a0 + A))  # N: the zero query
@@ -438,14 +439,13 @@ def _batched_group(units, E: int, N: int, dev) -> Tuple[_Group, np.ndarray, int]
         pre_range = (p0, p0 + P) if np.array_equal(pre[0], np.arange(p0, p0 + P)) else None
         group = _Group(C, L, P, pre_idx=None if pre_range else t(pre.reshape(-1)), units=1, la=A,
                        q_range=(a0, a0 + A), pre_range=pre_range)
-        return group, np.concatenate(rows), A * P + C * L * (L + 1) // 2
+        return group, np.concatenate(rows), cost
     group = _Group(
         C, L, P, q_idx=t(q_flat), own_idx=t(own.reshape(-1)), pre_idx=t(pre.reshape(-1)),
         pre_bias=None if pre_valid.all() else t(pre_valid[:, None, None, :]),
         units=G, la=A, qpad_idx=t(q_own.reshape(-1)),
         pre_slots=t(np.concatenate(pre_slots)), own_slots=t(np.concatenate(own_slots)),
     )
-    cost = G * A * P + C * L * (L + 1) // 2
     return group, np.concatenate(rows), cost
 
 
