@@ -151,3 +151,41 @@ def test_linear_backward_matches_linear_loss(family):
     assert_equivalent(
         model, via_backward, lambda: treelit.linear_loss(model, branches, masks, weights), torch.float64, "mb"
     )
+
+
+class _PlanSpy(SegmentAttention):
+    """``segment`` that keeps the plans it builds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans = []
+
+    def plan(self, layout):
+        self.plans.append(super().plan(layout))
+        return self.plans[-1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("aggregation", treelit.AGGREGATIONS)
+@pytest.mark.parametrize("length", [1, 3])
+def test_grpo_group_read_as_views(family, aggregation, dtype, length):
+    """A GRPO group (equal completions under one prompt, prompt untrained, one weight per
+    completion) takes ``segment``'s view path for the completions after the first; loss and
+    every parameter gradient equal per-branch training."""
+    prompt = [1, 2, 3, 4, 5]
+    branches = [prompt + [(6 + 3 * i + j) % 11 for j in range(length)] for i in range(5)]  # vocabulary 11
+    masks = [[0] * len(prompt) + [1] * length for _ in branches]
+    weights = [1.0, 0.5, 2.0, 0.25, 3.0]
+    model = cached_model(family, dtype)
+    tree = treelit.TokenTree.from_branches(branches, masks, weights)
+    spy = _PlanSpy()
+    assert_equivalent(
+        model,
+        lambda: treelit.tree_loss(model, tree, aggregation, attention=spy),
+        lambda: treelit.linear_loss(model, branches, masks, weights, aggregation),
+        dtype,
+        f"grpo length {length}",
+        forest=(branches, masks, weights),
+    )
+    views = [g for p in spy.plans for g in p.groups if g.q_range is not None]
+    assert views and all(g.n == 4 and g.lq == length and g.pre_range == (0, len(prompt)) for g in views)
