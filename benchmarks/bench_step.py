@@ -1,7 +1,10 @@
 """Tree mode vs per-branch training: one forward+backward step, same process, same weights.
 
 For each agentic-shaped case this times a full training step (forward, loss, backward)
-in three ways, interleaved (warm-up, then repetitions, median):
+in three ways, interleaved (warm-up, then repetitions, median). Each repetition runs
+about as many tree steps as one per-branch step lasts, half before and half after the
+other modes, and counts their mean (``--tree-steps``; this machine's speed drifts within
+seconds, see :func:`tree_steps_per_rep`):
 
 * ``tree``   - treelit's tree step;
 * ``linear`` - treelit's own per-branch path (padded micro-batches of the same model);
@@ -108,6 +111,22 @@ def retain_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def tree_steps_per_rep(requested: str, warm_tree: float, warm_linear: float, cap: int = 8) -> int:
+    """Tree steps per repetition. A per-branch step lasts several tree steps, and this
+    machine's speed drifts within seconds (``machine_noise.py``: the same matrix product
+    moves by +-30% over half a minute on an idle 2-core VM), so one tree step per
+    repetition samples a much shorter stretch of time than the per-branch step it is
+    compared with. ``auto`` runs about as many tree steps as one per-branch step lasts
+    (a tree step and the per-branch warm-up, at most ``cap``), half before and half after the other modes; the
+    repetition's tree time is their mean. An integer fixes the count (1: one each)."""
+    if requested != "auto":
+        n = int(requested) if str(requested).isdigit() else 0
+        if n < 1:
+            raise ValueError(f"--tree-steps must be 'auto' or >= 1, got {requested}")
+        return n
+    return max(1, min(cap, round(warm_linear / max(warm_tree, 1e-9))))
+
+
 def grads_of(model) -> Dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -179,10 +198,13 @@ def run_case(name: str, models: Dict, args) -> Dict:
         modes["hf"] = (peer, lambda: peer_step(peer, case.branches, case.masks, micro))
     result: Dict = {"name": case.name, **stats, **ideal, "tree_build_s": build_s, "vocab": model.vocab_size,
                     "linear_tokens": micro, "attention": args.attention}
-    grads, times = {}, {m: [] for m in modes}
+    clock = time.process_time if args.timer == "cpu" else time.perf_counter
+    grads, times, warm = {}, {m: [] for m in modes}, {}
     for mode, (m, step) in modes.items():  # warm-up doubles as the memory and gradient pass
         m.zero_grad(set_to_none=True)
+        t0 = clock()
         peak, loss = peak_memory(step) if args.memory else (None, step())
+        warm[mode] = clock() - t0
         grads[mode] = grads_of(m)
         result[f"loss_{mode}"] = loss
         result[f"peak_mem_{mode}_bytes"] = peak
@@ -190,17 +212,30 @@ def run_case(name: str, models: Dict, args) -> Dict:
         from hf_peer import grad_diff
 
         result["max_rel_grad_diff_hf"] = grad_diff(model, grads["tree"], grads["hf"])
-    clock = time.process_time if args.timer == "cpu" else time.perf_counter
-    for _ in range(args.reps):
-        for mode, (m, step) in modes.items():  # interleaved, so drifts in machine load hit every mode
-            m.zero_grad(set_to_none=True)
-            t0 = clock()
-            step()
-            times[mode].append(clock() - t0)
+    def timed(mode):
+        m, step = modes[mode]
+        m.zero_grad(set_to_none=True)
+        t0 = clock()
+        step()
+        return clock() - t0
+
+    # the tree's warm-up carries first-call costs; one more (untimed for the result) tree step sizes k
+    k = tree_steps_per_rep(args.tree_steps, timed("tree") if args.tree_steps == "auto" else 1.0, warm["linear"])
+    tree_all: List[float] = []
+    for _ in range(args.reps):  # interleaved, so drifts in machine speed hit every mode
+        before = [timed("tree") for _ in range((k + 1) // 2)]
+        for mode in modes:
+            if mode != "tree":
+                times[mode].append(timed(mode))
+        after = [timed("tree") for _ in range(k // 2)]
+        tree_all += before + after
+        times["tree"].append(statistics.fmean(before + after))
     for m, _ in modes.values():
         m.zero_grad(set_to_none=True)
     med = {mode: statistics.median(t) for mode, t in times.items()}
     result.update(
+        tree_steps_per_rep=k,
+        tree_step_times_s=tree_all,
         times_s=times,
         time_tree_s=med["tree"],
         time_linear_s=med["linear"],
@@ -263,10 +298,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory pass")
     p.add_argument("--malloc", choices=["default", "retain"], default="default",
                    help="glibc allocator: its defaults, or keep freed memory for reuse (see retain_freed_memory)")
+    p.add_argument("--tree-steps", default="auto",
+                   help="tree steps per repetition, around the other modes' steps (default auto: as many as one "
+                        "per-branch step lasts, at most 8; 1: one step per mode); the repetition's tree time is their mean")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.scale = args.scale if args.scale is not None else (0.05 if args.quick else 0.25)
     args.reps = args.reps if args.reps is not None else (1 if args.quick else 2)
+    try:
+        tree_steps_per_rep(args.tree_steps, 1.0, 1.0)
+    except ValueError as e:
+        p.error(str(e))
     args.model_cfg = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in PRESETS[args.preset].items()}
     if args.malloc == "retain" and not retain_freed_memory():
         p.error("--malloc retain needs glibc's mallopt")
@@ -283,7 +325,7 @@ def main(argv=None) -> int:
         "model": (f"{args.preset}: qwen2-style, {c['layers']} layers, dim {c['dim']}, {c['heads']} heads "
                   f"({c['kv_heads']} kv), MLP {c['intermediate']}, vocab {c['vocab']}, float32; "
                   f"head/trunk per token {cost['head_over_trunk']:.2f}"),
-        "timer": args.timer, "malloc": args.malloc, "scale": args.scale, "hybrid_scale": args.scale * args.hybrid_scale, "reps": args.reps, "mask": args.mask, "aggregation": args.aggregation,
+        "timer": args.timer, "tree_steps": args.tree_steps, "malloc": args.malloc, "scale": args.scale, "hybrid_scale": args.scale * args.hybrid_scale, "reps": args.reps, "mask": args.mask, "aggregation": args.aggregation,
         "load_before": os.getloadavg()[0],
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
