@@ -114,7 +114,7 @@ def retain_freed_memory() -> bool:
 def tree_steps_per_rep(requested: str, warm_tree: float, warm_linear: float, cap: int = 8) -> int:
     """Tree steps per repetition. A per-branch step lasts several tree steps, and this
     machine's speed drifts within seconds (``machine_noise.py``: the same matrix product
-    moves by +-30% over half a minute on an idle 2-core VM), so one tree step per
+    took -19% / +53% of its median over half a minute, nothing else running), so one tree step per
     repetition samples a much shorter stretch of time than the per-branch step it is
     compared with. ``auto`` runs about as many tree steps as one per-branch step lasts
     (a tree step and the per-branch warm-up, at most ``cap``), half before and half after the other modes; the
@@ -199,12 +199,13 @@ def run_case(name: str, models: Dict, args) -> Dict:
     result: Dict = {"name": case.name, **stats, **ideal, "tree_build_s": build_s, "vocab": model.vocab_size,
                     "linear_tokens": micro, "attention": args.attention}
     clock = time.process_time if args.timer == "cpu" else time.perf_counter
-    grads, times, warm = {}, {m: [] for m in modes}, {}
+    grads, times = {}, {m: [] for m in modes}
     for mode, (m, step) in modes.items():  # warm-up doubles as the memory and gradient pass
         m.zero_grad(set_to_none=True)
         t0 = clock()
         peak, loss = peak_memory(step) if args.memory else (None, step())
-        warm[mode] = clock() - t0
+        if mode == "linear":
+            warm_linear = clock() - t0
         grads[mode] = grads_of(m)
         result[f"loss_{mode}"] = loss
         result[f"peak_mem_{mode}_bytes"] = peak
@@ -220,7 +221,7 @@ def run_case(name: str, models: Dict, args) -> Dict:
         return clock() - t0
 
     # the tree's warm-up carries first-call costs; one more (untimed for the result) tree step sizes k
-    k = tree_steps_per_rep(args.tree_steps, timed("tree") if args.tree_steps == "auto" else 1.0, warm["linear"])
+    k = tree_steps_per_rep(args.tree_steps, timed("tree") if args.tree_steps == "auto" else 1.0, warm_linear)
     tree_all: List[float] = []
     for _ in range(args.reps):  # interleaved, so drifts in machine speed hit every mode
         before = [timed("tree") for _ in range((k + 1) // 2)]
