@@ -262,15 +262,62 @@ def layers_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_i
     ckpt = bool(getattr(model, "activation_checkpointing", False))
     guard = getattr(ctx, "oom_guard", None)
     h = _embed(model, input_ids, ctx)
+    block = getattr(model, "mlp_token_block", None)
     for i, layer in enumerate(model.layers):
-        body = functools.partial(_layer_forward, layer, i, position_ids, ctx)
+        body = functools.partial(_layer_forward, layer, i, position_ids, ctx, mlp_block=block)
         h = call_block(layer, body, h, checkpoint=ckpt, oom_guard=guard)
     record_pass(model, ctx)  # router logits to an open router-loss collection, if any
     return rms_norm(model.norm, h)
 
 
-def _layer_forward(layer: nn.Module, i: int, position_ids: torch.Tensor, ctx, h: torch.Tensor) -> torch.Tensor:
-    """Layer ``i`` over ``h [B, L, D]`` (run as the layer's forward by ``call_block``)."""
+# On CPU the MLP runs on blocks of tokens whose [tokens, intermediate] activations stay within
+# 32 MiB. glibc maps every larger allocation afresh and unmaps it when freed (32 MiB is the
+# most its adaptive threshold reaches), so each such activation of a long tree row costs a
+# page fault per 4 KiB on every use (grpo_64x256 in benchmarks/bench_step.py: 4,614 tokens
+# x 2,816 x 4 bytes = 52 MB). Smaller activations come from the heap; splitting them further
+# only adds calls (per-branch micro-batches of ~1,950 tokens in 975-token blocks: 4% slower).
+MLP_BLOCK_BYTES_CPU = 32 * 2**20
+
+
+def mlp_rows_per_block(setting, tokens: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens per MLP block for ``tokens`` rows (``tokens``: no blocking).
+
+    ``setting`` is the model's ``mlp_token_block``: ``None`` (the default) blocks on CPU only,
+    with each ``[block, intermediate]`` activation at most :data:`MLP_BLOCK_BYTES_CPU` and the
+    blocks of equal size; ``0`` never blocks; a positive integer is the block size on any
+    device. The MLP is per token, so every setting computes the same function."""
+    if setting is None:
+        if device.type != "cpu":
+            return tokens
+        cap = max(1, MLP_BLOCK_BYTES_CPU // max(1, intermediate * torch.empty((), dtype=dtype).element_size()))
+    else:
+        if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+            raise ValueError(f"mlp_token_block must be None, 0 or a positive number of tokens, got {setting!r}")
+        if setting == 0:
+            return tokens
+        cap = setting
+    if tokens <= cap:
+        return tokens
+    n = -(-tokens // cap)
+    return -(-tokens // n)
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor, setting) -> torch.Tensor:
+    """``mlp(x)`` over ``x [B, L, D]``, on blocks of tokens (:func:`mlp_rows_per_block`)."""
+    B, L, D = x.shape
+    w1 = getattr(mlp, "w1", None)
+    intermediate = getattr(w1, "out_features", 4 * D)
+    rows = mlp_rows_per_block(setting, B * L, intermediate, x.dtype, x.device)
+    if rows >= B * L:
+        return mlp(x)
+    flat = x.reshape(B * L, D)
+    return torch.cat([mlp(part) for part in flat.split(rows)]).view(B, L, -1)
+
+
+def _layer_forward(layer: nn.Module, i: int, position_ids: torch.Tensor, ctx, h: torch.Tensor,
+                   mlp_block=None) -> torch.Tensor:
+    """Layer ``i`` over ``h [B, L, D]`` (run as the layer's forward by ``call_block``);
+    ``mlp_block``: the model's ``mlp_token_block`` (:func:`mlp_rows_per_block`)."""
     if hasattr(layer, "tree_forward"):
         return layer.tree_forward(h, i, ctx)
     if isinstance(layer, TransformerSelfAttentionLayer):
@@ -281,5 +328,5 @@ def _layer_forward(layer: nn.Module, i: int, position_ids: torch.Tensor, ctx, h:
             m, logits = layer.mlp.route(x)
             ctx.record_router(i, logits)
             return h + layer.mlp_scale(m)
-        return h + layer.mlp_scale(layer.mlp(x))
+        return h + layer.mlp_scale(_mlp(layer.mlp, x, mlp_block))
     raise TypeError(f"layer {i} ({type(layer).__name__}) cannot run in tree mode")
