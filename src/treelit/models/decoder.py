@@ -263,8 +263,9 @@ def layers_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_i
     guard = getattr(ctx, "oom_guard", None)
     h = _embed(model, input_ids, ctx)
     block = getattr(model, "mlp_token_block", None)
+    extra = {} if block is None else {"mlp_block": block}  # None: _layer_forward's own default
     for i, layer in enumerate(model.layers):
-        body = functools.partial(_layer_forward, layer, i, position_ids, ctx, mlp_block=block)
+        body = functools.partial(_layer_forward, layer, i, position_ids, ctx, **extra)
         h = call_block(layer, body, h, checkpoint=ckpt, oom_guard=guard)
     record_pass(model, ctx)  # router logits to an open router-loss collection, if any
     return rms_norm(model.norm, h)
@@ -289,7 +290,7 @@ def mlp_rows_per_block(setting, tokens: int, intermediate: int, dtype: torch.dty
     if setting is None:
         if device.type != "cpu":
             return tokens
-        cap = max(1, MLP_BLOCK_BYTES_CPU // max(1, intermediate * torch.empty((), dtype=dtype).element_size()))
+        cap = max(1, MLP_BLOCK_BYTES_CPU // max(1, intermediate * dtype.itemsize))
     else:
         if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
             raise ValueError(f"mlp_token_block must be None, 0 or a positive number of tokens, got {setting!r}")
