@@ -135,6 +135,9 @@ def test_half_precision_keeps_dtype_and_matches_float32(name, dtype):
 def test_bad_option():
     with pytest.raises(ValueError, match="batch_below must be >= 0"):
         SegmentAttention(batch_below=-1)
+    for bad in (0.5, float("nan")):
+        with pytest.raises(ValueError, match="bucket_waste must be >= 1"):
+            SegmentAttention(bucket_waste=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -157,6 +160,45 @@ def test_merged_math_fallback_matches_cpu_kernels(dtype):
         ref = merged._cpu_bwd(go, q, kk, vv, o_ref, l_ref, 0.0, causal, attn_mask=b)
         for a, r in zip(merged._math_bwd(go, q, kk, vv, o_ref, l_ref, causal, b), ref):
             torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("queries", [1, 5, 256, 257])
+def test_grouped_query_prefix_fold_matches_the_kernels_and_the_math(dtype, queries):
+    """A prefix part with grouped query heads and at most ``FOLD_BELOW`` queries runs as one
+    longer block per key/value head; its output, log-sum-exp and all three gradients equal the
+    unfolded kernel call and the plain math (float64 1e-10). Causal parts, per-query biases and
+    longer blocks are not folded."""
+    from treelit.attention import merged
+
+    g = torch.Generator().manual_seed(queries)
+    q = torch.randn(3, 8, queries, 16, generator=g, dtype=dtype)
+    k = torch.randn(3, 2, 11, 16, generator=g, dtype=dtype)
+    v = torch.randn(3, 2, 11, 16, generator=g, dtype=dtype)
+    bias = torch.zeros(3, 1, 1, 11, dtype=dtype)
+    bias[1, ..., 6:] = torch.finfo(dtype).min
+    bias[2, ..., 1:] = torch.finfo(dtype).min  # one visible key
+    go = torch.randn(3, 8, queries, 16, generator=g, dtype=dtype)
+    assert merged._foldable(q, k, False, bias) == (queries <= merged.FOLD_BELOW)
+    assert not merged._foldable(q, k, True, None)
+    if queries > 1:  # a bias per query
+        assert not merged._foldable(q, k, False, torch.zeros(3, 1, queries, 11, dtype=dtype))
+    assert not merged._foldable(q, k[:, :1].expand(3, 8, 11, 16), False, None)  # no grouping
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for b in (bias, None):
+        o, lse = merged._fwd(q, k, v, False, b)
+        o_ref, l_ref = merged._cpu_fwd(q, k, v, 0.0, False, attn_mask=b)[:2]
+        o_math, l_math = merged._math_fwd(q, k, v, False, b)
+        for a, r in ((o, o_ref), (lse, l_ref), (o, o_math), (lse, l_math)):
+            torch.testing.assert_close(a, r, **tol)
+        grads = merged._bwd(go, q, k, v, o_ref, l_ref, False, b)
+        ref = merged._cpu_bwd(go, q, k, v, o_ref, l_ref, 0.0, False, attn_mask=b)
+        math = merged._math_bwd(go, q, k, v, o_ref, l_ref, False, b)
+        for name, a, r, m in zip("qkv", grads, ref, math):
+            assert a.shape == r.shape
+            torch.testing.assert_close(a, r, **tol, msg=f"d{name} vs kernel")
+            torch.testing.assert_close(a, m, **tol, msg=f"d{name} vs math")
+            assert a.abs().sum() > 0
 
 
 # --- flex -------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_shape_errors():
         token_logprobs(torch.randn(3, 2), torch.randn(5, 2), torch.zeros(4, dtype=torch.long))
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 4, 50])
+@pytest.mark.parametrize("chunk_rows", [1, 4, 5, 10, 50])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_weighted_nll(chunk_rows, dtype):
     from treelit.loss.logprobs import weighted_nll
@@ -86,3 +86,18 @@ def test_fused_weighted_nll(chunk_rows, dtype):
     torch.testing.assert_close(loss, ref.detach(), **tol)
     torch.testing.assert_close(gh, h.grad, **tol)
     torch.testing.assert_close(gW, W.grad, **tol)
+
+
+def test_even_chunk_rows():
+    """As few chunks as the bound allows, of equal size (within one row), never above the bound."""
+    from treelit.loss.logprobs import even_chunk_rows
+
+    assert even_chunk_rows(778, 256) == 195  # 4 chunks of <= 195, not 3 x 256 + 10
+    assert even_chunk_rows(11, 10) == 6
+    assert even_chunk_rows(7, 100) == 7 and even_chunk_rows(0, 100) == 1
+    for rows in range(1, 300):
+        for bound in (1, 2, 7, 64, 256):
+            r = even_chunk_rows(rows, bound)
+            sizes = [min(r, rows - s) for s in range(0, rows, r)]
+            assert r <= bound and len(sizes) == -(-rows // bound)
+            assert max(sizes) - min(sizes) <= len(sizes)  # the last one is short by less than one per chunk

@@ -68,14 +68,50 @@ def _math_bwd(g, q, k, v, o, lse, causal: bool, bias: Optional[torch.Tensor]):
     return dq, dk, dv
 
 
+FOLD_BELOW = 256  # queries per head: at most this many, a grouped-query prefix part is folded
+
+
+def _foldable(q, k, causal: bool, bias: Optional[torch.Tensor]) -> bool:
+    """A prefix part (no causal mask, a bias that does not vary with the head or the query)
+    with grouped query heads can run as ``Hkv`` heads of ``H / Hkv`` times the queries. It
+    pays for short query blocks (the kernels' per-head work on the keys dominates there);
+    long ones would only add the copies of the fold."""
+    return (not causal and q.shape[1] != k.shape[1] and q.shape[2] <= FOLD_BELOW
+            and (bias is None or (bias.dim() == 4 and bias.shape[1] == 1 and bias.shape[2] == 1)))
+
+
+def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, H, L, ...]`` -> ``[B, Hkv, (H / Hkv) * L, ...]``: query head ``h`` reads key/value
+    head ``h // (H / Hkv)`` (grouped-query attention), so the heads of one group become one
+    longer block of queries against that key/value head. For keys every query sees, this is
+    the same attention; the CPU kernels then read each key/value block once per group instead
+    of once per query head and need no reduction over the group in the backward pass."""
+    B, H, L = t.shape[:3]
+    return t.reshape(B, kv_heads, (H // kv_heads) * L, *t.shape[3:])
+
+
+def _unfold(t: torch.Tensor, heads: int) -> torch.Tensor:
+    B, Hkv, RL = t.shape[:3]
+    return t.reshape(B, heads, RL * Hkv // heads, *t.shape[3:])
+
+
 def _fwd(q, k, v, causal, bias):
     if q.device.type == "cpu":
-        return _cpu_fwd(q, k, v, 0.0, causal, attn_mask=bias)
+        if _foldable(q, k, causal, bias):
+            H, Hkv = q.shape[1], k.shape[1]
+            o, lse = _cpu_fwd(_fold(q, Hkv), k, v, 0.0, False, attn_mask=bias)[:2]
+            return _unfold(o, H), _unfold(lse, H)
+        return _cpu_fwd(q, k, v, 0.0, causal, attn_mask=bias)[:2]
     return _math_fwd(q, k, v, causal, bias)
 
 
 def _bwd(g, q, k, v, o, lse, causal, bias):
     if q.device.type == "cpu":
+        if _foldable(q, k, causal, bias):
+            H, Hkv = q.shape[1], k.shape[1]
+            dq, dk, dv = _cpu_bwd(_fold(g, Hkv), _fold(q, Hkv), k, v, _fold(o, Hkv), _fold(lse, Hkv),
+                                  0.0, False, attn_mask=bias)
+            return _unfold(dq, H), dk, dv
         return _cpu_bwd(g, q, k, v, o, lse, 0.0, causal, attn_mask=bias)
     return _math_bwd(g, q, k, v, o, lse, causal, bias)
 

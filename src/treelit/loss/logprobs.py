@@ -26,6 +26,18 @@ def default_chunk_rows(vocab_size: int, max_elements: int = _MAX_CHUNK_ELEMENTS)
     return max(1, max_elements // max(1, vocab_size))
 
 
+def even_chunk_rows(rows: int, chunk_rows: int) -> int:
+    """Rows per chunk when ``rows`` rows are cut into as few chunks of at most ``chunk_rows``
+    as possible, all of about the same size. Every chunk reads the whole ``[V, D]`` weight, so
+    a short last chunk (10 rows after three of 256) costs about as much as a full one; equal
+    chunks spread the same rows over the same number of weight reads."""
+    chunk_rows = max(1, int(chunk_rows))
+    if rows <= chunk_rows:
+        return max(1, rows)
+    n = -(-rows // chunk_rows)
+    return -(-rows // n)
+
+
 def _cdt(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
@@ -33,6 +45,7 @@ def _cdt(x: torch.Tensor) -> torch.dtype:
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_rows: int, with_entropy: bool):
+        chunk_rows = even_chunk_rows(hidden.shape[0], chunk_rows)
         cd = _cdt(hidden)
         M = hidden.shape[0]
         W = weight.to(cd)
@@ -127,6 +140,7 @@ class _FusedWeightedNLL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, coef, chunk_rows: int, accumulator=None):
+        chunk_rows = even_chunk_rows(hidden.shape[0], chunk_rows)
         cd = _cdt(hidden)
         W = weight.to(cd)
         Wt = W.t()
