@@ -242,6 +242,9 @@ def run_case(name: str, models: Dict, args) -> Dict:
         time_linear_s=med["linear"],
         measured_speedup=med["linear"] / med["tree"],
         efficiency=(med["linear"] / med["tree"]) / ideal["ideal_compute"],
+        # each repetition's own ratio (its per-branch step over its tree steps' mean): the spread
+        # a single figure carries on a machine whose speed drifts
+        efficiency_reps=[lin / tr / ideal["ideal_compute"] for lin, tr in zip(times["linear"], times["tree"])],
         efficiency_tokens=(med["linear"] / med["tree"]) / stats["ideal_speedup"],
         max_rel_grad_diff=max_rel_diff(grads["tree"], grads["linear"]),
     )
@@ -255,7 +258,7 @@ def fmt_bytes(b) -> str:
 
 
 def print_table(rows: List[Dict]) -> None:
-    head = (f"{'case':<19}{'flat':>6}{'tree':>6}{'ideal':>7}{'ideal_c':>8}{'measured':>9}{'eff':>6}{'vs_hf':>7}"
+    head = (f"{'case':<19}{'flat':>6}{'tree':>6}{'ideal':>7}{'ideal_c':>8}{'measured':>9}{'eff':>6}{'eff_reps':>11}{'vs_hf':>7}"
             f"{'t_tree':>8}{'t_lin':>8}{'t_hf':>8}{'mem_tree':>9}{'mem_lin':>8}{'mem_hf':>8}{'grad_diff':>10}")
     print(head)
     print("-" * len(head))
@@ -263,9 +266,11 @@ def print_table(rows: List[Dict]) -> None:
         hf = r.get("time_hf_s")
         vs_hf = f"{r['speedup_vs_hf']:.2f}x" if hf else "-"
         t_hf = f"{hf:.2f}s" if hf else "-"
+        reps = r.get("efficiency_reps") or [r["efficiency"]]
+        spread = f"{min(reps):.2f}-{max(reps):.2f}" if len(reps) > 1 else f"{reps[0]:.2f}"
         print(
             f"{r['name']:<19}{r['flat_tokens']:>6}{r['tree_tokens']:>6}{r['ideal_speedup']:>6.2f}x"
-            f"{r['ideal_compute']:>7.2f}x{r['measured_speedup']:>8.2f}x{r['efficiency']:>6.2f}{vs_hf:>7}"
+            f"{r['ideal_compute']:>7.2f}x{r['measured_speedup']:>8.2f}x{r['efficiency']:>6.2f}{spread:>11}{vs_hf:>7}"
             f"{r['time_tree_s']:>7.2f}s{r['time_linear_s']:>7.2f}s{t_hf:>8}"
             f"{fmt_bytes(r['peak_mem_tree_bytes']):>9}{fmt_bytes(r['peak_mem_linear_bytes']):>8}"
             f"{fmt_bytes(r.get('peak_mem_hf_bytes')):>8}{r['max_rel_grad_diff']:>10.1e}"

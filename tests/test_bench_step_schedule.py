@@ -47,6 +47,11 @@ def test_each_repetition_times_k_tree_steps_and_reports_their_mean(tmp_path):
     assert len(steps) == 6 and len(r["times_s"]["tree"]) == 2 and len(r["times_s"]["linear"]) == 2
     assert r["times_s"]["tree"] == pytest.approx([sum(steps[:3]) / 3, sum(steps[3:]) / 3])
     assert r["efficiency"] == pytest.approx(r["time_linear_s"] / r["time_tree_s"] / r["ideal_compute"])
+    # each repetition's own ratio, in order, and the table's range column
+    assert r["efficiency_reps"] == pytest.approx([lin / tr / r["ideal_compute"]
+                                                  for lin, tr in zip(r["times_s"]["linear"], r["times_s"]["tree"])])
+    lo, hi = min(r["efficiency_reps"]), max(r["efficiency_reps"])
+    assert f"{lo:.2f}-{hi:.2f}" in proc.stdout
     assert r["max_rel_grad_diff"] < 1e-3
 
 
