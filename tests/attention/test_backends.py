@@ -3,6 +3,8 @@ with GQA and with externally supplied ancestor keys/values."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -138,6 +140,45 @@ def test_bad_option():
     for bad in (0.5, float("nan")):
         with pytest.raises(ValueError, match="bucket_waste must be >= 1"):
             SegmentAttention(bucket_waste=bad)
+
+
+@pytest.mark.parametrize("name", ["segment", "flex"])
+def test_config_group_lists_every_option_with_the_backends_default(name):
+    """``conf/attention/<name>.yaml`` names each constructor option with its default, so
+    ``attention.<option>=...`` needs no ``+`` and the file cannot drift from the code."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from treelit.attention import ATTENTION
+    from treelit.cli.config import CONF_DIR
+
+    node = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF_DIR, "attention", f"{name}.yaml")))
+    options = {k: v for k, v in node.items() if k not in ("_target_", "name")}
+    defaults = {k: p.default for k, p in inspect.signature(ATTENTION.get(name)).parameters.items()}
+    assert options == defaults
+
+
+def test_segment_options_from_the_command_line_reach_the_backend():
+    from treelit.cli.config import compose
+    from treelit.cli.train import build
+
+    backend = build(compose(["attention=segment", "attention.bucket_waste=1.3", "attention.batch_below=64"]).attention)
+    assert isinstance(backend, SegmentAttention)
+    assert (backend.bucket_waste, backend.batch_below, backend.share_prefixes) == (1.3, 64, True)
+    with pytest.raises(ValueError, match="bucket_waste must be >= 1"):
+        build(compose(["attention=segment", "attention.bucket_waste=0.5"]).attention)
+
+
+def test_unknown_backend_options_are_refused_by_name():
+    from treelit.cli.config import compose
+    from treelit.cli.train import build
+
+    with pytest.raises(ValueError, match=r"attention=segment has no option attention\.bucket_wast; "
+                                         r"its options: batch_below, share_prefixes, window_block, bucket_waste"):
+        build(compose(["attention=segment", "+attention.bucket_wast=1.3"]).attention)
+    with pytest.raises(ValueError, match=r"attention=sdpa_dense has no option attention\.block_size; it takes no options"):
+        get_backend("sdpa_dense", block_size=64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

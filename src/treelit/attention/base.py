@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, List, Optional, Union
 
@@ -73,8 +74,16 @@ def available_backends() -> List[str]:
 
 
 def get_backend(name: str, **options) -> AttentionBackend:
-    """Instantiate the backend registered as ``name``."""
+    """Instantiate the backend registered as ``name``. An option the backend does not take is
+    refused with a ValueError naming it and the options it has (``attention.<option>``)."""
     cls = ATTENTION.get(name)
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        known = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            has = f"its options: {', '.join(known)}" if known else "it takes no options"
+            raise ValueError(f"attention={name} has no option {', '.join(f'attention.{k}' for k in unknown)}; {has}")
     return cls(**options)
 
 

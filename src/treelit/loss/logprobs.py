@@ -17,6 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from treelit.utils.numerics import equal_blocks
+
 __all__ = ["token_logprobs", "weighted_nll", "default_chunk_rows"]
 
 _MAX_CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk (32 MiB in float32)
@@ -31,11 +33,7 @@ def even_chunk_rows(rows: int, chunk_rows: int) -> int:
     as possible, all of about the same size. Every chunk reads the whole ``[V, D]`` weight, so
     a short last chunk (10 rows after three of 256) costs about as much as a full one; equal
     chunks spread the same rows over the same number of weight reads."""
-    chunk_rows = max(1, int(chunk_rows))
-    if rows <= chunk_rows:
-        return max(1, rows)
-    n = -(-rows // chunk_rows)
-    return -(-rows // n)
+    return max(1, equal_blocks(rows, max(1, int(chunk_rows))))
 
 
 def _cdt(x: torch.Tensor) -> torch.dtype:

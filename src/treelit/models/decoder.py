@@ -51,6 +51,7 @@ from treelit.models.rope import TreeRoPE, rotate
 from treelit.ssm.layers import build_recurrent_layer
 from treelit.utils.blocks import call_block
 from treelit.utils.numerics import compute_dtype as _compute_dtype
+from treelit.utils.numerics import equal_blocks
 from treelit.utils.numerics import rms_norm
 
 __all__ = ["TreeDecoder", "build_decoder", "decoder_hidden", "in_forward", "layers_hidden", "output_weight",
@@ -297,10 +298,7 @@ def mlp_rows_per_block(setting, tokens: int, intermediate: int, dtype: torch.dty
         if setting == 0:
             return tokens
         cap = setting
-    if tokens <= cap:
-        return tokens
-    n = -(-tokens // cap)
-    return -(-tokens // n)
+    return equal_blocks(tokens, cap)
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, setting) -> torch.Tensor:

@@ -16,7 +16,18 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["compute_dtype", "rms_norm"]
+__all__ = ["compute_dtype", "equal_blocks", "rms_norm"]
+
+
+def equal_blocks(total: int, cap: int) -> int:
+    """Items per block when ``total`` items are cut into as few blocks of at most ``cap`` as
+    possible, all of about the same size (``total`` when it fits in one). A short last block
+    costs about as much as a full one wherever every block reads the same weight (the MLP's,
+    the vocabulary head's); equal blocks spread the items over the same number of reads."""
+    if total <= cap:
+        return total
+    n = -(-total // cap)
+    return -(-total // n)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
