@@ -195,3 +195,36 @@ def test_unequal_completions_keep_the_padded_path():
     (g,) = [g for g in backend.plan(layout).groups if g.units]
     assert g.q_range is None and g.pre_slots is not None
     compare(backend, layout)
+
+
+@pytest.mark.parametrize("n_ext,partial", [(0, False), (2, False), (2, True)], ids=["plain", "external", "irregular"])
+def test_every_read_of_q_k_v_goes_through_one_node(n_ext, partial):
+    """All groups of a layer read q, k and v through one autograd node, so the backward adds
+    every read's gradient into one buffer per tensor: no per-read full-row zero gradient and
+    no sum of them. The row has all kinds of groups (a chain on slices, batched units, padded
+    roots of a packed row, and with ``partial`` a masked group); the result still equals the
+    dense reference."""
+    layout = layout_of(agent_tree(3, 3, [1, 4, 9], seed=6) + [[1, 2], [3], [4, 5, 6]], n_ext=n_ext, partial=partial)
+    backend = SegmentAttention(batch_below=3)
+    plan = backend.plan(layout)
+    kinds = {"units" if g.units else "mask" if g.mask is not None else "slice" if g.q_slice else "padded"
+             for g in plan.groups}
+    # the roots are padded together, unless external keys give them a prefix (then: units)
+    assert kinds == {"units", "slice"} | ({"mask"} if partial else set()) | (set() if n_ext else {"padded"})
+    N, E = layout.num_queries, layout.num_external
+    q, k, v = (torch.randn(1, h, n, 8, dtype=torch.float64, requires_grad=True) for h, n in ((4, N), (2, E + N), (2, E + N)))
+    out = backend(q, k, v, plan)
+    readers = {id(t): [] for t in (q, k, v)}
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            leaf = getattr(nxt, "variable", None)
+            if leaf is not None and id(leaf) in readers:
+                readers[id(leaf)].append(type(node).__name__)
+            stack.append(nxt)
+    assert all(r == ["_ReadsBackward"] for r in readers.values()), readers
+    compare(backend, layout)
