@@ -172,7 +172,9 @@ class _Reads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, reads):
         H, N, D = q.shape[1:]
-        src = (torch.cat([q[0], q.new_zeros(H, 1, D)], dim=1), k[0], v[0])
+        # contiguous once (k and v are transposed views of the projections): index_select would
+        # otherwise copy the whole source on every read
+        src = (torch.cat([q[0], q.new_zeros(H, 1, D)], dim=1), k[0].contiguous(), v[0].contiguous())
         out = []
         for t, idx in reads:
             if isinstance(idx, tuple):
