@@ -172,9 +172,13 @@ class _Reads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, reads):
         H, N, D = q.shape[1:]
-        # contiguous once (k and v are transposed views of the projections): index_select would
-        # otherwise copy the whole source on every read
-        src = (torch.cat([q[0], q.new_zeros(H, 1, D)], dim=1), k[0].contiguous(), v[0].contiguous())
+        # Only gathers need whole-row copies (slices read the row as it is): the queries with a
+        # zero query appended (row N, read by padded slots), and k and v made contiguous once
+        # (they are transposed views of the projections; index_select would otherwise copy the
+        # whole source on every read). A GRPO group's reads are all slices and copy nothing.
+        gathered = {t for t, idx in reads if not isinstance(idx, tuple)}
+        src = (torch.cat([q[0], q.new_zeros(H, 1, D)], dim=1) if _Q in gathered else q[0],
+               k[0].contiguous() if _K in gathered else k[0], v[0].contiguous() if _V in gathered else v[0])
         out = []
         for t, idx in reads:
             if isinstance(idx, tuple):
