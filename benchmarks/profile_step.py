@@ -11,6 +11,12 @@ CPU time (this process only, so other load on a shared machine does not count):
 Each row also gives the step's minor page faults and system CPU time (part of ``total``):
 memory the allocator maps afresh and the kernel zeroes (see ``bench_step --malloc``).
 
+With both modes, ``per-branch/tree`` is the measured ratio per column, ``work ratio`` the
+ratio the work allows (total: the compute-weighted ideal of ``bench_step``; attention: the
+(query, key) pairs; head: the target rows; rest: the tokens) and ``efficiency`` the first
+over the second: below 1.0, the tree spends more per unit of that work than the per-branch
+path does.
+
 ``--ops`` also prints torch profiler operator tables (wall time per operator, which a
 loaded machine inflates).
 
@@ -34,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
-from bench_models import PRESETS, attention_model, hybrid_model  # noqa: E402
+from bench_models import PRESETS, attention_model, compute_weighted_ideal, cost_model, hybrid_model  # noqa: E402
 from bench_step import BASE_LINEAR_TOKENS, case_scale, load_case, retain_freed_memory  # noqa: E402
 
 CLOCK = {"attention": 0.0, "head": 0.0}
@@ -115,6 +121,19 @@ def breakdown(step, model, reps: int):
     return sorted(rows)[len(rows) // 2]
 
 
+def work_ratios(model, case, batch) -> list:
+    """Per-branch work over tree work, per column of the table: the compute-weighted ideal
+    (``bench_models``) for the total, attention pairs, head target rows, and tokens for the rest."""
+    ideal = compute_weighted_ideal(cost_model(model), case.branches, case.masks, batch)
+    cost = cost_model(model)
+    pairs_flat = sum(len(b) * (len(b) + 1) / 2 for b in case.branches)
+    pairs_tree = float((batch.position_ids.double() + 1).sum())
+    tokens = sum(map(len, case.branches)) / batch.num_tokens
+    if cost["per_pair"] == 0:  # no attention layer
+        pairs_flat = pairs_tree = float("nan")
+    return [ideal["ideal_compute"], pairs_flat / pairs_tree, ideal["targets_flat"] / max(1, ideal["targets_tree"]), tokens]
+
+
 def op_table(step, model, top: int):
     from torch.profiler import ProfilerActivity, profile
 
@@ -178,6 +197,10 @@ def main(argv=None) -> int:
     if len(parts) == 2:
         ratio = [b / a if a > 0 else float("nan") for a, b in zip(parts["tree"], parts["per-branch"])]
         print(f"{'per-branch/tree':<12}" + "".join(f"{r:>8.2f}x" for r in ratio))
+        work = work_ratios(model, case, batch)
+        print(f"{'work ratio':<15}" + "".join(f"{r:>8.2f}x" for r in work)
+              + "   (total: compute-weighted ideal; attention: pairs; head: targets; rest: tokens)")
+        print(f"{'efficiency':<15}" + "".join(f"{r / w:>9.2f}" for r, w in zip(ratio, work)))
     if args.ops:
         for name, step in modes:
             print(f"\n{name}: operators by self time (wall)")
