@@ -15,7 +15,8 @@ With both modes, ``per-branch/tree`` is the measured ratio per column, ``work ra
 ratio the work allows (total: the compute-weighted ideal of ``bench_step``; attention: the
 (query, key) pairs; head: the target rows; rest: the tokens) and ``efficiency`` the first
 over the second: below 1.0, the tree spends more per unit of that work than the per-branch
-path does.
+path does. The last line gives the efficiency the tree step would reach at parity: every
+part at the per-branch path's cost per unit of its work.
 
 ``--ops`` also prints torch profiler operator tables (wall time per operator, which a
 loaded machine inflates).
@@ -134,6 +135,17 @@ def work_ratios(model, case, batch) -> list:
     return [ideal["ideal_compute"], pairs_flat / pairs_tree, ideal["targets_flat"] / max(1, ideal["targets_tree"]), tokens]
 
 
+def parity_efficiency(per_branch, work) -> float:
+    """The efficiency (measured speedup over the compute-weighted ideal) of a tree step whose
+    attention, head and rest each cost what the per-branch step pays per unit of that part's
+    work. It differs from 1.0 where the parts' shares of the time differ from their shares of
+    the FLOPs the ideal weights them by."""
+    total, att, head, rest = per_branch
+    ideal, pairs, targets, tokens = work
+    tree = sum(t / w for t, w in ((att, pairs), (head, targets), (rest, tokens)) if t > 0)
+    return total / tree / ideal
+
+
 def op_table(step, model, top: int):
     from torch.profiler import ProfilerActivity, profile
 
@@ -201,6 +213,8 @@ def main(argv=None) -> int:
         print(f"{'work ratio':<15}" + "".join(f"{r:>8.2f}x" for r in work)
               + "   (total: compute-weighted ideal; attention: pairs; head: targets; rest: tokens)")
         print(f"{'efficiency':<15}" + "".join(f"{r / w:>9.2f}" for r, w in zip(ratio, work)))
+        print(f"# at parity (each part of the tree step at the per-branch cost per unit of its work) the tree step "
+              f"would reach {parity_efficiency(parts['per-branch'], work):.2f} of the compute-weighted ideal")
     if args.ops:
         for name, step in modes:
             print(f"\n{name}: operators by self time (wall)")

@@ -28,3 +28,17 @@ def test_ratios_count_tokens_pairs_and_targets_of_a_small_tree():
     assert total == pytest.approx(compute_weighted_ideal(cost_model(model), branches, masks, batch)["ideal_compute"])
     # the compute-weighted ideal lies between its parts' ratios
     assert min(pairs, targets, tokens) < total < max(pairs, targets, tokens)
+
+
+def test_parity_efficiency_weights_each_part_by_its_time():
+    from profile_step import parity_efficiency
+
+    # parts that shrink exactly by the ideal reach it
+    assert parity_efficiency((12.0, 2.0, 4.0, 6.0), (3.0, 3.0, 3.0, 3.0)) == pytest.approx(1.0)
+    # attention shrinks by 2x but takes more time than its FLOP share: below the ideal of 3x
+    eff = parity_efficiency((12.0, 4.0, 4.0, 4.0), (3.0, 2.0, 4.0, 4.0))
+    assert eff == pytest.approx(12.0 / (4.0 / 2 + 4.0 / 4 + 4.0 / 4) / 3.0)
+    assert eff == pytest.approx(1.0)
+    assert parity_efficiency((12.0, 6.0, 3.0, 3.0), (3.0, 2.0, 4.0, 4.0)) < 1.0
+    # a part with no time (no attention layer: nan pairs) drops out
+    assert parity_efficiency((8.0, 0.0, 4.0, 4.0), (4.0, float("nan"), 4.0, 4.0)) == pytest.approx(1.0)
