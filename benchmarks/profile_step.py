@@ -125,8 +125,8 @@ def breakdown(step, model, reps: int):
 def work_ratios(model, case, batch) -> list:
     """Per-branch work over tree work, per column of the table: the compute-weighted ideal
     (``bench_models``) for the total, attention pairs, head target rows, and tokens for the rest."""
-    ideal = compute_weighted_ideal(cost_model(model), case.branches, case.masks, batch)
     cost = cost_model(model)
+    ideal = compute_weighted_ideal(cost, case.branches, case.masks, batch)
     pairs_flat = sum(len(b) * (len(b) + 1) / 2 for b in case.branches)
     pairs_tree = float((batch.position_ids.double() + 1).sum())
     tokens = sum(map(len, case.branches)) / batch.num_tokens

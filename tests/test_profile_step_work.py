@@ -35,10 +35,11 @@ def test_parity_efficiency_weights_each_part_by_its_time():
 
     # parts that shrink exactly by the ideal reach it
     assert parity_efficiency((12.0, 2.0, 4.0, 6.0), (3.0, 3.0, 3.0, 3.0)) == pytest.approx(1.0)
-    # attention shrinks by 2x but takes more time than its FLOP share: below the ideal of 3x
+    # each part's work ratio, weighted by the part's time: here that blend equals the ideal of 3x
     eff = parity_efficiency((12.0, 4.0, 4.0, 4.0), (3.0, 2.0, 4.0, 4.0))
     assert eff == pytest.approx(12.0 / (4.0 / 2 + 4.0 / 4 + 4.0 / 4) / 3.0)
     assert eff == pytest.approx(1.0)
+    # attention (the part that shrinks least) takes more of the time: parity falls below the ideal
     assert parity_efficiency((12.0, 6.0, 3.0, 3.0), (3.0, 2.0, 4.0, 4.0)) < 1.0
     # a part with no time (no attention layer: nan pairs) drops out
     assert parity_efficiency((8.0, 0.0, 4.0, 4.0), (4.0, float("nan"), 4.0, 4.0)) == pytest.approx(1.0)
