@@ -127,8 +127,7 @@ def work_ratios(model, case, batch) -> list:
     (``bench_models``) for the total, attention pairs, head target rows, and tokens for the rest."""
     cost = cost_model(model)
     ideal = compute_weighted_ideal(cost, case.branches, case.masks, batch)
-    pairs_flat = sum(len(b) * (len(b) + 1) / 2 for b in case.branches)
-    pairs_tree = float((batch.position_ids.double() + 1).sum())
+    pairs_flat, pairs_tree = ideal["pairs_flat"], ideal["pairs_tree"]
     tokens = sum(map(len, case.branches)) / batch.num_tokens
     if cost["per_pair"] == 0:  # no attention layer
         pairs_flat = pairs_tree = float("nan")
