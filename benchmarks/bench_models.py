@@ -85,11 +85,12 @@ def compute_weighted_ideal(cost: Dict[str, float], branches: List[List[int]], ma
     """Work of per-branch training over work of the tree step (see the module docstring)."""
     lengths = np.array([len(b) for b in branches], dtype=np.float64)
     pairs_flat = float((lengths * (lengths + 1) / 2).sum())
-    flat = cost["per_token"] * lengths.sum() + cost["per_pair"] * pairs_flat + cost["per_target"] * branch_targets(masks)
+    targets_flat = branch_targets(masks)
+    flat = cost["per_token"] * lengths.sum() + cost["per_pair"] * pairs_flat + cost["per_target"] * targets_flat
     W = batch.token_weights(aggregation)
     tree_targets = int(((W != 0) & (batch.parent >= 0)).sum())
     pairs = float((batch.position_ids.double() + 1).sum())
     tree = cost["per_token"] * batch.num_tokens + cost["per_pair"] * pairs + cost["per_target"] * tree_targets
     return {"ideal_compute": flat / tree, "flops_flat": flat, "flops_tree": tree,
-            "targets_flat": branch_targets(masks), "targets_tree": tree_targets,
+            "targets_flat": targets_flat, "targets_tree": tree_targets,
             "pairs_flat": pairs_flat, "pairs_tree": pairs}
