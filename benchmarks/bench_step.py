@@ -12,6 +12,13 @@ seconds, see :func:`tree_steps_per_rep`):
   micro-batches with ``labels=-100`` outside the mask (:mod:`hf_peer`), the loop users run
   today (attention-only models, token-mean).
 
+``--schedule interleave`` cuts each per-branch step into consecutive runs of its own
+micro-batches (:func:`step_pieces`, one per tree step of the repetition) and puts a tree step
+before, between and after them, so that every part of a per-branch step is timed next to a
+tree step; the pieces run exactly the step's micro-batches with the step's normalizer and
+accumulate the same gradients (the tree steps in between do not touch them), and the
+repetition's per-branch time is their sum.
+
 Times are this process's CPU time with one thread by default (``--timer``, ``--threads``):
 on a shared machine, wall-clock time with several threads mostly measures the other
 processes. It reports flat/tree tokens, the compute-weighted ideal (:mod:`bench_models`), the
@@ -127,6 +134,45 @@ def tree_steps_per_rep(requested: str, warm_tree: float, warm_linear: float, cap
     return max(1, min(cap, round(warm_linear / max(warm_tree, 1e-9))))
 
 
+def step_pieces(lengths: List[int], max_tokens: int, k: int) -> List[List[int]]:
+    """Branch indices of a per-branch step in the order it runs them, cut into at most ``k``
+    consecutive runs of whole micro-batches of about equal padded tokens. A piece starts at a
+    micro-batch boundary, so the per-branch path, given a piece's branches, forms exactly
+    those micro-batches again: running the pieces one after the other runs the step."""
+    from treelit.loss.linear import linear_micro_batches
+
+    if k < 1:
+        raise ValueError(f"need at least one piece, got {k}")
+    groups = linear_micro_batches(lengths, max_tokens)
+    work = [len(g) * max(lengths[i] for i in g) for g in groups]
+    total, done = float(sum(work)), 0.0
+    pieces: List[List[int]] = [[]]
+    for g, w in zip(groups, work):
+        if pieces[-1] and done >= total * len(pieces) / k:
+            pieces.append([])
+        pieces[-1].extend(g)
+        done += w
+    return pieces
+
+
+class stashed_grads:
+    """Park ``model``'s accumulated gradients while another step of the same model runs, and
+    put them back afterwards (that step starts from no gradients and its own are dropped)."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def __enter__(self):
+        self.saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
+        return False
+
+
 def grads_of(model) -> Dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -223,7 +269,43 @@ def run_case(name: str, models: Dict, args) -> Dict:
     # the tree's warm-up carries first-call costs; one more (untimed for the result) tree step sizes k
     k = tree_steps_per_rep(args.tree_steps, timed("tree") if args.tree_steps == "auto" else 1.0, warm_linear)
     tree_all: List[float] = []
+    if args.schedule == "interleave":
+        pieces = step_pieces([len(b) for b in case.branches], micro, k)
+        Z = treelit.Branches.build(case.branches, case.masks).normalizer(args.aggregation)
+        n_items = sum(sum(1 for v in m[1:] if v) for m in case.masks)
+
+        def piece_step(mode, piece):
+            sub_b, sub_m = [case.branches[i] for i in piece], [case.masks[i] for i in piece]
+            if mode == "linear":
+                return lambda: treelit.linear_backward(model, sub_b, sub_m, aggregation=args.aggregation,
+                                                       normalizer=Z, max_tokens=micro)
+            from hf_peer import peer_step
+
+            return lambda: peer_step(peer, sub_b, sub_m, micro, n_items=n_items)
+
+        def timed_tree_between():  # the tree step leaves the per-branch gradients as they were
+            with stashed_grads(model):
+                return timed("tree")
+
+        result.update(schedule_pieces=len(pieces), piece_times_s={m: [] for m in modes if m != "tree"})
     for _ in range(args.reps):  # interleaved, so drifts in machine speed hit every mode
+        if args.schedule == "interleave":
+            for m, _step in modes.values():
+                m.zero_grad(set_to_none=True)
+            steps = [timed_tree_between()]
+            spent = {mode: [] for mode in modes if mode != "tree"}
+            for piece in pieces:
+                for mode in spent:
+                    t0 = clock()
+                    piece_step(mode, piece)()
+                    spent[mode].append(clock() - t0)
+                steps.append(timed_tree_between())
+            for mode, ts in spent.items():
+                times[mode].append(sum(ts))
+                result["piece_times_s"][mode].append(ts)
+            tree_all += steps
+            times["tree"].append(statistics.fmean(steps))
+            continue
         before = [timed("tree") for _ in range((k + 1) // 2)]
         for mode in modes:
             if mode != "tree":
@@ -307,6 +389,10 @@ def main(argv=None) -> int:
     p.add_argument("--tree-steps", default="auto",
                    help="tree steps per repetition, around the other modes' steps (default auto: as many as one "
                         "per-branch step lasts, at most 8; 1: one step per mode); the repetition's tree time is their mean")
+    p.add_argument("--schedule", choices=["bracket", "interleave"], default="bracket",
+                   help="bracket: a repetition's tree steps half before and half after the other modes' steps; "
+                        "interleave: the per-branch steps cut into runs of their micro-batches, a tree step "
+                        "before, between and after them (see step_pieces)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.scale = args.scale if args.scale is not None else (0.05 if args.quick else 0.25)
@@ -331,13 +417,14 @@ def main(argv=None) -> int:
         "model": (f"{args.preset}: qwen2-style, {c['layers']} layers, dim {c['dim']}, {c['heads']} heads "
                   f"({c['kv_heads']} kv), MLP {c['intermediate']}, vocab {c['vocab']}, float32; "
                   f"head/trunk per token {cost['head_over_trunk']:.2f}"),
-        "timer": args.timer, "tree_steps": args.tree_steps, "malloc": args.malloc, "scale": args.scale, "hybrid_scale": args.scale * args.hybrid_scale, "reps": args.reps, "mask": args.mask, "aggregation": args.aggregation,
+        "timer": args.timer, "tree_steps": args.tree_steps, "schedule": args.schedule, "malloc": args.malloc, "scale": args.scale, "hybrid_scale": args.scale * args.hybrid_scale, "reps": args.reps, "mask": args.mask, "aggregation": args.aggregation,
         "load_before": os.getloadavg()[0],
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
     tau_note = " (tau_bench: its own per-call masks)" if "tau_bench" in args.cases.split(",") else ""
     print(f"# {env['model']}; torch {env['torch']}, {env['threads']} threads, {args.timer} time; scale {args.scale} "
           f"(hybrid {env['hybrid_scale']:g}); mask={args.mask}{tau_note}; attention={args.attention}; malloc={args.malloc}; "
+          f"schedule={args.schedule}; "
           f"load {env['load_before']:.1f}")
     rows, models = [], {}
     for name in [n for n in args.cases.split(",") if n]:

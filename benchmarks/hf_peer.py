@@ -11,7 +11,7 @@ runs in the step.
 from __future__ import annotations
 
 import tempfile
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -40,9 +40,13 @@ def padded_micro_batches(lengths: Sequence[int], max_tokens: int) -> List[List[i
     return groups
 
 
-def peer_step(hf, branches: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], max_tokens: int) -> float:
-    """One token-mean training step (forward + backward, gradients accumulated); returns the loss."""
-    n_items = sum(sum(1 for v in m[1:] if v) for m in masks)
+def peer_step(hf, branches: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], max_tokens: int,
+              n_items: Optional[int] = None) -> float:
+    """One token-mean training step (forward + backward, gradients accumulated); returns the loss.
+    ``n_items``: the step's target count (default: these branches'), so that a step run in
+    parts over subsets of its branches accumulates the same gradients as one call."""
+    if n_items is None:
+        n_items = sum(sum(1 for v in m[1:] if v) for m in masks)
     total = 0.0
     for group in padded_micro_batches([len(b) for b in branches], max_tokens):
         L = max(len(branches[i]) for i in group)

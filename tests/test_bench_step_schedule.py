@@ -59,3 +59,102 @@ def test_bad_tree_steps_fail_before_any_work(tmp_path):
     proc, out = run(tmp_path, "--tree-steps", "0")
     assert proc.returncode == 2 and "--tree-steps must be 'auto' or >= 1" in proc.stderr
     assert not out.exists()
+
+
+# --schedule interleave: the per-branch step in pieces, a tree step between them
+
+import torch  # noqa: E402
+
+import treelit  # noqa: E402
+from bench_models import attention_model  # noqa: E402
+from bench_step import make_any_case, stashed_grads, step_pieces  # noqa: E402
+from treelit.loss.linear import linear_micro_batches  # noqa: E402
+
+
+def test_pieces_are_consecutive_runs_of_whole_micro_batches():
+    lengths = [5, 9, 3, 9, 12, 7, 7, 1, 30, 4, 8, 8, 2]
+    groups = linear_micro_batches(lengths, 24)
+    for k in (1, 2, 3, 4, 100):
+        pieces = step_pieces(lengths, 24, k)
+        assert 1 <= len(pieces) <= min(k, len(groups))
+        assert sum(pieces, []) == sum(groups, [])  # every branch once, in the step's order
+        for p in pieces:  # each piece regroups into exactly its own micro-batches
+            assert sum(linear_micro_batches([lengths[i] for i in p], 24), []) == list(range(len(p)))
+            assert [[p[j] for j in g] for g in linear_micro_batches([lengths[i] for i in p], 24)] == \
+                [g for g in groups if set(g) <= set(p)]
+    assert len(step_pieces([10] * 40, 20, 4)) == 4  # equal micro-batches: equal pieces
+    assert [len(p) for p in step_pieces([10] * 40, 20, 4)] == [10, 10, 10, 10]
+    with pytest.raises(ValueError, match="piece"):
+        step_pieces(lengths, 24, 0)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_pieces_with_tree_steps_between_accumulate_the_steps_gradients():
+    model = attention_model(dim=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=128, max_seq_len=512)
+    case = make_any_case("multi_turn", seed=0, vocab=128, scale=0.02, mask_mode="all")
+    micro = 96
+    assert len(linear_micro_batches([len(b) for b in case.branches], micro)) >= 3
+    model.zero_grad(set_to_none=True)
+    full = treelit.linear_backward(model, case.branches, case.masks, max_tokens=micro)
+    want = _grads(model)
+    assert want and all(g.abs().sum() > 0 for g in want.values())  # the step trains every parameter
+    batch = treelit.TokenTree.from_branches(case.branches, case.masks).to_batch()
+    Z = treelit.Branches.build(case.branches, case.masks).normalizer("token-mean")
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    pieces = step_pieces([len(b) for b in case.branches], micro, 3)
+    assert len(pieces) == 3
+    for piece in pieces:
+        with stashed_grads(model):  # a tree step of the same model in between
+            treelit.tree_loss(model, batch, "token-mean").backward()
+            assert all(p.grad is not None for p in model.parameters())
+        total += treelit.linear_backward(model, [case.branches[i] for i in piece], [case.masks[i] for i in piece],
+                                         normalizer=Z, max_tokens=micro)
+    got = _grads(model)
+    assert total == pytest.approx(full, rel=1e-6)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-9, msg=n)
+
+
+def test_peer_pieces_accumulate_the_steps_gradients():
+    from hf_peer import load_peer, peer_step
+
+    model = attention_model(dim=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=128, max_seq_len=512)
+    peer = load_peer(model)
+    case = make_any_case("tool_fanout", seed=1, vocab=128, scale=0.02, mask_mode="assistant")
+    micro = 96
+    peer.zero_grad(set_to_none=True)
+    full = peer_step(peer, case.branches, case.masks, micro)
+    want = {n: p.grad.clone() for n, p in peer.named_parameters() if p.grad is not None}
+    assert want and all(g.abs().sum() > 0 for g in want.values())
+    n_items = sum(sum(1 for v in m[1:] if v) for m in case.masks)
+    peer.zero_grad(set_to_none=True)
+    total = 0.0
+    for piece in step_pieces([len(b) for b in case.branches], micro, 3):
+        total += peer_step(peer, [case.branches[i] for i in piece], [case.masks[i] for i in piece], micro,
+                           n_items=n_items)
+    assert total == pytest.approx(full, rel=1e-6)
+    for n, p in peer.named_parameters():
+        if n in want:
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-9, msg=n)
+
+
+def test_interleave_times_a_tree_step_around_every_piece(tmp_path):
+    proc, out = run(tmp_path, "--reps", "2", "--tree-steps", "3", "--schedule", "interleave")
+    assert proc.returncode == 0, proc.stderr
+    assert "schedule=interleave" in proc.stdout
+    data = json.loads(out.read_text())
+    r = data["cases"][0]
+    assert data["env"]["schedule"] == "interleave"
+    n = r["schedule_pieces"]
+    assert 2 <= n <= 3  # the per-branch step really is cut (multi_turn at this size: 3 pieces)
+    steps, pieces = r["tree_step_times_s"], r["piece_times_s"]["linear"]
+    assert len(steps) == 2 * (n + 1) and [len(p) for p in pieces] == [n, n]
+    assert r["times_s"]["tree"] == pytest.approx([sum(steps[: n + 1]) / (n + 1), sum(steps[n + 1:]) / (n + 1)])
+    assert r["times_s"]["linear"] == pytest.approx([sum(p) for p in pieces])
+    assert r["efficiency"] == pytest.approx(r["time_linear_s"] / r["time_tree_s"] / r["ideal_compute"])
+    assert r["max_rel_grad_diff"] < 1e-3
