@@ -36,6 +36,7 @@ leaves.
     python benchmarks/bench_step.py --json benchmarks/results/bench_step.json
     python benchmarks/bench_step.py --cases tau_bench --json benchmarks/results/bench_step_tau_bench.json
     python benchmarks/bench_step.py --quick                 # tiny cases, one repetition
+    python benchmarks/bench_step.py --cases agent_tree_27 --no-peer --schedule interleave
 """
 
 from __future__ import annotations
