@@ -41,6 +41,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: st
         result = fn(rank, world, *args)
         if rank == 0:
             torch.save({"ok": True, "result": result}, out)
+        # every rank finishes before any tears its process group down: a rank that returned
+        # early and destroyed its gloo group while a peer still worked aborted in C++
+        # ("terminate called without an active exception", SIGABRT) on a loaded machine
+        dist.barrier()
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, f"{out}.rank{rank}")
         raise
