@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
 from agentic import SUITE, Case, _Gen, _per_call, make_case  # noqa: E402
-from bench_models import PRESETS, attention_model, compute_weighted_ideal, cost_model, hybrid_model  # noqa: E402
+from bench_models import PRESETS, attention_model, branch_targets, compute_weighted_ideal, cost_model, hybrid_model  # noqa: E402
 from memory import peak_memory  # noqa: E402
 
 HYBRID_SUITE = ["hybrid/grpo_group", "hybrid/multi_turn", "hybrid/wide_fanout"]
@@ -273,7 +273,7 @@ def run_case(name: str, models: Dict, args) -> Dict:
     if args.schedule == "interleave":
         pieces = step_pieces([len(b) for b in case.branches], micro, k)
         Z = treelit.Branches.build(case.branches, case.masks).normalizer(args.aggregation)
-        n_items = sum(sum(1 for v in m[1:] if v) for m in case.masks)
+        n_items = branch_targets(case.masks)  # the step's targets: the peer's num_items_in_batch
 
         def piece_step(mode, piece):
             sub_b, sub_m = [case.branches[i] for i in piece], [case.masks[i] for i in piece]

@@ -41,9 +41,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: st
         result = fn(rank, world, *args)
         if rank == 0:
             torch.save({"ok": True, "result": result}, out)
-        # every rank finishes before any tears its process group down: a rank that returned
-        # early and destroyed its gloo group while a peer still worked aborted in C++
-        # ("terminate called without an active exception", SIGABRT) on a loaded machine
+        # every rank finishes before any tears its process group down: in one CI run a rank
+        # that returns early (test_publish_fsdp's rank 1) aborted in C++ ("terminate called
+        # without an active exception", SIGABRT) while rank 0 was still working
         dist.barrier()
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, f"{out}.rank{rank}")
