@@ -46,7 +46,9 @@ def peer_step(hf, branches: Sequence[Sequence[int]], masks: Sequence[Sequence[in
     ``n_items``: the step's target count (default: these branches'), so that a step run in
     parts over subsets of its branches accumulates the same gradients as one call."""
     if n_items is None:
-        n_items = sum(sum(1 for v in m[1:] if v) for m in masks)
+        from bench_models import branch_targets
+
+        n_items = branch_targets(masks)
     total = 0.0
     for group in padded_micro_batches([len(b) for b in branches], max_tokens):
         L = max(len(branches[i]) for i in group)

@@ -66,8 +66,8 @@ def test_bad_tree_steps_fail_before_any_work(tmp_path):
 import torch  # noqa: E402
 
 import treelit  # noqa: E402
-from bench_models import attention_model  # noqa: E402
-from bench_step import make_any_case, stashed_grads, step_pieces  # noqa: E402
+from bench_models import attention_model, branch_targets  # noqa: E402
+from bench_step import grads_of, make_any_case, stashed_grads, step_pieces  # noqa: E402
 from treelit.loss.linear import linear_micro_batches  # noqa: E402
 
 
@@ -88,10 +88,6 @@ def test_pieces_are_consecutive_runs_of_whole_micro_batches():
         step_pieces(lengths, 24, 0)
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def test_pieces_with_tree_steps_between_accumulate_the_steps_gradients():
     model = attention_model(dim=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=128, max_seq_len=512)
     case = make_any_case("multi_turn", seed=0, vocab=128, scale=0.02, mask_mode="all")
@@ -99,7 +95,7 @@ def test_pieces_with_tree_steps_between_accumulate_the_steps_gradients():
     assert len(linear_micro_batches([len(b) for b in case.branches], micro)) >= 3
     model.zero_grad(set_to_none=True)
     full = treelit.linear_backward(model, case.branches, case.masks, max_tokens=micro)
-    want = _grads(model)
+    want = grads_of(model)
     assert want and all(g.abs().sum() > 0 for g in want.values())  # the step trains every parameter
     batch = treelit.TokenTree.from_branches(case.branches, case.masks).to_batch()
     Z = treelit.Branches.build(case.branches, case.masks).normalizer("token-mean")
@@ -113,7 +109,7 @@ def test_pieces_with_tree_steps_between_accumulate_the_steps_gradients():
             assert all(p.grad is not None for p in model.parameters())
         total += treelit.linear_backward(model, [case.branches[i] for i in piece], [case.masks[i] for i in piece],
                                          normalizer=Z, max_tokens=micro)
-    got = _grads(model)
+    got = grads_of(model)
     assert total == pytest.approx(full, rel=1e-6)
     assert got.keys() == want.keys()
     for n in want:
@@ -129,9 +125,9 @@ def test_peer_pieces_accumulate_the_steps_gradients():
     micro = 96
     peer.zero_grad(set_to_none=True)
     full = peer_step(peer, case.branches, case.masks, micro)
-    want = {n: p.grad.clone() for n, p in peer.named_parameters() if p.grad is not None}
+    want = grads_of(peer)
     assert want and all(g.abs().sum() > 0 for g in want.values())
-    n_items = sum(sum(1 for v in m[1:] if v) for m in case.masks)
+    n_items = branch_targets(case.masks)
     peer.zero_grad(set_to_none=True)
     total = 0.0
     for piece in step_pieces([len(b) for b in case.branches], micro, 3):
