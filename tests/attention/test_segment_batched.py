@@ -226,5 +226,5 @@ def test_every_read_of_q_k_v_goes_through_one_node(n_ext, partial):
             if leaf is not None and id(leaf) in readers:
                 readers[id(leaf)].append(type(node).__name__)
             stack.append(nxt)
-    assert all(r == ["_ReadsBackward"] for r in readers.values()), readers
+    assert all(r == ["_SegmentLayerBackward"] for r in readers.values()), readers
     compare(backend, layout)

@@ -41,11 +41,18 @@ read as slices of the row, with no index and no slot mapping. Chains longer
 than ``batch_below`` that have no siblings run alone on slices of the row; short chains
 without a prefix (the roots of a packed row) are padded into groups of similar length.
 
-*One read per layer.* All the groups' reads of q, k and v (slices and gathers) go through
-one autograd node (:class:`_Reads`), whose backward adds each read's gradient into one
-buffer per tensor. Read one by one, every read's backward would fill a zero gradient of
-the whole row and autograd would add them all up: with many groups, one full-row buffer,
-fill and addition per read and layer (the 27-leaf agent tree: 17% of its attention time).
+*One node per layer, token-major.* A layer's attention is one autograd node
+(:class:`_SegmentLayer`) that reads q, k and v as ``[tokens, heads, D]``, the layout the
+projections wrote: slices of the row are views, gathers copy whole token rows, and the
+kernels write their outputs token-major too. Each group's merged rows go straight to their
+place in the output (which the output projection then reads without a copy); the backward
+pass reads each part's output gradient, merged output and log-sum-exp from the row and adds
+every part's gradients into one buffer per tensor. Padded slots read a dummy row (zero
+gradient, log-sum-exp +inf: probability exactly 0), so nothing is zero-filled, padded or
+reordered per group. (Before, each read was a copy in head-major order, every group's
+output was gathered to slot order, concatenated and reordered, and the backward padded the
+gradient, output and log-sum-exp of each part into zeroed buffers: 28% of the 27-leaf agent
+tree's attention time outside the kernels.)
 
 *Irregular externals.* External keys visible to only part of a chain (not produced
 by treelit's partitioner) fall back to explicitly masked blocks.
@@ -69,10 +76,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from treelit.attention.base import ATTENTION, AttentionBackend
-from treelit.attention.merged import BatchedPrefixAttention, prefix_causal_attention
+from treelit.attention.merged import _bwd, _fwd
 
 
 @dataclass
@@ -126,81 +132,199 @@ class SegmentPlan:
     cost: int  # query x key pairs computed per head and layer (padding included)
     exact_cost: int  # visible pairs: sum over queries of the keys they see
     chains: int
-    _reads: Optional[list] = None  # the groups' reads of q, k and v (_reads_of), built on first use
+    _works: Optional[tuple] = None  # ((N, E), the groups as _Work), built on first use
 
 
-_Q, _K, _V = 0, 1, 2  # the tensors a group reads: queries (row N: a zero query), keys, values
+@dataclass
+class _Part:
+    """One kernel call of a group: ``n`` rows of ``lq`` query slots against ``lk`` keys each.
+
+    ``q``: the row token each slot reads (padded slots read any real token); ``rows``: the
+    row token each slot answers for, ``N`` (the dummy row) for padded slots; ``k``: the key
+    (E-offset) each key slot reads. Each is a range ``(a, b)`` (a slice of the row, nothing
+    gathered) or an index tensor. ``bias``: a bool mask of visible keys broadcastable to
+    ``[n, 1, lq, lk]`` (None: all visible, or causal)."""
+
+    n: int
+    lq: int
+    lk: int
+    q: object
+    rows: object
+    k: object
+    causal: bool
+    bias: Optional[torch.Tensor] = None
+    _bias: Optional[Dict[torch.dtype, torch.Tensor]] = None
+
+    def bias_for(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        if self.bias is None:
+            return None
+        if self._bias is None:
+            self._bias = {}
+        if dtype not in self._bias:
+            zero = torch.zeros((), dtype=dtype, device=self.bias.device)
+            self._bias[dtype] = torch.where(self.bias, zero, torch.finfo(dtype).min)
+        return self._bias[dtype]
 
 
-def _reads_of(groups: List[_Group], E: int) -> List[Tuple[int, object]]:
-    """Every read of q, k and v by the groups, in the order :meth:`SegmentAttention.__call__`
-    takes them: ``(tensor, index)`` with an index tensor or a range ``(a, b)`` along the token
-    axis (keys: the E external keys first)."""
-    reads: List[Tuple[int, object]] = []
+@dataclass
+class _Work:
+    """A group as the layer function runs it: the ``own`` part (its slots are the group's
+    output slots) and, for chains with a prefix, the ``pre`` part, merged into ``own``'s slots
+    through their log-sum-exps (``pre_of_own``: the ``pre`` slot of each ``own`` slot, None
+    when the two parts have the same slots)."""
+
+    own: _Part
+    pre: Optional[_Part] = None
+    pre_of_own: Optional[torch.Tensor] = None
+
+
+def _works(groups: List[_Group], N: int, E: int, dev) -> List[_Work]:
+    """The plan's groups as :class:`_Work` for a row of ``N`` queries and ``E`` external keys."""
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    works: List[_Work] = []
     for g in groups:
         if g.units:
-            if g.q_range is not None:
+            if g.q_range is not None:  # one unit of equal chains in row order: all slices
                 a, b = g.q_range
-                reads += [(_Q, (a, b)), (_K, (E + a, E + b)), (_V, (E + a, E + b))]
-            else:
-                reads += [(_Q, g.q_idx), (_K, g.own_idx), (_V, g.own_idx), (_Q, g.qpad_idx)]
-            pre = g.pre_range if g.pre_range is not None else g.pre_idx
-            reads += [(_K, pre), (_V, pre)]
-        elif g.mask is not None or g.q_slice is None:
-            reads += [(_Q, g.q_idx)]
-            if g.mask is None:
-                reads += [(_K, g.own_idx), (_V, g.own_idx)]
-            if g.pre_idx is not None:
-                reads += [(_K, g.pre_idx), (_V, g.pre_idx)]
-        else:
-            a, b = g.q_slice
-            reads += [(_Q, (a, b)), (_K, (E + a, E + b)), (_V, (E + a, E + b))]
-            if g.pre_idx is not None:
-                reads += [(_K, g.pre_idx), (_V, g.pre_idx)]
-    return reads
-
-
-class _Reads(torch.autograd.Function):
-    """All the groups' reads of one layer's ``q [1, H, N, D]``, ``k, v [1, Hkv, E + N, D]`` in
-    one autograd node: ``[heads, tokens, D]`` copies, in the order of ``reads``.
-
-    Read separately (an ``index_select`` or a slice per read), every read's backward fills a
-    zero gradient of the whole row and autograd adds them all up: a tree of many groups paid
-    one full-row buffer, fill and addition per read and layer (agent_tree_27: ~0.5 s of a 12 s
-    step). Here the backward adds every read's gradient into one buffer per tensor."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, reads):
-        H, N, D = q.shape[1:]
-        # Only gathers need whole-row copies (slices read the row as it is): the queries with a
-        # zero query appended (row N, read by padded slots), and k and v made contiguous once
-        # (they are transposed views of the projections; index_select would otherwise copy the
-        # whole source on every read). A GRPO group's reads are all slices and copy nothing.
-        gathered = {t for t, idx in reads if not isinstance(idx, tuple)}
-        src = (torch.cat([q[0], q.new_zeros(H, 1, D)], dim=1) if _Q in gathered else q[0],
-               k[0].contiguous() if _K in gathered else k[0], v[0].contiguous() if _V in gathered else v[0])
-        out = []
-        for t, idx in reads:
-            if isinstance(idx, tuple):
-                out.append(src[t][:, idx[0] : idx[1]].clone())
-            else:
-                out.append(src[t].index_select(1, idx))
-        ctx.reads, ctx.shapes = reads, (q.shape, k.shape, v.shape)
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        qs, ks, vs = ctx.shapes
-        ref = next(g for g in grads if g is not None)
-        buf = (ref.new_zeros(qs[1], qs[2] + 1, qs[3]), ref.new_zeros(ks[1:]), ref.new_zeros(vs[1:]))
-        for (t, idx), g in zip(ctx.reads, grads):
-            if g is None:
+                own = _Part(g.n, g.lq, g.lq, (a, b), (a, b), (E + a, E + b), True)
+                pre = _Part(1, g.la, g.lp, (a, b), (a, b), g.pre_range if g.pre_range is not None else g.pre_idx, False)
+                works.append(_Work(own, pre))
                 continue
-            if isinstance(idx, tuple):
-                buf[t][:, idx[0] : idx[1]].add_(g)
+            q_pre, q_own = g.q_idx.cpu().numpy(), g.qpad_idx.cpu().numpy()  # N: a padded slot
+            pre_of_own = np.zeros(g.n * g.lq, dtype=np.int64)
+            pre_of_own[g.own_slots.cpu().numpy()] = g.pre_slots.cpu().numpy()
+            own = _Part(g.n, g.lq, g.lq, t(np.where(q_own == N, 0, q_own)), t(q_own), g.own_idx, True)
+            pre = _Part(g.units, g.la, g.lp, t(np.where(q_pre == N, 0, q_pre)), t(q_pre), g.pre_idx, False, g.pre_bias)
+            works.append(_Work(own, pre, t(pre_of_own)))
+            continue
+        if g.q_slice is not None and g.mask is None:  # one chain on slices of the row
+            a, b = g.q_slice
+            own = _Part(1, g.lq, g.lq, (a, b), (a, b), (E + a, E + b), True)
+            pre = None if g.pre_idx is None else _Part(1, g.lq, g.lp, (a, b), (a, b), g.pre_idx, False)
+            works.append(_Work(own, pre))
+            continue
+        q = g.q_idx.cpu().numpy()
+        rows = np.full(g.n * g.lq, N, dtype=np.int64)
+        keep = np.arange(g.n * g.lq) if g.keep is None else g.keep.cpu().numpy()
+        rows[keep] = q[keep]
+        rows = t(rows)
+        if g.mask is not None:  # explicit masks over gathered keys
+            works.append(_Work(_Part(g.n, g.lq, g.lp, g.q_idx, rows, g.pre_idx, False, g.mask)))
+            continue
+        own = _Part(g.n, g.lq, g.lq, g.q_idx, rows, g.own_idx, True)
+        pre = None if g.pre_idx is None else _Part(g.n, g.lq, g.lp, g.q_idx, rows, g.pre_idx, False, g.pre_bias)
+        works.append(_Work(own, pre))
+    return works
+
+
+def _take(src: torch.Tensor, idx) -> torch.Tensor:
+    """Rows of a token-major ``[tokens, ...]`` tensor: a slice (a view) or a gather."""
+    if isinstance(idx, tuple):
+        return src[idx[0] : idx[1]]
+    return src.index_select(0, idx)
+
+
+def _add_into(buf: torch.Tensor, idx, x: torch.Tensor) -> None:
+    if isinstance(idx, tuple):
+        buf[idx[0] : idx[1]].add_(x)
+    else:
+        buf.index_add_(0, idx, x)
+
+
+def _heads_first(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """Token-major ``[n * length, H, D]`` -> ``[n, H, length, D]`` (a view)."""
+    return x.view(n, length, *x.shape[1:]).transpose(1, 2)
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """``[n, H, length, ...]`` -> token-major ``[n * length, H, ...]`` (a view when the kernel
+    wrote it token-major, as the CPU kernels do)."""
+    x = x.transpose(1, 2)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+class _SegmentLayer(torch.autograd.Function):
+    """One layer's tree attention in one autograd node, token-major throughout.
+
+    ``q [1, H, N, D]``, ``k, v [1, Hkv, E + N, D]`` are read as ``[tokens, heads, D]`` (the
+    layout the projections wrote): slices of the row are views, gathers copy whole token rows.
+    Each group's parts run on the kernels (which also write token-major), a prefix part merges
+    into its chains' slots by log-sum-exp, and the merged rows go straight to their place in
+    the output, whose token-major layout the output projection reads without a copy. The
+    backward pass reads the output gradient, merged output and log-sum-exp of each part's
+    slots from the row (padded slots read a dummy row: zero gradient, log-sum-exp +inf, so
+    their probabilities are exactly 0) and adds every part's gradients into one buffer per
+    tensor. Nothing is padded, zero-filled or reordered per group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, works):
+        Q, K, V = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+        N, H, D = Q.shape
+        out = Q.new_empty(N + 1, H, D)  # row N: the dummy row of padded slots
+        lse = None
+        saved = []
+        for w in works:
+            parts = [w.own] if w.pre is None else [w.own, w.pre]
+            res = []
+            taken: Dict[int, torch.Tensor] = {}  # the parts of a group often read the same queries
+            for p in parts:
+                if id(p.q) not in taken:
+                    taken[id(p.q)] = _take(Q, p.q)
+                qp = _heads_first(taken[id(p.q)], p.n, p.lq)
+                kp, vp = (_heads_first(_take(X, p.k), p.n, p.lk) for X in (K, V))
+                o, l = _fwd(qp, kp, vp, p.causal, p.bias_for(q.dtype))
+                res.append((_tokens_first(o), _tokens_first(l)))
+                saved.append((qp, kp, vp))
+            o, l = res[0]
+            if lse is None:
+                lse = l.new_empty(N + 1, H)
+            if w.pre is not None:
+                o_a, l_a = res[1]
+                if w.pre_of_own is not None:
+                    o_a, l_a = o_a.index_select(0, w.pre_of_own), l_a.index_select(0, w.pre_of_own)
+                joint = torch.logaddexp(l_a, l)
+                weight = torch.exp(l_a - joint).unsqueeze(-1)
+                if weight.dtype != o.dtype:  # half inputs: float32 log-sum-exps
+                    o = torch.lerp(o.to(weight.dtype), o_a.to(weight.dtype), weight).to(q.dtype)
+                else:
+                    o = torch.lerp(o, o_a, weight)
+                l = joint
+            if isinstance(w.own.rows, tuple):
+                a, b = w.own.rows
+                out[a:b].copy_(o)
+                lse[a:b].copy_(l)
             else:
-                buf[t].index_add_(1, idx, g)
-        return buf[0][None, :, : qs[2]], buf[1][None], buf[2][None], None
+                out.index_copy_(0, w.own.rows, o)
+                lse.index_copy_(0, w.own.rows, l)
+        out[N].zero_()
+        lse[N].fill_(float("inf"))
+        ctx.works, ctx.saved, ctx.shapes = works, saved, (q.shape, k.shape, v.shape)
+        ctx.save_for_backward(out, lse)
+        return out[:N].transpose(0, 1).unsqueeze(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, lse = ctx.saved_tensors
+        qs, ks, vs = ctx.shapes
+        G = torch.cat([grad[0].transpose(0, 1), grad.new_zeros(1, qs[1], qs[3])])  # row N: zero gradient
+        dQ = G.new_zeros(qs[2] + 1, qs[1], qs[3])
+        dK = G.new_zeros(ks[2], ks[1], ks[3])
+        dV = G.new_zeros(vs[2], vs[1], vs[3])
+        saved = iter(ctx.saved)
+        lse = lse.unsqueeze(-1)
+        for w in ctx.works:
+            taken: Dict[int, tuple] = {}
+            for p in [w.own] if w.pre is None else [w.own, w.pre]:
+                qp, kp, vp = next(saved)
+                if id(p.rows) not in taken:
+                    taken[id(p.rows)] = tuple(_take(X, p.rows) for X in (G, out, lse))
+                g, o, l = (_heads_first(x, p.n, p.lq) for x in taken[id(p.rows)])
+                dq, dk, dv = _bwd(g, qp, kp, vp, o, l[..., 0], p.causal, p.bias_for(qp.dtype))
+                _add_into(dQ, p.rows, _tokens_first(dq))
+                _add_into(dK, p.k, _tokens_first(dk))
+                _add_into(dV, p.k, _tokens_first(dv))
+        return (dQ[: qs[2]].transpose(0, 1).unsqueeze(0), dK.transpose(0, 1).unsqueeze(0),
+                dV.transpose(0, 1).unsqueeze(0), None)
 
 
 BUCKET_WASTE = 1.1  # default bound on a batched call's padded work over its real work
@@ -350,56 +474,10 @@ class SegmentAttention(AttentionBackend):
 
     # compute -------------------------------------------------------------------------
     def __call__(self, q, k, v, plan: SegmentPlan):
-        _, Hq, N, D = q.shape
-        Hkv = k.shape[1]
-        E = k.shape[2] - N
-        if plan._reads is None:
-            plan._reads = _reads_of(plan.groups, E)
-        read = iter(_Reads.apply(q, k, v, plan._reads))
-        outs = []
-        for g in plan.groups:
-            if g.units:
-                G, A, P = g.units, g.la, g.lp
-                rq, rk, rv = next(read), next(read), next(read)
-                q_own = rq if g.q_range is not None else next(read)
-                q_pre = rq.view(Hq, G, A, D).transpose(0, 1)
-                q_own = q_own.view(Hq, g.n, g.lq, D).transpose(0, 1)
-                ko = rk.view(Hkv, g.n, g.lq, D).transpose(0, 1)
-                vo = rv.view(Hkv, g.n, g.lq, D).transpose(0, 1)
-                kp = next(read).view(Hkv, G, P, D).transpose(0, 1)
-                vp = next(read).view(Hkv, G, P, D).transpose(0, 1)
-                outs.append(BatchedPrefixAttention.apply(q_pre, kp, vp, g.bias(q.dtype), q_own, ko, vo,
-                                                         g.pre_slots, g.own_slots))
-                continue
-            if g.mask is not None:  # irregular: explicit masks over gathered keys
-                qb = next(read).view(Hq, g.n, g.lq, D).transpose(0, 1)
-                kb = next(read).view(Hkv, g.n, g.lp, D).transpose(0, 1)
-                vb = next(read).view(Hkv, g.n, g.lp, D).transpose(0, 1)
-                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, enable_gqa=Hq != Hkv)
-            elif g.q_slice is not None:
-                qb, ko, vo = next(read)[None], next(read)[None], next(read)[None]
-                kp = vp = None
-                if g.pre_idx is not None:
-                    kp, vp = next(read)[None], next(read)[None]
-                ob = prefix_causal_attention(qb, kp, vp, None, ko, vo)
-            else:
-                qb = next(read).view(Hq, g.n, g.lq, D).transpose(0, 1)
-                ko = next(read).view(Hkv, g.n, g.lq, D).transpose(0, 1)
-                vo = next(read).view(Hkv, g.n, g.lq, D).transpose(0, 1)
-                kp = vp = None
-                if g.pre_idx is not None:
-                    kp = next(read).view(Hkv, g.n, g.lp, D).transpose(0, 1)
-                    vp = next(read).view(Hkv, g.n, g.lp, D).transpose(0, 1)
-                ob = prefix_causal_attention(qb, kp, vp, g.bias(q.dtype), ko, vo)
-            if g.q_slice is not None:
-                outs.append(ob[0])
-            else:
-                ob = ob.transpose(0, 1).reshape(Hq, g.n * g.lq, D)
-                outs.append(ob if g.keep is None else ob.index_select(1, g.keep))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        if plan.order is not None:
-            out = out.index_select(1, plan.order)
-        return out.unsqueeze(0)
+        N, E = q.shape[2], k.shape[2] - q.shape[2]
+        if plan._works is None or plan._works[0] != (N, E):
+            plan._works = ((N, E), _works(plan.groups, N, E, q.device))
+        return _SegmentLayer.apply(q, k, v, plan._works[1])
 
 
 def _padded_group(members, lq: int, lp: int, E: int, dev) -> Tuple[_Group, np.ndarray]:
