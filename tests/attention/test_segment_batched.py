@@ -117,7 +117,8 @@ def test_windows(window):
 
 
 def test_padded_slots_are_finite_in_half_precision():
-    """Zero queries on padded slots keep every output and gradient finite in bfloat16."""
+    """Padded slots (they read real queries; in the backward pass their gradient is zero and
+    their log-sum-exp +inf) keep every output and gradient finite in bfloat16."""
     layout = layout_of(agent_tree(2, 3, [1, 2, 9], seed=5))
     g = torch.Generator().manual_seed(0)
     N = layout.num_queries
@@ -228,3 +229,47 @@ def test_every_read_of_q_k_v_goes_through_one_node(n_ext, partial):
             stack.append(nxt)
     assert all(r == ["_SegmentLayerBackward"] for r in readers.values()), readers
     compare(backend, layout)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["units", "masked"])
+def test_padded_slots_stay_exact_with_large_scores(partial):
+    """Padded query slots read real queries. With scores far beyond exp's range (queries x 2000),
+    a padded slot's probabilities must still be exactly 0 in the backward pass (log-sum-exp
+    +inf), not inf x 0: outputs and every gradient equal the dense reference (float64)."""
+    branches = grpo_group(5, 4, 3)
+    branches[-1], branches[-2] = branches[-1] + [998, 997], branches[-2] + [999]  # unequal: padded slots
+    layout = layout_of(branches, n_ext=2, partial=partial)
+    backend = SegmentAttention()
+    plan = backend.plan(layout)
+    assert any((g.units and g.q_range is None) or g.mask is not None for g in plan.groups)
+    N, E = layout.num_queries, layout.num_external
+    g = torch.Generator().manual_seed(3)
+    q = (2000 * torch.randn(1, 4, N, 8, generator=g, dtype=torch.float64)).requires_grad_()
+    k, v = (torch.randn(1, 2, E + N, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    probe = torch.randn(1, 4, N, 8, generator=g, dtype=torch.float64)
+    ref_backend = get_backend("sdpa_dense")
+    ref = ref_backend(q, k, v, ref_backend.plan(layout))
+    gref = torch.autograd.grad((ref * probe).sum(), (q, k, v))
+    out = backend(q, k, v, plan)
+    got = torch.autograd.grad((out * probe).sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(got, gref):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_output_is_token_major():
+    """The output is a view of a ``[tokens, heads, D]`` buffer (the layout the output
+    projection reads), so ``transpose(1, 2).reshape(1, N, H * D)`` copies nothing; the
+    gradients come back in the inputs' shapes."""
+    layout = layout_of(agent_tree(2, 3, [1, 4, 7], seed=2))
+    N = layout.num_queries
+    backend = SegmentAttention()
+    q, k, v = (torch.randn(1, n, h, 8, requires_grad=True) for h, n in ((4, N), (2, N), (2, N)))
+    out = backend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend.plan(layout))
+    assert out.shape == (1, 4, N, 8) and out.transpose(1, 2).is_contiguous()
+    flat = out.transpose(1, 2).reshape(1, N, 32)
+    assert flat.data_ptr() == out.data_ptr()
+    flat.square().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
