@@ -1,4 +1,4 @@
-"""Attention over two key sets merged through their log-sum-exps.
+"""The attention kernels of one part of a split attention, with their log-sum-exps.
 
 For a query block whose keys split into a *prefix* (visible to every query: the
 block's ancestors) and a *diagonal* block (the queries' own tokens, causal), the
@@ -10,7 +10,9 @@ where ``(o_A, l_A)`` and ``(o_B, l_B)`` are the two partial attentions and their
 row log-sum-exps. Both parts then run on the fastest kernels (no mask for the
 prefix, ``is_causal`` for the diagonal) instead of one masked call. The backward
 pass of each part, given the *merged* output and log-sum-exp, yields exactly that
-part's share of the gradients (the standard ring/split-attention identity).
+part's share of the gradients (the standard ring/split-attention identity). The
+``segment`` backend (:mod:`treelit.attention.segment`) runs its parts through
+:func:`_fwd` / :func:`_bwd` and does the merge itself.
 
 On CPU the two parts use torch's flash-attention kernels, which return the
 log-sum-exp; elsewhere a plain math implementation with the same contract is used
@@ -114,102 +116,3 @@ def _bwd(g, q, k, v, o, lse, causal, bias):
             return _unfold(dq, H), dk, dv
         return _cpu_bwd(g, q, k, v, o, lse, 0.0, causal, attn_mask=bias)
     return _math_bwd(g, q, k, v, o, lse, causal, bias)
-
-
-def _merge(o_a, l_a, o_b, l_b, lse) -> torch.Tensor:
-    """Merge two partial attentions given the joint log-sum-exp. The log-sum-exps may be
-    float32 for half-precision inputs (the CPU kernels keep them so); the merged output
-    keeps the inputs' dtype, which the kernels' backward passes expect."""
-    o = torch.exp(l_a - lse)[..., None] * o_a + torch.exp(l_b - lse)[..., None] * o_b
-    return o.to(o_a.dtype)
-
-
-class PrefixCausalAttention(torch.autograd.Function):
-    """``softmax`` attention of ``q [B, H, L, D]`` over ``[prefix keys | own keys]``.
-
-    ``k_pre, v_pre [B, Hkv, P, D]`` are visible to every query (``bias_pre``, broadcastable
-    to ``[B, H, L, P]``, may hide padding keys); ``k_own, v_own [B, Hkv, L, D]`` are the
-    queries' own tokens, visible causally. ``k_pre`` may be None (no prefix).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k_pre, v_pre, bias_pre, k_own, v_own):
-        o_b, l_b = _fwd(q, k_own, v_own, True, None)
-        if k_pre is None:
-            o, lse = o_b, l_b
-        else:
-            o_a, l_a = _fwd(q, k_pre, v_pre, False, bias_pre)
-            lse = torch.logaddexp(l_a, l_b)
-            o = _merge(o_a, l_a, o_b, l_b, lse)
-        ctx.save_for_backward(q, k_pre, v_pre, bias_pre, k_own, v_own, o, lse)
-        return o
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k_pre, v_pre, bias_pre, k_own, v_own, o, lse = ctx.saved_tensors
-        g = g.contiguous()
-        dq, dk_own, dv_own = _bwd(g, q, k_own, v_own, o, lse, True, None)
-        dk_pre = dv_pre = None
-        if k_pre is not None:
-            dq_a, dk_pre, dv_pre = _bwd(g, q, k_pre, v_pre, o, lse, False, bias_pre)
-            dq = dq + dq_a
-        return dq, dk_pre, dv_pre, None, dk_own, dv_own
-
-
-def prefix_causal_attention(q, k_pre, v_pre, bias_pre, k_own, v_own) -> torch.Tensor:
-    return PrefixCausalAttention.apply(q, k_pre, v_pre, bias_pre, k_own, v_own)
-
-
-class BatchedPrefixAttention(torch.autograd.Function):
-    """Chains of several prefix *units* in one pair of calls. A unit is a set of chains that
-    share one prefix (sibling chains, or a single chain); each unit's queries, concatenated,
-    attend to its prefix keys in *one* call for all units (padded, no per-chain copies of a
-    prefix), every chain attends to itself causally in one padded batch, and the two parts
-    merge through their log-sum-exps.
-
-    ``q_pre [G, H, A, D]``: unit u's queries, concatenated and padded to A;
-    ``k_pre, v_pre [G, Hkv, P, D]``: its prefix keys padded to P, hidden by ``bias_pre``
-    (``[G, 1, 1, P]``, 0 / dtype min; None when nothing is padded); ``q_own [C, H, L, D]`` /
-    ``k_own, v_own [C, Hkv, L, D]``: the chains padded to L (padding after each chain's tokens,
-    so causality hides it from real queries); ``pre_slots`` / ``own_slots`` ``[M]``: the
-    flattened ``G * A`` / ``C * L`` slot of each real query, or both None when no slot is padded
-    and the two layouts hold the queries in the same order (``M = G * A = C * L``). Padded query
-    slots must hold zero queries (their rows are then finite in the forward and contribute
-    nothing in the backward). Returns ``[H, M, D]``, the real queries in slot order.
-    """
-
-    @staticmethod
-    def forward(ctx, q_pre, k_pre, v_pre, bias_pre, q_own, k_own, v_own, pre_slots, own_slots):
-        o_a, l_a = _fwd(q_pre, k_pre, v_pre, False, bias_pre)
-        o_b, l_b = _fwd(q_own, k_own, v_own, True, None)
-        H = q_pre.shape[1]
-
-        def flat(t, slots):
-            t = t.transpose(0, 1).reshape(H, -1, *t.shape[3:])
-            return t if slots is None else t.index_select(1, slots)
-
-        o_a, l_a, o_b, l_b = flat(o_a, pre_slots), flat(l_a, pre_slots), flat(o_b, own_slots), flat(l_b, own_slots)
-        lse = torch.logaddexp(l_a, l_b)
-        o = _merge(o_a, l_a, o_b, l_b, lse)
-        ctx.save_for_backward(q_pre, k_pre, v_pre, bias_pre, q_own, k_own, v_own, pre_slots, own_slots, o, lse)
-        return o
-
-    @staticmethod
-    def backward(ctx, g):
-        q_pre, k_pre, v_pre, bias_pre, q_own, k_own, v_own, pre_slots, own_slots, o, lse = ctx.saved_tensors
-        g = g.to(o.dtype)
-
-        def padded(t, slots, like):  # real rows back into the padded layout, zeros elsewhere
-            n, H, L = like.shape[:3]
-            if slots is None:
-                return t.view(H, n, L, *t.shape[2:]).transpose(0, 1).contiguous()
-            full = t.new_zeros(H, n * L, *t.shape[2:])
-            full.index_copy_(1, slots, t)
-            return full.view(H, n, L, *t.shape[2:]).transpose(0, 1).contiguous()
-
-        # zero queries with zero gradient, output and lse on padded slots: every term vanishes
-        dq_pre, dk_pre, dv_pre = _bwd(padded(g, pre_slots, q_pre), q_pre, k_pre, v_pre,
-                                      padded(o, pre_slots, q_pre), padded(lse, pre_slots, q_pre), False, bias_pre)
-        dq_own, dk_own, dv_own = _bwd(padded(g, own_slots, q_own), q_own, k_own, v_own,
-                                      padded(o, own_slots, q_own), padded(lse, own_slots, q_own), True, None)
-        return dq_pre, dk_pre, dv_pre, None, dq_own, dk_own, dv_own, None, None

@@ -28,10 +28,10 @@ to a copy of the prefix per chain; each chain attends to itself causally.
 parents of one tree level, the short chains under different prefixes) run together: one
 call for their prefix parts (``[units, H, A, D]`` queries against ``[units, Hkv, P, D]``
 prefixes, padded keys hidden by a ``[units, 1, 1, P]`` bias, padded query slots reading a
-zero query) and one padded causal call for all their chains (padded keys come after every
-real query, so causality hides them); the two parts merge by log-sum-exp
-(:class:`~treelit.attention.merged.BatchedPrefixAttention`). Units join a bucket, largest
-prefixes first, while its padded work stays within 1.1x its real work, so the number of
+real query and answering for a dummy row) and one padded causal call for all their chains
+(padded keys come after every real query, so causality hides them); the two parts merge by
+log-sum-exp. Units join a bucket, largest prefixes first, while its padded work stays
+within 1.1x its real work, so the number of
 calls follows the tree's depth and the spread of its shapes, not its number of segments
 (a GRPO group: its first chain plus one batched group; a 3-level tree of 27 leaves with
 equal segment lengths: its first chain plus one group per level). A unit alone in its
@@ -95,7 +95,7 @@ class _Group:
     pre_bias: Optional[torch.Tensor] = None  # [n, 1, 1, lp] bool: real prefix keys
     keep: Optional[torch.Tensor] = None  # real query slots
     mask: Optional[torch.Tensor] = None  # irregular groups: [n, 1, lq, lp] bool over pre_idx keys
-    # prefix units (BatchedPrefixAttention): ``units`` units of at most ``la`` queries each
+    # prefix units (one prefix call, one causal call): ``units`` units of at most ``la`` queries each
     # against their own ``lp`` prefix keys (q_idx [units * la], pre_idx [units * lp]), and
     # ``n`` chains padded to ``lq`` for their causal parts (qpad_idx, own_idx [n * lq])
     units: int = 0
@@ -107,22 +107,11 @@ class _Group:
     # order for both parts, read as slices; slots are the identity (None)
     q_range: Optional[Tuple[int, int]] = None
     pre_range: Optional[Tuple[int, int]] = None  # ... and its prefix the keys [a, b)
-    _bias: Optional[Dict[torch.dtype, torch.Tensor]] = None
 
     @property
     def shared(self) -> bool:
         """One prefix call serves several chains (a unit of siblings)."""
         return self.units > 0 and self.n > self.units
-
-    def bias(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        if self.pre_bias is None:
-            return None
-        if self._bias is None:
-            self._bias = {}
-        if dtype not in self._bias:
-            zero = torch.zeros((), dtype=dtype, device=self.pre_bias.device)
-            self._bias[dtype] = torch.where(self.pre_bias, zero, torch.finfo(dtype).min)
-        return self._bias[dtype]
 
 
 @dataclass
