@@ -31,8 +31,8 @@ prefixes, padded keys hidden by a ``[units, 1, 1, P]`` bias, padded query slots 
 real query and answering for a dummy row) and one padded causal call for all their chains
 (padded keys come after every real query, so causality hides them); the two parts merge by
 log-sum-exp. Units join a bucket, largest prefixes first, while its padded work stays
-within 1.1x its real work, so the number of
-calls follows the tree's depth and the spread of its shapes, not its number of segments
+within 1.1x its real work, so the number of calls follows the tree's depth and the spread
+of its shapes, not its number of segments
 (a GRPO group: its first chain plus one batched group; a 3-level tree of 27 leaves with
 equal segment lengths: its first chain plus one group per level). A unit alone in its
 bucket whose chains have equal lengths and follow each other in the row (a GRPO group's
