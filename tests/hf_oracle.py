@@ -74,6 +74,8 @@ def load_hf_oracle(path, dtype=torch.float64, exact: Optional[bool] = None, **kw
     import transformers
 
     kwargs.setdefault("attn_implementation", "sdpa")
+    if hasattr(transformers.PreTrainedModel, "set_use_kernels"):  # 5.25+: no hub kernels (they fetch code)
+        kwargs.setdefault("use_kernels", False)
     cfg = transformers.AutoConfig.from_pretrained(path)
     if getattr(cfg, "num_experts_per_tok", None):  # MoE: grouped_mm has no float64 kernel
         kwargs.setdefault("experts_implementation", "eager")

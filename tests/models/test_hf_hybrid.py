@@ -30,7 +30,7 @@ from hf_oracle import hf_branch_loss, hf_router_loss, load_hf_oracle, random_hf_
 from strategies import examples, forests
 from treelit.attention.segment import SegmentAttention
 from treelit.models.hf import CheckpointError
-from treelit.models.hf_kernels import bind_torch_kernels
+from treelit.models.hf_kernels import bind_torch_kernels, kernel_name
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,7 +178,11 @@ def test_plain_forward_and_direct_calls_never_reach_fla(tmp_path):
         torch.testing.assert_close(layer(h), ref.model.layers[0].linear_attn(h), rtol=1e-12, atol=1e-12)
     module = sys.modules[type(layer).__module__]
     assert "forward" in vars(layer) and type(layer).forward is not layer._treelit_forward
-    assert module.torch_chunk_gated_delta_rule.__name__ == "torch_chunk_gated_delta_rule"  # not rebound globally
+    # not rebound globally: the module's entry point is still transformers' (a function, or the
+    # ``kernels`` package's layer made of it), never a treelit dispatcher
+    entry = module.torch_chunk_gated_delta_rule
+    assert kernel_name(entry) == "chunk_gated_delta_rule"
+    assert not getattr(entry, "__name__", "").startswith("treelit_")
 
 
 UNSUPPORTED = {"lfm2_moe": dict(BASE, num_hidden_layers=2),

@@ -113,8 +113,10 @@ class Sampler:
             from transformers.utils import logging as hf_logging  # as above
 
             hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype,
-                                                              trust_remote_code=False).eval()
+            from treelit.models.hf_kernels import no_hub_kernels  # as above
+
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, trust_remote_code=False,
+                                                              **no_hub_kernels()).eval()
         gen = path / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
         self.eos = eos[0] if isinstance(eos, list) else eos

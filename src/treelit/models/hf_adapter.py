@@ -49,7 +49,7 @@ from treelit.models.errors import CheckpointError
 from treelit.models.factory import parse_dtype, set_router_aux_loss
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
-from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels
+from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
 from treelit.models.moe import record_pass
 
 __all__ = ["ATTENTION_NAME", "HFTreeModel", "load_hf_model", "make_hf_model", "check_adapter_config"]
@@ -216,6 +216,7 @@ class HFTreeModel(nn.Module):
                             / float(getattr(cfg, "logits_scaling", 1.0) or 1.0))
         self.hf.train()  # from_pretrained returns eval mode; dropout is refused, so the mode changes nothing
         self._router_refusal = bias_routed(hf_model) if self.config.moe else None
+        self._hybrid = self.config.model_type in HYBRID_FAMILIES
 
     @property
     def base(self) -> nn.Module:
@@ -254,6 +255,8 @@ class HFTreeModel(nn.Module):
         if self._router_refusal and self.config.moe.get("router_aux_loss_coef", 0.0) > 0:
             raise ValueError(f"router_aux_loss_coef = {self.config.moe['router_aux_loss_coef']}: "
                              f"{self._router_refusal}")
+        if self._hybrid:
+            check_bound(self.hf)
         kw = {"output_router_logits": True} if self.config.moe else {}
         out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                         attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)
@@ -315,7 +318,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     # shard names stay inside the directory, sizes agree with the weights' headers: before allocating
     check_weight_shapes(raw, weight_files(path)[0], cfg_file)
     register_attention()
-    kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME}
+    kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME, **no_hub_kernels()}
     cfg = causal_lm_config(cfg)
     if _moe_options(cfg) or getattr(cfg, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel

@@ -11,14 +11,33 @@ causal-conv1d when importable (their CUDA/Triton kernels: they fail on CPU) and 
 reference torch function at ``__wrapped__``. The mixer's ``forward`` calls these functions by
 their global names.
 
-**Interception.** For a model the adapter loads, every mixer instance whose ``forward`` calls one of
+**Interception.** For a model the adapter loads, every mixer instance whose ``forward`` reaches one of
 these entry points gets its own copy of that ``forward``: the same code object (and the same
 decorator chain, rebuilt around it) with a globals dict in which each entry point is replaced by
 a dispatcher. Nothing in transformers' modules is changed; other models in the process, and the
-class itself, keep the original functions. The entry points are recognised by the kernel name the
-decorator was given (``func_name`` in its closure, or ``kernel_layer_name`` when the ``kernels``
-package turned it into a layer), not by the family, so a new family built from the same entry
-points needs no code here - only a test and an entry in :data:`HYBRID_FAMILIES`.
+class itself, keep the original functions. transformers is loaded with ``use_kernels=False``
+(5.25 kernelizes by default when the ``kernels`` package is installed, which would fetch code from
+the hub and drop the rebound forwards), and the adapter checks before each tree forward that the
+rebound forwards are still in place.
+
+**Recognition** (the rule that survives renames). An entry point is recognised by its *kernel-hub
+name* - the name its decorator was given: ``func_name`` in the closure of
+``use_kernel_func_from_hub_with_fallback``'s wrapper, or ``kernel_layer_name`` when the ``kernels``
+package turned it into a layer - never by the Python name it is imported under (5.25 calls
+``chunk_gated_delta_rule`` ``torch_chunk_gated_delta_rule``). Only globals the forward *loads* count
+(bytecode ``LOAD_GLOBAL``; ``nn.functional.silu`` is not the global ``silu``). Every hub name
+belongs to one table: ``TREE_KERNELS`` (sequence mixing with a tree version), ``WRAPPER_KERNELS``
+(5.25's ``causal_conv1d_forward`` / ``mamba2_scan_forward``: cache plumbing around other entry
+points - their torch body is followed and rebound the same way; one reaching no entry point is
+refused), ``TOKENWISE_KERNELS`` (norms, activations, RoPE, MoE routers: tree-exact as they are, left
+alone), ``MIXER_KERNELS`` (a whole mixer as a hub layer, used only by ``kernelize``) and
+``NO_TREE_KERNELS`` (known sequence mixers without a tree version: refused). transformers' own
+helper functions without a hub name (what ``causal_conv1d_forward`` is when ``kernels`` is not
+installed) are followed the same way when they reach an entry point. A hub name in no table refuses
+the model at load time, naming the layer, the kernel, the installed transformers and the releases
+treelit was tested with (:data:`treelit.utils.versions.TESTED`); a test reads every hub name the
+installed transformers declares and fails on an unclassified one
+(``tests/models/test_hf_kernel_names.py``).
 
 **Dispatch.** The instance's ``forward`` records which layer is running and the ``treelit_ctx``
 keyword (the tree context the attention function also receives); the dispatcher then runs
@@ -48,6 +67,7 @@ without a cache) and raise if reached with a tree context; an entry point not li
 from __future__ import annotations
 
 import contextvars
+import dis
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -60,9 +80,11 @@ from torch import nn
 from treelit.ssm.fla_backend import gdn_scan_fla, kda_scan_fla, ssd_scan_mamba
 from treelit.ssm.layers import causal_conv, conv_context_at
 from treelit.ssm.scan import chunked_scan, gdn_chunk, kda_chunk, ssd_chunk
+from treelit.utils.versions import TESTED
 
-__all__ = ["TREE_KERNELS", "HYBRID_FAMILIES", "bind_tree_kernels", "bind_torch_kernels", "kernel_name",
-           "kernel_calls"]
+__all__ = ["TREE_KERNELS", "WRAPPER_KERNELS", "TOKENWISE_KERNELS", "MIXER_KERNELS", "NO_TREE_KERNELS",
+           "HYBRID_FAMILIES", "bind_tree_kernels", "bind_torch_kernels", "kernel_name", "kernel_class",
+           "kernel_calls", "no_hub_kernels", "check_bound"]
 
 CHUNK_SIZE = 64  # tokens per block of treelit's chunked scans (exact for any size; ssm.chunk_size sets it)
 
@@ -242,10 +264,76 @@ TREE_KERNELS: Dict[str, Callable] = {
 }
 
 
+# -- recognition ----------------------------------------------------------------------------------------
+# Every kernel-hub name transformers declares (``use_kernel_func_from_hub_with_fallback(NAME, ...)``,
+# ``use_kernel_forward_from_hub(NAME)``) belongs to exactly one of these classes. A name in none of them
+# refuses the model (tree mode) naming the kernel, the transformers release and the tested releases;
+# tests/models/test_hf_kernel_names.py fails when an installed transformers declares one.
+#
+# wrappers: hub functions whose torch body reads / writes the cache and calls other entry points
+# (transformers 5.25 put the convolution and the Mamba scans behind these). Their torch body is
+# followed and rebound like the mixer's forward; one that calls no entry point is refused, since it
+# would then mix the DFS row as a sequence.
+WRAPPER_KERNELS = frozenset({"causal_conv1d_forward", "mamba2_scan_forward", "mamba_scan_forward"})
+# token-wise: each output token depends on that token alone (norms, activations, RoPE at depth
+# positions, MoE routers and experts) - tree-exact as they are, left untouched
+TOKENWISE_KERNELS = frozenset({
+    "RMSNorm", "RMSNormGated", "RMSNormZeroCentered", "rotary_pos_emb",
+    "SiLU", "GeLU", "GeluTanh", "FastGELU", "QuickGELU", "NewGELU",
+    "SoftmaxTopKRouter", "MegaBlocksMoeMLP", "Llama4TextMoe",
+})
+# whole mixers as hub layers: replaced only by ``kernelize()`` (``use_kernels=True``), which the adapter
+# never calls; treelit binds the entry points inside them
+MIXER_KERNELS = frozenset({"Qwen3_5GatedDeltaNet"})
+# known and sequence-mixing, with no tree version: a model calling one is refused
+NO_TREE_KERNELS = {
+    "selective_scan_fn": "Mamba-1's selective scan",
+    "mamba_inner_fn": "Mamba-1's fused inner block",
+    "MultiScaleDeformableAttention": "a vision kernel",
+    "EsmFold2TriangleMultiplication": "a protein-folding kernel",
+}
+
+
+def kernel_class(name: str) -> Optional[str]:
+    """``'tree' | 'wrapper' | 'tokenwise' | 'mixer' | 'no_tree'`` for a kernel-hub name, or None
+    for a name treelit does not know."""
+    if name in TREE_KERNELS:
+        return "tree"
+    for cls, names in (("wrapper", WRAPPER_KERNELS), ("tokenwise", TOKENWISE_KERNELS), ("mixer", MIXER_KERNELS),
+                       ("no_tree", NO_TREE_KERNELS)):
+        if name in names:
+            return cls
+    return None
+
+
+def _versions() -> str:
+    try:
+        import transformers  # optional, heavy: only in transformers models
+        ver = transformers.__version__
+    except ImportError:  # pragma: no cover - the adapter needs it
+        ver = "?"
+    return f"transformers {ver}; treelit is tested with transformers {', '.join(TESTED['transformers'])}"
+
+
+def _refusal(owner: str, name: str) -> str:
+    kind = kernel_class(name)
+    if kind == "no_tree":
+        why = f"{NO_TREE_KERNELS[name]}, which has no tree version"
+    elif kind == "wrapper":
+        why = "a cache wrapper whose torch code calls no kernel treelit can replace (it would mix the DFS row " \
+              "as one sequence)"
+    else:
+        why = "a kernel treelit does not know, so it cannot tell whether it mixes tokens along the sequence"
+    return f"{owner} calls the kernel {name!r}: {why} ({_versions()})"
+
+
 # -- interception -------------------------------------------------------------------------------------
 def kernel_name(fn: Any) -> Optional[str]:
-    """The kernel-hub name a transformers entry point was declared under, or None for anything else."""
-    name = getattr(fn, "kernel_layer_name", None)  # the ``kernels`` package turns it into a layer
+    """The kernel-hub name a transformers entry point was declared under, or None for anything else:
+    ``func_name`` in the closure of ``use_kernel_func_from_hub_with_fallback``'s wrapper, or the
+    ``kernel_layer_name`` of the layer the ``kernels`` package made of it (a function turned into a
+    module instance, or a module class / instance)."""
+    name = getattr(fn, "kernel_layer_name", None)
     if isinstance(name, str):
         return name
     code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
@@ -262,11 +350,15 @@ def _cell(cell) -> Any:
         return None
 
 
-def _names(code: types.CodeType):
-    yield from code.co_names
+def _global_loads(code: types.CodeType):
+    """The global names ``code`` (and the functions nested in it) loads - not attribute names, so
+    ``nn.functional.silu`` is not the global ``silu``."""
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield ins.argval
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            yield from _names(c)
+            yield from _global_loads(c)
 
 
 def _inner(fn: Callable) -> Callable:
@@ -275,14 +367,78 @@ def _inner(fn: Callable) -> Callable:
     return fn
 
 
+def _torch_function(obj: Any) -> Any:
+    """The plain torch function behind an entry point: through the ``kernels`` package's function
+    layer (its forward's closure cell ``func``) and every ``__wrapped__``."""
+    fwd = getattr(type(obj), "forward", None) if isinstance(obj, nn.Module) else None
+    code = getattr(fwd, "__code__", None)
+    if code is not None and "func" in code.co_freevars and fwd.__closure__:
+        obj = _cell(fwd.__closure__[code.co_freevars.index("func")])
+    return _inner(obj)
+
+
+def _is_helper(obj: Any) -> bool:
+    """A plain module-level function of transformers' own code (followed for entry points it calls)."""
+    return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith("transformers.")
+
+
+@dataclass
+class _Plan:
+    """What one function's globals become: ``replace`` (global name -> replacement), the kernel names
+    reached (directly or through wrappers / helpers) and the refusals met on the way."""
+
+    replace: Dict[str, Callable] = field(default_factory=dict)
+    kernels: set = field(default_factory=set)
+    refusals: list = field(default_factory=list)
+    forward: Optional[Callable] = None  # the class's forward, rebound (set by _bind)
+
+
+def _plan(fn: types.FunctionType, owner: str, make: Callable[[str, Callable], Callable],
+          seen: Optional[set] = None) -> _Plan:
+    """Walk the globals ``fn`` calls: entry points with a tree version get ``make(name, torch fn)``;
+    wrappers and transformers' helper functions that reach entry points get a rebound copy of their
+    torch body (the same walk, one level down); token-wise and mixer hub layers stay; anything
+    else with a hub name is a refusal."""
+    seen = set() if seen is None else seen
+    plan = _Plan()
+    if fn.__code__ in seen:
+        return plan
+    seen.add(fn.__code__)
+    for n in sorted(set(_global_loads(fn.__code__))):
+        obj = fn.__globals__.get(n)
+        name = kernel_name(obj)
+        kind = kernel_class(name) if name is not None else None
+        if name is not None and kind in ("tokenwise", "mixer"):
+            continue
+        if kind == "tree":
+            plan.replace[n] = make(name, _torch_function(obj))
+            plan.kernels.add(name)
+        elif kind == "wrapper" or (name is None and _is_helper(obj)):
+            body = _torch_function(obj)
+            if not isinstance(body, types.FunctionType):
+                plan.refusals.append(_refusal(owner, name or n))
+                continue
+            sub = _plan(body, owner, make, seen)
+            plan.refusals += sub.refusals
+            if sub.replace:
+                plan.replace[n] = _rebind(body, sub.replace)
+                plan.kernels |= sub.kernels | ({name} if name else set())
+            elif kind == "wrapper":
+                plan.refusals.append(_refusal(owner, name))
+        elif name is not None:
+            plan.refusals.append(_refusal(owner, name))
+    return plan
+
+
 def kernel_calls(cls: type) -> Dict[str, str]:
-    """Global name -> kernel name of the entry points ``cls.forward`` calls."""
+    """Global name -> kernel name of the entry points ``cls.forward`` calls directly (hub-named
+    globals only; what the adapter binds is :func:`_plan`'s walk)."""
     fwd = getattr(cls, "forward", None)
     inner = _inner(fwd) if fwd is not None else None
     if not isinstance(inner, types.FunctionType):
         return {}
     out = {}
-    for n in set(_names(inner.__code__)):
+    for n in set(_global_loads(inner.__code__)):
         k = kernel_name(inner.__globals__.get(n))
         if k is not None:
             out[n] = k
@@ -358,27 +514,54 @@ def _tree_forward(self, *args, **kwargs):
 
 
 def _bind(model: nn.Module, make: Callable[[str, Callable], Callable], tree: bool) -> int:
-    """Give every module of ``model`` that calls a kernel entry point its own rebound forward."""
-    rebuilt: Dict[type, Callable] = {}
+    """Give every module of ``model`` whose forward reaches a kernel entry point its own rebound forward."""
+    rebuilt: Dict[type, Optional[_Plan]] = {}
     n = 0
     for index, mod in enumerate(model.modules()):
         cls = type(mod)
-        calls = kernel_calls(cls)
-        if not calls:
-            continue
         if cls not in rebuilt:
-            unknown = sorted({k for k in calls.values() if k not in TREE_KERNELS})
-            if tree and unknown:
-                raise NotImplementedError(f"{cls.__name__} calls the kernel(s) {unknown}, which have no tree version")
-            g = _inner(cls.forward).__globals__
-            rebuilt[cls] = _rebind(cls.forward, {n_: make(k, _inner(g[n_])) for n_, k in calls.items()})
-        mod._treelit_forward = rebuilt[cls]
-        mod._treelit_kernels = frozenset(calls.values())  # (set_ssm_backend: which packages ssm=fla needs)
+            inner = _inner(cls.forward) if hasattr(cls, "forward") else None
+            if not isinstance(inner, types.FunctionType) or not (inner.__module__ or "").startswith("transformers."):
+                rebuilt[cls] = None
+                continue
+            plan = _plan(inner, cls.__name__, make)
+            if tree and plan.refusals:
+                raise NotImplementedError("; ".join(dict.fromkeys(plan.refusals)))
+            if plan.replace:
+                plan.forward = _rebind(cls.forward, plan.replace)
+            rebuilt[cls] = plan if plan.replace else None
+        plan = rebuilt[cls]
+        if plan is None:
+            continue
+        mod._treelit_forward = plan.forward
+        mod._treelit_kernels = frozenset(plan.kernels)  # (set_ssm_backend: which packages ssm=fla needs)
         layer = getattr(mod, "layer_idx", None)  # the key of its captured states (partitioning)
         mod._treelit_layer = int(layer) if layer is not None else -1 - index
         mod.forward = types.MethodType(_tree_forward, mod)
         n += 1
     return n
+
+
+def no_hub_kernels() -> Dict[str, Any]:
+    """``from_pretrained`` keywords that keep transformers from kernelizing the model: transformers 5.25
+    defaults to ``use_kernels=True`` when the ``kernels`` package is installed, which fetches code
+    from the hub (a checkpoint's loading must not run outside code) and may swap whole mixers for
+    layers that know nothing of trees; ``train()`` / ``eval()`` then kernelize again and drop the
+    rebound forwards."""
+    from transformers import PreTrainedModel  # optional, heavy: in transformers models only
+
+    return {"use_kernels": False} if hasattr(PreTrainedModel, "set_use_kernels") else {}
+
+
+def check_bound(model: nn.Module) -> None:
+    """Raise if a hybrid layer :func:`bind_tree_kernels` bound has lost its rebound forward (e.g. a
+    later ``model.use_kernels = True`` kernelized it): its original forward would mix the tree's
+    DFS row as one sequence."""
+    for mod in model.modules():
+        if hasattr(mod, "_treelit_forward") and "forward" not in vars(mod):
+            raise RuntimeError(f"{type(mod).__name__} (layer {mod._treelit_layer}) no longer runs treelit's tree "
+                               "kernels: its forward was replaced after loading (kernelize / use_kernels=True?); "
+                               "load the model again without hub kernels")
 
 
 def bind_tree_kernels(model: nn.Module) -> int:
