@@ -90,7 +90,8 @@ def test_user_errors_print_one_line_without_traceback(case, tmp_path, bad_inputs
     assert status == 1
     assert "Traceback" not in out + err
     assert "error: " in err and expected in err, err
-    assert "HYDRA_FULL_ERROR=1" in err
+    lines = err.strip().splitlines()  # the whole of stderr: exactly the one error line
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 

@@ -308,7 +308,7 @@ def test_a_config_typo_is_one_error_line_with_the_closest_names(args, expected, 
     assert len(errors) == 1 and errors[0].startswith(expected), err
     for dump in ("Available options", "Config search path", "To append to your config", "full_key", "Traceback"):
         assert dump not in out + err, (dump, err)
-    assert len(err.strip().splitlines()) == 2  # the error and the HYDRA_FULL_ERROR hint
+    assert err.strip().splitlines() == errors  # the whole of stderr is the one error line
     import os
 
     assert os.environ.get("HYDRA_FULL_ERROR", "0") == "0" and "HYDRA_FULL_ERROR_USER" not in os.environ
@@ -375,3 +375,20 @@ def test_list_selects_every_kind_and_group_as_the_readme_table_does(capsys):
             assert re.search(rf"\b{name}\b", sections[group]), (group, name)
         groups += 1
     assert groups >= 12
+
+
+def test_a_default_run_without_triton_prints_no_triton_warning(tmp_path):
+    """A plain ``pip install -e .`` has no triton; torchao then warns on import. treelit-train's
+    console (and train.log) stay free of it."""
+    import subprocess
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from treelit.cli.train import main\n"
+            f"sys.argv = ['treelit-train', 'trainer.max_steps=1', 'logger=none', 'output_dir={tmp_path / 'out'}']\n"
+            "main()\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "done: 1 step " in res.stdout
+    assert "triton" not in (res.stdout + res.stderr).lower()
+    assert "triton" not in (tmp_path / "out" / "train.log").read_text().lower()

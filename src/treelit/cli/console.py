@@ -54,6 +54,11 @@ NOISE = (
 
 LIBRARY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "mlflow", "alembic", "torchmetrics")
 QUIET_LOGGERS = ("mlflow", "alembic")  # INFO from these is database plumbing
+# torchao warns on import when triton is absent (a plain CPU install): nothing treelit runs needs it.
+# Set before torchtune imports torchao, so a clean run's console stays clean.
+SILENT_LOGGERS = ("torchao.kernel.intmm",)
+for _name in SILENT_LOGGERS:
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
 class ConsoleFormatter(logging.Formatter):
@@ -145,7 +150,16 @@ def user_error_message(exc: BaseException) -> Optional[str]:
         return f"partition.budget_tokens: {exc}"
     if name == "InstantiationException":
         return _instantiation_message(exc)
-    return str(exc).strip() or name
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if isinstance(exc, _omegaconf_error()):  # its detail lines (full_key, object_type) repeat the key
+        lines = lines[:1]
+    return "; ".join(lines) or name  # one line, always
+
+
+def _omegaconf_error() -> type:
+    from omegaconf.errors import OmegaConfBaseException  # cli: stats and list pay no Hydra
+
+    return OmegaConfBaseException
 
 
 def _instantiation_message(exc: BaseException) -> str:

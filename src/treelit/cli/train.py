@@ -355,8 +355,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         msg = str(exc) if isinstance(exc, RanksStopped) else user_error_message(exc)
         if msg is None or full_error_requested():
             raise
-        log.error("%s", msg)
-        print("(set HYDRA_FULL_ERROR=1 to see the Python traceback)", file=sys.stderr)
+        log.error("%s", msg)  # one line; HYDRA_FULL_ERROR=1 shows the traceback (docs: Training)
         sys.exit(1)
 
 
@@ -374,7 +373,6 @@ def main() -> None:
         if msg is None or user == "1":
             raise
         print(f"error: {redact_text(msg)}", file=sys.stderr)  # an override as typed may hold a password
-        print("(set HYDRA_FULL_ERROR=1 to see the Python traceback)", file=sys.stderr)
         sys.exit(1)
     finally:
         os.environ.pop(_USER_FULL_ERROR, None)
