@@ -68,6 +68,21 @@ def make_exact(hf_model):
     return hf_model
 
 
+def no_hub_kernels() -> dict:
+    """``from_pretrained`` keywords for transformers >= 5.25, which kernelizes by default (and without
+    the ``kernels`` package refuses to load at all unless told not to)."""
+    import transformers
+
+    return {"use_kernels": False} if hasattr(transformers.PreTrainedModel, "set_use_kernels") else {}
+
+
+def hf_from_pretrained(path, **kwargs):
+    """``transformers.AutoModelForCausalLM.from_pretrained`` without hub kernels."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **{**no_hub_kernels(), **kwargs})
+
+
 def load_hf_oracle(path, dtype=torch.float64, exact: Optional[bool] = None, **kwargs):
     """The checkpoint at ``path`` as a transformers model (sdpa attention), rebound to stay in
     float64 when ``exact`` (default: for float64)."""

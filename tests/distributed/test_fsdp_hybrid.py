@@ -26,6 +26,7 @@ from test_fsdp_exact import check
 pytest.importorskip("transformers")
 
 from models.test_hf_hybrid import HYBRID  # noqa: E402  (the tiny configs of every hybrid family)
+from hf_oracle import hf_from_pretrained  # noqa: E402
 
 DEFAULT = [
     dict(family="qwen3_5", objective="sft", limits=[50000, 80000], n_trees=4),
@@ -108,9 +109,9 @@ def test_treelit_train_fsdp2_on_a_hybrid_checkpoint_equals_one_process(tmp_path,
         out, log = tmp_path / name, tmp_path / f"{name}.log"
         rc = run([*common, f"output_dir={out}", *extra], tmp_path, log, timeout=600)
         assert rc == 0, tail(log)
-        weights[name] = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_checkpoint",
+        weights[name] = hf_from_pretrained(out / "hf_checkpoint",
                                                                           dtype=torch.float64).state_dict()
-    start = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
+    start = hf_from_pretrained(ckpt, dtype=torch.float64).state_dict()
     assert weights["single"].keys() == weights["fsdp2"].keys() == start.keys()
     assert any(not torch.equal(weights["single"][k], start[k]) for k in start), "nothing trained"
     for k, v in weights["single"].items():

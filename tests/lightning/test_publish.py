@@ -22,6 +22,7 @@ import treelit
 from app_helpers import SMALL
 from helpers import tiny_model
 from treelit.lightning.publish import PolicyPublisher, PublishError, read_latest
+from hf_oracle import hf_from_pretrained  # noqa: E402
 
 SRC = str(Path(treelit.__file__).resolve().parents[1])
 
@@ -71,7 +72,7 @@ def test_layout_versions_dtype_and_keep(tmp_path):
         assert torch.equal(a.to(torch.bfloat16).float(), b), k
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(step0)
+    hf = hf_from_pretrained(step0)
     assert hf.config.model_type == "qwen2"
     for v in range(1, 6):
         pub.publish(model, v)

@@ -18,6 +18,7 @@ from app_helpers import SMALL
 from hf_oracle import hf_branch_loss, hf_router_loss, load_hf_oracle, random_hf_checkpoint
 from treelit.cli.config import compose
 from treelit.cli.train import run
+from hf_oracle import hf_from_pretrained  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,7 +140,7 @@ def test_hf_auto_trains_and_exports_what_transformers_loads(tmp_path, name):
     assert summary["global_step"] == 1
 
     hf = transformers_sgd_step(ckpt, with_router_loss=name == "qwen3_moe")
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_checkpoint", dtype=torch.float32)
+    exported = hf_from_pretrained(out / "hf_checkpoint", dtype=torch.float32)
     adapted = treelit.load_hf_model(out / "hf_checkpoint")
     theirs, ours = hf.state_dict(), exported.state_dict()
     assert theirs.keys() == ours.keys()

@@ -31,6 +31,7 @@ from strategies import examples, forests
 from treelit.attention.segment import SegmentAttention
 from treelit.models.hf import CheckpointError
 from treelit.models.hf_kernels import bind_torch_kernels, kernel_name
+from hf_oracle import hf_from_pretrained  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -246,7 +247,7 @@ def test_activation_checkpointing_and_export(family, tmp_path):
     for k, g in grads[0].items():
         torch.testing.assert_close(grads[1][k], g, rtol=1e-12, atol=1e-14)
     treelit.save_hf_checkpoint(model, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    back = hf_from_pretrained(tmp_path / "out", dtype=torch.float64)
     ours = model.hf.state_dict()
     for k, v in back.state_dict().items():
         assert torch.equal(v, ours[k]), k
@@ -291,7 +292,7 @@ def test_hf_auto_trains_a_hybrid_checkpoint_and_exports_it(tmp_path, family):
         for p in hf.parameters():
             if p.grad is not None:
                 p -= 0.5 * p.grad
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_checkpoint", dtype=torch.float32)
+    exported = hf_from_pretrained(out / "hf_checkpoint", dtype=torch.float32)
     adapted = treelit.load_hf_model(out / "hf_checkpoint")
     theirs, ours = hf.state_dict(), exported.state_dict()
     assert theirs.keys() == ours.keys()
@@ -384,3 +385,24 @@ def test_ssm_chunk_size_applies_to_hybrid_layers(tmp_path_factory):
     assert all(m._treelit_chunk_size == 64 for m in ours.modules() if hasattr(m, "_treelit_forward"))
     for k, g in grads[0].items():
         torch.testing.assert_close(grads[1][k], g, rtol=1e-9, atol=1e-12)
+
+
+def test_a_hybrid_family_checkpoint_with_attention_layers_only_runs_as_attention(tmp_path):
+    """An LFM2 checkpoint whose layers are all attention has no recurrent layer to bind: it is a
+    model like any attention-only family (it was refused as 'no layer calls a kernel entry
+    point'), and tree mode equals transformers branch by branch, loss and every gradient."""
+    model_type, cfg = HYBRID["lfm2"]
+    random_hf_checkpoint(tmp_path, model_type, **dict(cfg, layer_types=["full_attention", "full_attention"]))
+    ours = treelit.load_hf_model(tmp_path, dtype=torch.float64)
+    assert not any(hasattr(m, "_treelit_forward") for m in ours.modules())
+    ref = load_hf_oracle(tmp_path, dtype=torch.float64, exact=False)
+    branches, masks, weights = ONE_TOKEN
+    assert_trains(branches, masks, weights)
+    with KeepFloat64():
+        expected = hf_branch_loss(ref, branches, masks, weights, "token-mean")
+        expected.backward()
+        loss = treelit.tree_loss(ours, treelit.TokenTree.from_branches(branches, masks, weights).to_batch())
+        loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
+    err = max_rel_grad_diff(_grads(ours, "hf."), _grads(ref), grad_floor(torch.float64), negligible_grad(torch.float64))
+    assert err <= 1e-10, err

@@ -13,6 +13,7 @@ import torch
 import treelit
 from hf_oracle import random_hf_checkpoint
 from treelit.models.hf import CheckpointError
+from hf_oracle import hf_from_pretrained  # noqa: E402
 
 TINY = dict(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -38,14 +39,14 @@ def test_sharded_save_and_load(tmp_path, name):
     _same(model, treelit.load_hf_checkpoint(tmp_path))
     transformers = pytest.importorskip("transformers")
     treelit.save_hf_checkpoint(model, tmp_path, max_shard_bytes=20_000)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)  # transformers reads our shards
+    hf = hf_from_pretrained(tmp_path)  # transformers reads our shards
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())
 
 
 def test_transformers_sharded_checkpoint_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
     random_hf_checkpoint(tmp_path / "one", "qwen3", **TINY)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one", dtype=torch.float64)
+    hf = hf_from_pretrained(tmp_path / "one", dtype=torch.float64)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     _same(treelit.load_hf_checkpoint(tmp_path / "one", dtype=torch.float64),

@@ -21,6 +21,7 @@ from hf_oracle import balance_loss, random_hf_checkpoint, tree_vs_hf
 from strategies import examples, forests
 from treelit.attention.segment import SegmentAttention
 from treelit.models.factory import set_router_aux_loss
+from hf_oracle import hf_from_pretrained  # noqa: E402
 
 VARIANTS = {
     "qwen3": ("qwen3_tiny", {}, None),
@@ -161,7 +162,7 @@ def test_balance_loss_definition_matches_transformers(tmp_path):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     random_hf_checkpoint(tmp_path, "qwen3_moe", **TINY, **CONFIGS["qwen3_moe"][1])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64,
+    hf = hf_from_pretrained(tmp_path, dtype=torch.float64,
                                                            experts_implementation="eager")
     ids = torch.tensor([[1, 2, 3, 4, 0, 0], [1, 2, 5, 6, 7, 8]])
     att = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])

@@ -335,7 +335,8 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             bound = bind_tree_kernels(hf)
         except (NotImplementedError, RuntimeError) as exc:
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: {exc}") from None
-        if not bound:  # this transformers release no longer calls the entry points by name
+        recurrent = set(getattr(cfg, "layer_types", None) or ["?"]) - {"full_attention", "sliding_attention"}
+        if not bound and recurrent:  # this transformers release no longer calls the entry points by name
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
                                   f"transformers {transformers.__version__} model calls a kernel entry point "
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
