@@ -4,6 +4,7 @@ and a failure before training when the output directory cannot be written or is 
 from __future__ import annotations
 
 import json
+import sys
 import os
 import shutil
 import stat
@@ -184,3 +185,52 @@ def test_exported_weights_and_resume_checkpoint_errors_name_the_file(tmp_path):
     ckpt.write_bytes(ckpt.read_bytes()[:50])
     with pytest.raises(CheckpointError, match=rf"{ckpt} is not a readable Lightning checkpoint"):
         read_resume_checkpoint(str(ckpt))
+
+
+def test_a_file_that_is_not_a_checkpoint_says_what_it_is_not(tmp_path):
+    """``resume_from=random.bin``: one line saying the file is not a checkpoint (and what it starts
+    with), not torch's weights-only paragraph that invites loading it unsafely."""
+    from treelit.cli.train import read_resume_checkpoint
+    from treelit.models.hf import CheckpointError
+
+    for name, data in (("random.bin", bytes(range(7, 107))), ("empty.ckpt", b"")):
+        f = tmp_path / name
+        f.write_bytes(data)
+        with pytest.raises(CheckpointError) as info:
+            read_resume_checkpoint(str(f))
+        msg = str(info.value)
+        assert f"{f} is not a checkpoint: a Lightning checkpoint is a zip archive" in msg
+        assert "weights_only" not in msg and "\n" not in msg
+
+
+def test_files_named_in_the_config_are_checked_before_heavy_imports(tmp_path):
+    """A missing data file, a file that is not a checkpoint and a checkpoint folder without a
+    readable config.json are reported by the first check treelit-train runs, before torch (and so
+    Lightning, transformers, MLflow) is imported."""
+    import subprocess
+
+    (tmp_path / "random.bin").write_bytes(bytes(range(50, 90)))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "qwen3",')
+    cases = [
+        (["data=jsonl", f"data.train_path={tmp_path / 'nope.jsonl'}"],
+         f"data.train_path: data file '{tmp_path / 'nope.jsonl'}' does not exist"),
+        ([f"resume_from={tmp_path / 'random.bin'}"],
+         f"resume_from: {tmp_path / 'random.bin'} is not a checkpoint: a Lightning checkpoint is a zip archive"),
+        (["model=hf_auto", f"model.hf_checkpoint={tmp_path / 'hf'}"],
+         f"model.hf_checkpoint: {tmp_path / 'hf' / 'config.json'}: invalid JSON"),
+        (["model=hf_auto", f"model.hf_checkpoint={tmp_path}"],
+         f"model.hf_checkpoint: {tmp_path / 'config.json'} does not exist"),
+    ]
+    code = ("import sys, json\nfrom treelit.cli.config import ConfigError, check_input_files, compose\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    try:\n        check_input_files(compose(args))\n        print('no error')\n"
+            "    except ConfigError as exc:\n        print(exc)\n"
+            "print('torch' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code, json.dumps([a for a, _ in cases])], capture_output=True,
+                         text=True, timeout=120)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and len(lines) == len(cases) + 1, res.stdout + res.stderr
+    for (_, expected), line in zip(cases, lines):
+        assert line.startswith(expected), (expected, line)
+    assert lines[-1] == "False"  # checked before torch was imported

@@ -352,3 +352,17 @@ def test_chat_advantages_count_each_conversation_once(tmp_path, tok):
     dm = chat(tmp_path, tok, recs, advantage="grpo")
     a = 0.5 / (np.sqrt(0.5) + 1e-6)
     assert sorted(dm.trees[0].tree.branch_adv.tolist()) == pytest.approx([-a, a, a, a], rel=1e-9)
+
+
+def test_a_jsonl_line_cut_short_is_reported_at_its_end(tmp_path):
+    """The column of a line cut short is where the line ends, not column 1."""
+    import json as _json
+
+    from treelit.data.records import DataError, read_records
+
+    good = _json.dumps({"id": "a", "branches": [{"input_ids": list(range(100))}]})
+    cut = good[:200]
+    f = tmp_path / "mixed.jsonl"
+    f.write_text(good + "\n" + cut + "\n")
+    with pytest.raises(DataError, match=rf"mixed.jsonl:2: invalid JSON \(.* at column {len(cut) + 1}\)"):
+        list(read_records(str(f)))

@@ -154,3 +154,17 @@ def test_loaded_hybrid_has_no_hub_kernels_and_refuses_a_lost_binding(tmp_path):
     del vars(layer)["forward"]  # what kernelize does to a layer it takes over
     with pytest.raises(RuntimeError, match="no longer runs treelit's tree kernels"):
         treelit.tree_loss(model, batch)
+
+
+def test_the_console_says_which_layers_run_through_the_tree_kernels(tmp_path):
+    from hf_oracle import random_hf_checkpoint
+    from models.test_hf_hybrid import HYBRID
+    from treelit.cli.train import hybrid_line
+
+    model_type, cfg = HYBRID["qwen3_5"]
+    random_hf_checkpoint(tmp_path, model_type, **cfg)
+    line = hybrid_line(treelit.load_hf_model(tmp_path), "torch")
+    assert line == ("model: 1 recurrent layer(s) (Qwen3_5GatedDeltaNet) run through treelit's tree kernels "
+                    "(causal_conv1d_fn, chunk_gated_delta_rule; ssm=torch): each segment starts from its parent "
+                    "segment's state")
+    assert hybrid_line(torch.nn.Linear(2, 2), "torch") == ""  # nothing bound: no line

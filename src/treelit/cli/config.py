@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 from importlib import resources
+from pathlib import Path
 from datetime import datetime
 from typing import List, Optional
 
@@ -124,8 +126,49 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("treelit.qwen_tokenizer", _qwen_tokenizer)
 
 
+def check_input_files(cfg: DictConfig) -> None:
+    """The files the config names exist and look like what they should be, checked before any
+    heavy import (a missing data file or a broken checkpoint is reported in about a second)."""
+    from treelit.utils.paths import not_a_checkpoint
+
+    def local(v) -> bool:  # a plain local path (not a glob, a URI or a missing value)
+        return isinstance(v, str) and v not in ("", "???") and "://" not in v and not any(c in v for c in "*?[")
+
+    data = cfg.get("data") or {}
+    path = data.get("train_path") if hasattr(data, "get") else None
+    if local(path) and not os.path.exists(path):
+        raise ConfigError(f"data.train_path: data file {path!r} does not exist")
+    source = data.get("source") if hasattr(data, "get") else None
+    if hasattr(source, "get"):
+        paths = source.get("paths")
+        for p in ([paths] if isinstance(paths, str) else list(paths or [])):
+            if local(p) and not os.path.exists(p):
+                raise ConfigError(f"data.source.paths: {p!r} does not exist")
+    ckpt = (cfg.get("model") or {}).get("hf_checkpoint")
+    if ckpt:
+        if not os.path.isdir(str(ckpt)):
+            raise ConfigError(f"model.hf_checkpoint: directory {str(ckpt)!r} does not exist")
+        conf = Path(str(ckpt)) / "config.json"
+        if not conf.is_file():
+            raise ConfigError(f"model.hf_checkpoint: {conf} does not exist (a Hugging Face checkpoint directory "
+                              "has its config.json)")
+        try:
+            if not isinstance(json.loads(conf.read_text(encoding="utf-8")), dict):
+                raise ConfigError(f"model.hf_checkpoint: {conf}: not a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"model.hf_checkpoint: {conf}: invalid JSON ({exc})") from None
+    resume = cfg.get("resume_from")
+    if resume:
+        if not os.path.exists(str(resume)):  # a file, or a sharded (FSDP2) checkpoint directory
+            raise ConfigError(f"resume_from: checkpoint {str(resume)!r} does not exist")
+        why = not_a_checkpoint(str(resume)) if os.path.isfile(str(resume)) else ""
+        if why:
+            raise ConfigError(f"resume_from: {resume} is not a checkpoint: {why}")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Reject incompatible options before anything is built."""
+    check_input_files(cfg)
     import torch  # cli: treelit-train --help pays for Hydra only
 
     att = cfg.get("attention") or {}
@@ -187,12 +230,6 @@ def validate_config(cfg: DictConfig) -> None:
         from treelit.partition import PARTITIONS
 
         PARTITIONS.get(part["name"])  # unknown names list the known ones
-    ckpt = (cfg.get("model") or {}).get("hf_checkpoint")
-    if ckpt and not os.path.isdir(str(ckpt)):
-        raise ConfigError(f"model.hf_checkpoint: directory {str(ckpt)!r} does not exist")
-    resume = cfg.get("resume_from")
-    if resume and not os.path.exists(str(resume)):  # a file, or a sharded (FSDP2) checkpoint directory
-        raise ConfigError(f"resume_from: checkpoint {str(resume)!r} does not exist")
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "train") -> DictConfig:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import yaml
 from hydra.experimental.callback import Callback
 
-from treelit.cli.config import ConfigError
+from treelit.cli.config import ConfigError, check_input_files
 from treelit.cli.console import process_rank
 from treelit.utils.dir_lock import DirLock, DirLocked
 from treelit.utils.redact import redact_config, redact_text
@@ -178,6 +178,7 @@ class OutputDirCheck(Callback):
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         try:
+            check_input_files(config)  # first: resolving the run folder's name imports torch
             out = Path(str(config.hydra.run.dir))
             check_writable(out)
             self.lock = lock_output_dir(out)

@@ -278,6 +278,9 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         from treelit.ssm import set_ssm_backend
 
         set_ssm_backend(model, cfg.ssm.name, cfg.ssm.get("chunk_size", 64))
+        hybrid = hybrid_line(model, cfg.ssm.name)
+        if hybrid:
+            log.info("%s", hybrid)
         builder = build(cfg.tree_builder)
         datamodule = build(cfg.data, tree_builder=builder)
         objective = build(cfg.objective)
@@ -357,6 +360,22 @@ def _hydra_main(cfg: DictConfig) -> None:
             raise
         log.error("%s", msg)  # one line; HYDRA_FULL_ERROR=1 shows the traceback (docs: Training)
         sys.exit(1)
+
+
+def hybrid_line(model, ssm: str) -> str:
+    """What runs a transformers hybrid checkpoint's recurrent layers, in one console line ("" for
+    other models): they are transformers' own layers with their kernels swapped for treelit's tree
+    versions, which nothing else in the output would show."""
+    layers = [m for m in model.modules() if hasattr(m, "_treelit_forward")]
+    if not layers:
+        return ""
+    kinds = sorted({type(m).__name__ for m in layers})
+    kernels = sorted({k for m in layers for k in m._treelit_kernels if k in _SEQUENCE_KERNELS})
+    return (f"model: {len(layers)} recurrent layer(s) ({', '.join(kinds)}) run through treelit's tree kernels "
+            f"({', '.join(kernels)}; ssm={ssm}): each segment starts from its parent segment's state")
+
+
+_SEQUENCE_KERNELS = {"causal_conv1d_fn", "chunk_gated_delta_rule", "chunk_kda", "mamba_chunk_scan_combined"}
 
 
 def main() -> None:

@@ -214,8 +214,8 @@ def _parse(raw: bytes, src: str) -> Union[Any, DataError]:
     except UnicodeDecodeError as exc:
         return DataError(f"{src}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
                          "data files must be UTF-8")
-    try:
-        return json.loads(text)
+    try:  # (without the line's end: a line cut short is reported at its last column, not at column 1 of nothing)
+        return json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as exc:
         return DataError(f"{src}: invalid JSON ({_json_problem(exc)})")
     except RecursionError:

@@ -29,7 +29,7 @@ from typing import Any, Union
 import torch
 
 from treelit.models.errors import CheckpointError
-from treelit.utils.paths import confined
+from treelit.utils.paths import confined, not_a_checkpoint
 
 __all__ = ["load_checkpoint", "check_sharded_metadata"]
 
@@ -48,6 +48,9 @@ def load_checkpoint(path: Union[str, Path], what: str = "resume_from") -> Any:
     archive). A file that names anything but tensors and plain data is refused with a
     :class:`CheckpointError` naming it; so is an unreadable one."""
     p = Path(path)
+    why = not_a_checkpoint(p)  # say what the file is not, before torch's loader has its say
+    if why:
+        raise CheckpointError(f"{what}: {p} is not a checkpoint: {why}")
     try:
         try:
             return torch.load(p, map_location="cpu", mmap=True, weights_only=True)

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator, List, Sequence, Type, Union
 
-__all__ = ["confined", "glob_files", "walk_files"]
+__all__ = ["confined", "glob_files", "walk_files", "not_a_checkpoint"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -108,3 +108,19 @@ def glob_files(pattern: str) -> List[str]:
     if root == os.curdir:
         found = (os.path.relpath(f, root) for f in found)
     return _once(sorted(found))
+
+
+def not_a_checkpoint(path: PathLike) -> str:
+    """Why the file at ``path`` cannot be a checkpoint written by ``torch.save`` (a zip archive,
+    or a pickle for files from before torch 1.6), from its first bytes; "" when it may be one or
+    cannot be read (the loader then names the problem)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return ""
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return ""
+    shown = head.hex(" ") if head else "nothing (an empty file)"
+    return f"a Lightning checkpoint is a zip archive written by torch.save, and this file starts with {shown}"
+
