@@ -106,3 +106,12 @@ def test_recipe_runs_as_written(name, recipe_inputs, tmp_path):
                            capture_output=True)
     assert res.returncode == 0, f"recipe {name!r} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert "error:" not in res.stderr
+    if name == "online_rl":  # the loop's rewards reach its MLflow run
+        assert "reward/mean" in _metric_names(tmp_path / "mlflow.db")
+
+
+def _metric_names(db: Path) -> set:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        return {row[0] for row in con.execute("SELECT DISTINCT key FROM metrics")}

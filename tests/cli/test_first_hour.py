@@ -392,3 +392,30 @@ def test_a_default_run_without_triton_prints_no_triton_warning(tmp_path):
     assert "done: 1 step " in res.stdout
     assert "triton" not in (res.stdout + res.stderr).lower()
     assert "triton" not in (tmp_path / "out" / "train.log").read_text().lower()
+
+
+def test_an_online_rl_summary_shows_the_sampler_kl_and_says_why_the_first_update_kl_is_zero():
+    from treelit.cli.summary import format_summary
+
+    first = {"step": 1, "reward_mean": 0.5, "approx_kl": 0.0, "clip_frac": 0.0, "behavior/kl": 0.0072}
+    last = {"step": 30, "reward_mean": 0.9, "approx_kl": 0.0, "clip_frac": 0.0, "behavior/kl": 0.0001}
+    s = {"global_step": 30, "wall_seconds": 60.0, "rl": {"first": first, "last": last}, "config": "c.yaml"}
+    policy = next(line for line in format_summary(s).splitlines() if line.startswith("  policy"))
+    assert policy.startswith("  policy      KL sampler to trainer 0.0072 -> 0.0001, KL to rollout policy 0 -> 0, "
+                             "clip fraction 0 -> 0 (step 1 -> 30); ")
+    assert "0 is expected" in policy
+    last.update(approx_kl=0.01, clip_frac=0.05)
+    assert "0 is expected" not in format_summary(s)
+
+
+def test_a_resumed_run_says_how_many_steps_its_time_covers():
+    from treelit.cli.console import NOISE
+    from treelit.cli.summary import format_summary
+
+    s = {"global_step": 320, "wall_seconds": 26.0, "resumed_from": {"checkpoint": "out/last.ckpt", "step": 300},
+         "loss": {"first": [301, 5.0], "last": [320, 4.9]}, "config": "c.yaml"}
+    assert format_summary(s).splitlines()[0] == ("done: 320 steps (20 in this run, from step 300, in 26s); "
+                                                 "loss 5.000 (step 301) -> 4.900 (step 320)")
+    # Lightning's restore lines stay in train.log: the summary's "resumed" row says it
+    assert any(n in "Restoring states from the checkpoint path at out/last.ckpt" for n in NOISE)
+    assert any(n in "Restored all states from the checkpoint at out/last.ckpt" for n in NOISE)

@@ -93,3 +93,18 @@ def test_ppo_epochs_with_rollout_logprobs_equal_a_hand_loop(tmp_path):
     assert moved > 1e-4
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_rl_run_logs_the_rewards_to_mlflow(tmp_path, cli_main):
+    """``reward/mean`` / ``min`` / ``max`` of each step's branches reach the MLflow run (they were
+    only in the rollout worker's output and in summary.json)."""
+    import sqlite3
+
+    db = tmp_path / "mlflow.db"
+    status = cli_main("experiment=rl_synthetic", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
+                      f"logger.mlflow.tracking_uri=sqlite:///{db}", f"output_dir={tmp_path / 'out'}")
+    assert status == 0
+    with sqlite3.connect(db) as con:
+        rows = dict(con.execute("SELECT key, value FROM metrics WHERE key LIKE 'reward/%' ORDER BY step DESC"))
+    assert {"reward/mean", "reward/min", "reward/max"} <= set(rows), rows
+    assert rows["reward/min"] <= rows["reward/mean"] <= rows["reward/max"] and rows["reward/max"] > rows["reward/min"]

@@ -50,6 +50,8 @@ NOISE = (
     "All distributed processes registered",
     "`Trainer.fit` stopped: `max_steps=",  # the end-of-run summary says it
     "not found. Creating it.",  # a new MLflow experiment: nothing to act on
+    "Restoring states from the checkpoint path at",  # resume_from: the summary's "resumed" row says it
+    "Restored all states from the checkpoint",
 )
 
 LIBRARY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "mlflow", "alembic", "torchmetrics")

@@ -112,10 +112,15 @@ def _rl_rows(s: Dict[str, Any], row: Any) -> None:
         if "reward_mean" in a and "reward_mean" in b:
             row("reward", f"mean {a['reward_mean']:.3f} -> {b['reward_mean']:.3f} over the step's branches {span}")
         parts = [f"{label} {a[k]:.4g} -> {b[k]:.4g}" for k, label in
-                 (("kl_ref", "KL to reference"), ("approx_kl", "KL to rollout policy"), ("clip_frac", "clip fraction"))
+                 (("behavior/kl", "KL sampler to trainer"), ("kl_ref", "KL to reference"),
+                  ("approx_kl", "KL to rollout policy"), ("clip_frac", "clip fraction"))
                  if k in a and k in b]
         if parts:
-            row("policy", f"{', '.join(parts)} {span}")
+            still = all(not x.get(k) for x in (a, b) for k in ("approx_kl", "clip_frac") if k in x)
+            why = ("; the KL to the rollout policy and the clip fraction are measured on each step's first update, "
+                   "where the policy is still the one the step's old log-probs came from, so 0 is expected"
+                   if still and ("approx_kl" in a or "clip_frac" in a) else "")
+            row("policy", f"{', '.join(parts)} {span}{why}")
     if margin:
         a, b = margin["first"], margin["last"]
         row("margin", f"{a['margin']:.2f} -> {b['margin']:.2f} nats (step {a['step']} -> {b['step']}): mean "
@@ -125,7 +130,12 @@ def _rl_rows(s: Dict[str, Any], row: Any) -> None:
 
 def format_summary(s: Dict[str, Any]) -> str:
     """A few aligned lines for the console."""
-    head = f"done: {s['global_step']} step{'s' if s['global_step'] != 1 else ''} in {_duration(s['wall_seconds'])}"
+    n = s["global_step"]
+    head = f"done: {n} step{'s' if n != 1 else ''} in {_duration(s['wall_seconds'])}"
+    if "resumed_from" in s and s["resumed_from"].get("step") is not None:  # the time is this run's steps only
+        here = n - int(s["resumed_from"]["step"])
+        head = (f"done: {n} step{'s' if n != 1 else ''} ({here} in this run, from step {s['resumed_from']['step']}, "
+                f"in {_duration(s['wall_seconds'])})")
     if "loss" in s and "rl" not in s:  # a clipped policy loss starts near 0 and says little: the RL rows below
         (a, la), (b, lb) = s["loss"]["first"], s["loss"]["last"]
         head += f"; loss {la:.3f} (step {a}) -> {lb:.3f} (step {b})"

@@ -230,7 +230,7 @@ class StepMetrics(pl.Callback):
     ``approx_kl`` (against the rollout policy) and ``kl_ref`` (against the reference) when it
     logs them."""
 
-    RL_KEYS = ("clip_frac", "approx_kl", "kl_ref")
+    RL_KEYS = ("clip_frac", "approx_kl", "kl_ref", "behavior/kl")
 
     def __init__(self) -> None:
         self.first: Optional[Tuple[int, float]] = None

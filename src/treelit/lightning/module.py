@@ -398,6 +398,19 @@ class TreeLitModule(pl.LightningModule):
         n = int(comm.max(len(micro_batches)))
         return list(micro_batches) + [empty_row(self.device) for _ in range(n - len(micro_batches))]
 
+    def _reward_metrics(self, batch: StepBatch) -> Dict[str, float]:
+        """``reward/mean``, ``reward/min``, ``reward/max`` of the step's branches that carry a reward,
+        over every rank (nothing when no branch of the step has one)."""
+        rewards = [float(r) for mb in batch.micro_batches
+                   for r in (getattr(mb, "branch_fields", {}) or {}).get("reward") or () if r is not None]
+        comm = self._comm()
+        n = comm.sum(len(rewards))
+        if not n:
+            return {}
+        return {"reward/mean": comm.sum(sum(rewards)) / n,
+                "reward/min": comm.min(min(rewards) if rewards else float("inf")),
+                "reward/max": comm.max(max(rewards) if rewards else float("-inf"))}
+
     def _training_step(self, batch: StepBatch):
         t0 = time.perf_counter()
         micro = self._same_count_on_every_rank(batch.micro_batches)
@@ -432,6 +445,8 @@ class TreeLitModule(pl.LightningModule):
             }
         )
         self.log_dict({"tree_tok/s": tree_tok / dt, "flat_tok/s": flat_tok / dt}, prog_bar=True)
+        if getattr(self.objective, "name", "sft") != "sft":  # (every rank: the same collectives)
+            self.log_dict(self._reward_metrics(batch))
         data_metrics = getattr(getattr(self.trainer, "datamodule", None), "step_metrics", None) if self._trainer else None
         if data_metrics:  # e.g. rollout staleness (treelit.lightning.staleness)
             self.log_dict(data_metrics)
