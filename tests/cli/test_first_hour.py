@@ -419,3 +419,26 @@ def test_a_resumed_run_says_how_many_steps_its_time_covers():
     # Lightning's restore lines stay in train.log: the summary's "resumed" row says it
     assert any(n in "Restoring states from the checkpoint path at out/last.ckpt" for n in NOISE)
     assert any(n in "Restored all states from the checkpoint at out/last.ckpt" for n in NOISE)
+
+
+@pytest.mark.parametrize("argv", [["bogus"], ["stats"], ["stats", "a", "--group-kee", "x"]])
+def test_a_usage_error_of_treelit_is_one_line(argv, capsys):
+    from treelit.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treelit") and ": error: " in lines[0], err
+
+
+def test_a_usage_error_of_treelit_rollout_is_one_line(capsys):
+    from treelit.cli.rollout import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--n", "8"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treelit-rollout: error: the following arguments are required"), err

@@ -19,10 +19,11 @@ print one line, no traceback.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from treelit.cli.args import OneLineParser
 
 __all__ = ["main", "config_options", "SELECT"]
 
@@ -172,7 +173,7 @@ def _stats(paths: List[str], builder: str, tokenizer: Optional[str], group_key: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="treelit", description="treelit utilities")
+    p = OneLineParser(prog="treelit", description="treelit utilities")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="list registered components (built-in and plugins) and how to select them")
     st = sub.add_parser("stats", help="tree statistics of a data file (or of a bundled one, by name)")

@@ -27,7 +27,6 @@ treelit's decoder, recomputing the prefix for every token (small models only).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import os
@@ -35,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from treelit.cli.args import OneLineParser
 
 __all__ = ["main", "Sampler", "read_prompts", "next_step"]
 
@@ -171,7 +172,7 @@ def next_step(out: Path) -> int:
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="treelit-rollout", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="treelit-rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--publish-dir", required=True, help="the trainer's publish.dir (latest.json)")
     p.add_argument("--prompts", required=True, help="JSONL of {id, input_ids} or {id, messages}")
     p.add_argument("--out", required=True, help="the trainer's data.directory")
