@@ -103,7 +103,10 @@ def test_treelit_train_quiets_transformers_for_transformers_models_only(tmp_path
     calls = []
     monkeypatch.setattr(train, "quiet_transformers_bars", lambda: calls.append("quiet"))
     monkeypatch.setattr(train, "run", lambda cfg: calls.append(cfg.model._target_))
-    assert cli_main("model=hf_auto", "model.hf_checkpoint=DIR", "logger=none", f"output_dir={tmp_path / 'a'}") == 0
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")  # (the files the config names are checked first)
+    assert cli_main("model=hf_auto", f"model.hf_checkpoint={tmp_path / 'hf'}", "logger=none",
+                    f"output_dir={tmp_path / 'a'}") == 0
     assert cli_main("logger=none", f"output_dir={tmp_path / 'b'}") == 0
     assert calls == ["quiet", "treelit.models.hf_adapter.make_hf_model", "treelit.models.factory.make_model"]
 
