@@ -445,3 +445,11 @@ def test_a_usage_error_of_treelit_rollout_is_one_line(capsys):
     assert info.value.code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("treelit-rollout: error: the following arguments are required"), err
+
+
+def test_the_data_line_counts_one_skipped_record_in_the_singular():
+    from treelit.cli.summary import data_line
+
+    d = {"trees": 2, "branches": 5, "tree_tokens": 40, "flat_tokens": 90, "por": 0.56, "records_skipped": 1}
+    assert data_line(d).endswith("; 1 record skipped")
+    assert data_line(dict(d, records_skipped=3)).endswith("; 3 records skipped")

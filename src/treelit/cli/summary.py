@@ -34,7 +34,8 @@ def data_line(d: Dict[str, Any]) -> str:
     advance: its counts are those of the first trees read, and say so."""
     counts = (f"{d['trees']:,} trees, {d['branches']:,} branches, {d['tree_tokens']:,} tree tokens "
               f"({d['flat_tokens']:,} flat, POR {d['por']:.2f})")
-    skipped = f"; {d['records_skipped']:,} records skipped" if d.get("records_skipped") else ""
+    n = d.get("records_skipped") or 0
+    skipped = f"; {n:,} record{'s' if n != 1 else ''} skipped" if n else ""
     if not d.get("streamed"):
         return counts + skipped
     if not d["trees"]:
