@@ -1,6 +1,6 @@
 """CUDA check of the tree attention backends, prepared to run in one short command.
 
-    python benchmarks/gpu_check.py [--json gpu_check.json]
+    python benchmarks/gpu_check.py [--json gpu_check.json] [--step NAME ...] [--dry-run]
 
 On a CUDA machine this:
 1. compares ``flex`` and ``segment`` with ``sdpa_dense`` on outputs and q/k/v gradients
@@ -17,18 +17,39 @@ On a CUDA machine this:
    mamba-ssm's ``mamba_chunk_scan_combined``) vs ``ssm=torch``, unpartitioned and
    partitioned, loss and every gradient, timed (needs the ``cuda`` extra: fla, mamba-ssm).
 
-Exits with status 1 if any comparison fails; prints a table and writes JSON.
+Each of the steps (``attention``, ``models``, ``timings``, ``ssm``, ``hybrid_adapters``) runs on its
+own: an exception fails that step only, the JSON is written after every step, and a failed step
+prints the command that reruns it (``--step NAME``). ``--dry-run`` goes through every step's
+wrapper and JSON write without running the checks (on any machine; the test suite runs it).
+
+float32 is compared like with like: Triton's ``tl.dot`` defaults to TF32 on NVIDIA, which puts fla's
+and mamba-ssm's float32 kernels ~1e-3..1e-2 away from IEEE torch (measured under Triton's
+interpreter with TF32 emulated: 1.9e-3 gdn_tiny, 9.7e-3 mamba2_tiny); ``TRITON_F32_DEFAULT=ieee``
+is set before anything imports Triton. fla's optional FlashQLA / FlashKDA backends
+(``flash_qla`` / ``flash_kda`` packages, taken for bf16/fp16 with K = V = 128 when installed) are
+switched off with ``FLA_FLASH_QLA=0`` / ``FLA_FLASH_KDA=0``: ``ssm=fla`` is checked on fla's own
+Triton kernels, the ones its routing was written against.
+
+Exits with status 1 if any step fails; prints a table and writes JSON.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import time
 
-import torch
+# before torch / Triton / fla are imported (see the module docstring)
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from typing import Callable, Dict, Optional  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +128,7 @@ def time_backend(name, layout, reps=3):
     return (time.perf_counter() - t0) / reps
 
 
-def check_ssm(results) -> bool:
+def check_ssm(results, dev="cuda") -> bool:
     from treelit.ssm import set_ssm_backend
 
     ok = True
@@ -214,16 +235,10 @@ def check_hybrid_adapters(results, dev="cuda") -> bool:
     return ok
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to check")
-        return 0
-    dev = torch.device("cuda")
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": [], "timings": []}
+def step_attention(results, dev) -> bool:
+    """``flex`` and ``segment`` against ``sdpa_dense``: outputs and q/k/v gradients."""
     ok = True
+    results["checks"] = []
     for case, shape in [("tool_fanout", {}), ("grpo_group", dict(G=16)), ("wide_fanout", {})]:
         c = make_case(case, scale=0.25, **shape)
         batch = treelit.TokenTree.from_branches(c.branches).to_batch().to(dev)
@@ -239,24 +254,35 @@ def main(argv=None) -> int:
                                                       dtype=str(dtype), rel_err=err, passed=passed))
                         print(f"{case:<12} ext={n_ext:<3} window={str(window):<4} {name:<8} {str(dtype):<15} "
                               f"rel err {err:.2e} {'ok' if passed else 'FAIL'}")
-    # end to end: tiny models, flex vs per-branch
+    return ok
+
+
+def step_models(results, dev) -> bool:
+    """Tiny models end to end: tree mode with ``flex`` against per-branch training."""
+    import tempfile
+
     c = make_case("dropped_thinking", scale=0.1, vocab=512)
     tree = treelit.TokenTree.from_branches(c.branches, c.masks)
     torch.manual_seed(0)
-    ok &= model_check(results, "qwen2_tiny", treelit.build_model("qwen2_tiny", vocab_size=512).to(dev), tree,
-                      c.branches, c.masks)
+    ok = model_check(results, "qwen2_tiny", treelit.build_model("qwen2_tiny", vocab_size=512).to(dev), tree,
+                     c.branches, c.masks)
     torch.manual_seed(0)
     moe = treelit.build_model("qwen3_moe_tiny", vocab_size=512, sliding_window=48).to(dev)
     set_router_aux_loss(moe, 0.01, "sequence")
     ok &= model_check(results, "qwen3_moe_tiny (router loss, window 48)", moe, tree, c.branches, c.masks)
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         torch.manual_seed(0)
         treelit.save_hf_checkpoint(treelit.build_model("qwen3_tiny", vocab_size=512), d)
         adapted = treelit.load_hf_model(d).to(dev)
         ok &= model_check(results, "qwen3 through the transformers adapter", adapted, tree, c.branches, c.masks)
-    for case, shape in [("wide_fanout", dict(turns=4, k=8)), ("wide_fanout", dict(turns=5, k=16)), ("wide_fanout", dict(turns=9, k=20))]:
+    return ok
+
+
+def step_timings(results, dev) -> bool:
+    """One attention layer forward+backward per backend on 8k-32k-token trees (timed, not checked)."""
+    results["timings"] = []
+    for case, shape in [("wide_fanout", dict(turns=4, k=8)), ("wide_fanout", dict(turns=5, k=16)),
+                        ("wide_fanout", dict(turns=9, k=20))]:
         c = make_case(case, **shape)
         batch = treelit.TokenTree.from_branches(c.branches).to_batch().to(dev)
         layout = layout_with_external(batch, 0)
@@ -269,12 +295,72 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         results["timings"].append(row)
         print("timing", row)
-    ok &= check_ssm(results)
-    ok &= check_hybrid_adapters(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    print("gpu_check:", "PASSED" if ok else "FAILED")
+    return True
+
+
+STEPS: Dict[str, Callable[..., bool]] = {
+    "attention": step_attention,
+    "models": step_models,
+    "timings": step_timings,
+    "ssm": check_ssm,
+    "hybrid_adapters": check_hybrid_adapters,
+}
+
+
+def write_json(path: Optional[str], results: dict) -> None:
+    """``results`` to ``path`` through a temporary name (a run stopped mid-write keeps the previous file)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(tmp, path)
+
+
+def run_steps(steps: Dict[str, Callable[..., bool]], results: dict, json_path: Optional[str], dev,
+              dry_run: bool = False) -> bool:
+    """Run each step on its own: an exception fails that step only (its traceback is kept), the JSON
+    is written after every step, and a failed step prints the command that reruns it."""
+    ok = True
+    status = results.setdefault("steps", {})
+    for name, fn in steps.items():
+        t0 = time.perf_counter()
+        row: dict = {}
+        try:
+            passed = True if dry_run else bool(fn(results, dev))
+            row["status"] = "dry-run" if dry_run else ("passed" if passed else "FAILED")
+        except Exception as exc:  # noqa: BLE001 - one step's failure must not lose the others
+            passed = False
+            row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:1000],
+                       traceback=traceback.format_exc()[-4000:])
+            print(f"step {name}: {type(exc).__name__}: {exc}")
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        status[name] = row
+        ok &= passed
+        write_json(json_path, results)
+        if not passed:
+            rerun = f"python benchmarks/gpu_check.py --step {name}" + (f" --json {json_path}" if json_path else "")
+            print(f"step {name} {row['status']}; rerun it alone: {rerun}")
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json")
+    p.add_argument("--step", action="append", choices=sorted(STEPS), help="run only this step (repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="go through every step's wrapper and JSON write without running the checks")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() and not args.dry_run:
+        print("gpu_check: no CUDA device; nothing to check (--dry-run exercises the steps' wrappers)")
+        return 0
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (dry run)",
+               "torch": torch.__version__, "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"),
+               "dry_run": args.dry_run}
+    steps = {k: v for k, v in STEPS.items() if not args.step or k in args.step}
+    ok = run_steps(steps, results, args.json, dev, dry_run=args.dry_run)
+    print("gpu_check:", "PASSED" if ok else "FAILED", {k: v["status"] for k, v in results["steps"].items()})
     return 0 if ok else 1
 
 

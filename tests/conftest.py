@@ -19,6 +19,13 @@ from hypothesis import HealthCheck, seed, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The CUDA tests compare fla's / mamba-ssm's float32 kernels with IEEE torch: Triton's tl.dot defaults
+# to TF32 on NVIDIA (~1e-3 off), so float32 dots are IEEE here, set before anything imports Triton; and
+# fla's optional FlashQLA / FlashKDA backends stay off (ssm=fla is tested on fla's own Triton kernels).
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+
 from helpers import EXAMPLES, FAMILIES  # noqa: E402
 
 _COMMON = dict(deadline=None, print_blob=True,
