@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import numpy as np
 import torch
 
 import treelit
@@ -285,3 +286,60 @@ def test_real_kernels_match_the_torch_backend(family, tmp_path_factory):
             assert err <= 1e-3, f"{family}/budget={budget}: max relative gradient difference {err:.2e}"
     finally:
         set_ssm_backend(model, "torch")
+
+
+@pytest.mark.parametrize("limit", ["grid", "elements"])
+def test_mamba_calls_split_below_the_launch_limits_and_stay_exact(standins, monkeypatch, limit):
+    """A level's padded rows go to mamba-ssm in several calls when one call would pass its grid limit
+    (batch x chunks on grid axis 1) or its int32 offsets (elements of a tensor): tested with the limits
+    lowered, outputs, captured states and every input gradient equal the one-call run (float64)."""
+    from treelit.ssm.layout import tree_layout
+
+    batch = treelit.TokenTree.from_branches(BRANCHES).to_batch()
+    T, H, P, G, N = batch.num_tokens, 4, 3, 2, 5
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, P, generator=gen, dtype=torch.float64)
+    dt = torch.rand(T, H, generator=gen, dtype=torch.float64)
+    A, D = -torch.rand(H, generator=gen, dtype=torch.float64) - 0.1, torch.randn(H, generator=gen, dtype=torch.float64)
+    B, C = (torch.randn(T, G, N, generator=gen, dtype=torch.float64) for _ in range(2))
+    init = torch.randn(H, P, N, generator=gen, dtype=torch.float64)
+    layout = tree_layout(batch, 1, external=True, capture=torch.tensor([6, 25, T - 1]).numpy())
+
+    def run():
+        standins.clear()
+        xs = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, init)]
+        out, cap = fla_backend.ssd_scan_mamba(*xs[:6], layout, xs[6], chunk_size=4)
+        (out.sin().sum() + cap.cos().sum()).backward()
+        return [out, cap] + [t.grad for t in xs], [shape for kind, shape in standins if kind == "mamba"]
+
+    whole, calls_whole = run()
+    assert max(b for b, _ in calls_whole) > 2  # some level ran several padded rows in one call
+
+    def chunks(L):
+        return -(-L // 4)
+
+    def per_row(L):
+        return max(L * H * P, L * G * N, chunks(L) * H * P * N)
+
+    # the lowest limits every single row fits under; some call of the whole run is above them
+    if limit == "grid":
+        low = max(chunks(L) for _, L in calls_whole)
+        assert any(b * chunks(L) > low for b, L in calls_whole)
+        monkeypatch.setattr(fla_backend, "MAMBA_MAX_GRID_ROWS", low)
+    else:
+        low = max(per_row(L) for _, L in calls_whole)
+        assert any(b * per_row(L) > low for b, L in calls_whole)
+        monkeypatch.setattr(fla_backend, "MAMBA_MAX_ELEMENTS", low)
+    split, calls_split = run()
+    assert len(calls_split) > len(calls_whole)
+    for b, L in calls_split:
+        assert b * chunks(L) <= fla_backend.MAMBA_MAX_GRID_ROWS
+        assert b * per_row(L) <= fla_backend.MAMBA_MAX_ELEMENTS
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_a_segment_too_long_for_one_mamba_call_is_refused(standins, monkeypatch):
+    monkeypatch.setattr(fla_backend, "MAMBA_MAX_ELEMENTS", 10)
+    with pytest.raises(ValueError, match="too long for one mamba-ssm call"):
+        fla_backend._mamba_calls(np.arange(3), 8, 4, 4, 3, 2, 5)

@@ -136,6 +136,26 @@ def ssd_scan_fla(xs, dt, A, Bh, Ch, D, layout, init) -> Tuple[torch.Tensor, Opti
     return out + Dh * xs, (None if cap is None else cap.to(xs.dtype))
 
 
+# mamba-ssm's launch limits: batch rows sit on CUDA grid axis 1 (its chunk-state kernel launches
+# batch x chunks there, at most 65,535), and its kernels compute pointer offsets in int32, which overflow
+# without an error past 2^31 elements of a tensor. A level's rows are split into calls below both.
+MAMBA_MAX_GRID_ROWS = 65_535
+MAMBA_MAX_ELEMENTS = 2**31 - 1
+
+
+def _mamba_calls(rows: np.ndarray, length: int, chunk_size: int, H: int, P: int, G: int, N: int) -> List[np.ndarray]:
+    """``rows`` (segments padded to ``length`` tokens) in groups that one mamba-ssm call can take: at most
+    ``MAMBA_MAX_GRID_ROWS`` batch x chunks, and no tensor (x / y, B / C, the chunk states) of more than
+    ``MAMBA_MAX_ELEMENTS`` elements."""
+    chunks = -(-length // chunk_size)
+    per_row = max(length * H * P, length * G * N, chunks * H * P * N)
+    if per_row > MAMBA_MAX_ELEMENTS or chunks > MAMBA_MAX_GRID_ROWS:
+        raise ValueError(f"ssm=fla: a {length}-token segment is too long for one mamba-ssm call (its int32 offsets "
+                         f"and grid limit); partition the tree (partition=redundancy_free) or use ssm=torch")
+    per_call = max(1, min(MAMBA_MAX_ELEMENTS // per_row, MAMBA_MAX_GRID_ROWS // chunks))
+    return [rows[i:i + per_call] for i in range(0, len(rows), per_call)]
+
+
 def ssd_scan_mamba(x, dt, A, B, C, D, layout, init, chunk_size: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Mamba2 through mamba-ssm's ``mamba_chunk_scan_combined`` (module docs): ``x [T, H, P]``,
     ``dt [T, H]`` (final: bias, softplus and limits applied), ``A [H]``, ``B/C [T, G, N]`` (head h
@@ -152,19 +172,20 @@ def ssd_scan_mamba(x, dt, A, B, C, D, layout, init, chunk_size: int) -> Tuple[to
         size_class = np.ceil(np.log2(lens)).astype(np.int64)
         out_idx, out_val, seg_idx, seg_val = [], [], [], []
         for c in np.unique(size_class):
-            rows = np.flatnonzero(size_class == c)
-            n = lens[rows]
-            pos = np.arange(int(n.max()))
-            valid_np = pos[None, :] < n[:, None]
-            idx = torch.from_numpy(starts[rows][:, None] + np.minimum(pos[None, :], n[:, None] - 1)).to(dev)
-            valid = torch.from_numpy(valid_np).to(dev)
-            rows_t = torch.from_numpy(rows).to(dev)
-            y, hT = fn(xx[idx], dd[idx] * valid[..., None].to(dd.dtype), A, bb[idx], cc[idx], chunk_size,
-                       initial_states=h0[rows_t], return_final_states=True)
-            out_idx.append(idx[valid])
-            out_val.append(y[valid])
-            seg_idx.append(rows_t)
-            seg_val.append(hT)
+            same = np.flatnonzero(size_class == c)
+            for rows in _mamba_calls(same, int(lens[same].max()), chunk_size, H, P, bb.shape[1], N):
+                n = lens[rows]
+                pos = np.arange(int(n.max()))
+                valid_np = pos[None, :] < n[:, None]
+                idx = torch.from_numpy(starts[rows][:, None] + np.minimum(pos[None, :], n[:, None] - 1)).to(dev)
+                valid = torch.from_numpy(valid_np).to(dev)
+                rows_t = torch.from_numpy(rows).to(dev)
+                y, hT = fn(xx[idx], dd[idx] * valid[..., None].to(dd.dtype), A, bb[idx], cc[idx], chunk_size,
+                           initial_states=h0[rows_t], return_final_states=True)
+                out_idx.append(idx[valid])
+                out_val.append(y[valid])
+                seg_idx.append(rows_t)
+                seg_val.append(hT)
         o = torch.cat(out_val)
         o = o.new_zeros((xx.shape[0], *o.shape[1:])).index_put((torch.cat(out_idx),), o)
         order = torch.empty_like(torch.cat(seg_idx))
