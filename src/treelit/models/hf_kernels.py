@@ -43,7 +43,8 @@ installed transformers declares and fails on an unclassified one
 keyword (the tree context the attention function also receives); the dispatcher then runs
 treelit's tree version: the convolution reads each token's ancestors across segments
 (:func:`treelit.ssm.layers.causal_conv`), the recurrences start every segment from its parent
-segment's final state (:func:`treelit.ssm.scan.chunked_scan`, exact in the input precision), and
+segment's final state (:func:`treelit.ssm.scan.chunked_scan`, exact in the input precision, float32 for
+bf16 / fp16 inputs as transformers' torch functions compute them), and
 with partitioning the states and convolution contexts at partition boundaries are captured and
 read back (named ``conv0``, ``state0``, ... per layer, in call order). Without a treelit context
 (the model called directly) the dispatcher runs transformers' own torch function, never fla.
