@@ -1,0 +1,92 @@
+"""``ssm=fla`` through fla's real Triton kernels (Triton's interpreter, CPU) against ``ssm=torch``: loss
+and every parameter gradient, unpartitioned and partitioned. Run as its own process (the
+interpreter must be chosen before fla is imported; tests/ssm/test_fla_interpreter.py does):
+
+    python tests/ssm/fla_interpreter_check.py gdn_tiny [--mutate]
+
+prints one JSON line per run: ``{"case", "budget", "loss_rel_diff", "max_rel_grad_diff"}``.
+``--mutate`` hands one segment a zero initial state instead of its parent's final state in the fla
+path (a routing defect the comparison must catch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton_interpreter  # noqa: E402  (before fla and Triton kernels are imported)
+
+triton_interpreter.install()
+
+import torch  # noqa: E402
+
+import treelit  # noqa: E402
+from treelit.ssm import fla_backend, set_ssm_backend  # noqa: E402
+
+BRANCHES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 13, 14], [1, 2, 3, 4, 5, 6, 7, 8, 15],
+            [1, 2, 16], [1, 2, 16, 17, 18, 19, 20]]  # a one-token segment, a branch that is a prefix of another
+MASKS = [[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 8, [0] * 6 + [1] * 3, [1, 1, 1], [0, 1, 0, 1, 1, 1, 1]]
+
+
+def model_for(case: str):
+    torch.manual_seed(0)
+    if case == "gdn_tiny":
+        return treelit.build_model("gdn_tiny", vocab_size=64)
+    from hf_oracle import random_hf_checkpoint
+    from models.test_hf_hybrid import HYBRID
+
+    model_type, cfg = HYBRID[case]
+    path = tempfile.mkdtemp()
+    random_hf_checkpoint(path, model_type, **dict(cfg, vocab_size=64))
+    return treelit.load_hf_model(path, dtype=torch.float32)
+
+
+def run(model, backend: str, tree, budget):
+    with mock.patch.object(torch.cuda, "is_available", lambda: True):
+        set_ssm_backend(model, backend)
+    model.zero_grad(set_to_none=True)
+    if budget is None:
+        loss = treelit.tree_loss(model, tree)
+        loss.backward()
+        loss = loss.item()
+    else:
+        loss = treelit.tree_backward(model, tree, budget_tokens=budget)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def mutate() -> None:
+    """The fla path's level scan gives the first child segment a zero state (its parent's is dropped)."""
+    original = fla_backend.level_scan
+
+    def level_scan(kernel, inputs, layout, state_shape, init_state, dtype=torch.float32):
+        children = [i for i, p in enumerate(layout.seg_parent) if p >= 0]
+        if children:
+            layout.seg_parent = layout.seg_parent.copy()
+            layout.seg_parent[children[0]] = -1
+        return original(kernel, inputs, layout, state_shape, init_state, dtype)
+
+    fla_backend.level_scan = level_scan
+
+
+def main() -> None:
+    case, mutated = sys.argv[1], "--mutate" in sys.argv
+    if mutated:
+        mutate()
+    model = model_for(case)
+    tree = treelit.TokenTree.from_branches(BRANCHES, MASKS)
+    for budget in (None, 12):  # (12: the longest branch; the tree is cut into partitions)
+        (ref, g_ref), (got, g_fla) = run(model, "torch", tree, budget), run(model, "fla", tree, budget)
+        assert g_ref.keys() == g_fla.keys() and ref != 0
+        worst = max(((g_fla[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in g_ref.items())
+        print(json.dumps({"case": case, "budget": budget, "loss_rel_diff": abs(got - ref) / abs(ref),
+                          "max_rel_grad_diff": worst, "min_grad_norm": min(g.norm().item() for g in g_ref.values())}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
