@@ -74,6 +74,13 @@ def install() -> None:
     import fla.ops.gated_delta_rule  # noqa: F401
     import fla.ops.kda  # noqa: F401
 
+    try:  # mamba-ssm built without CUDA (MAMBA_SKIP_CUDA_BUILD): its package imports a CUDA extension
+        import types
+
+        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
+    except ImportError:
+        pass
     for name, mod in list(sys.modules.items()):
-        if name.startswith("fla.ops") and mod is not None:
+        if (name.startswith("fla.ops") or name.startswith("mamba_ssm.ops")) and mod is not None:
             mod.__dict__["range"] = _Range

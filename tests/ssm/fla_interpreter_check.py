@@ -6,7 +6,8 @@ interpreter must be chosen before fla is imported; tests/ssm/test_fla_interprete
 
 prints one JSON line per run: ``{"case", "budget", "loss_rel_diff", "max_rel_grad_diff"}``.
 ``--mutate`` hands one segment a zero initial state instead of its parent's final state in the fla
-path (a routing defect the comparison must catch).
+path, ``--mutate-padding`` leaves dt of mamba-ssm's padded slots non-zero: routing defects the
+comparison must catch.
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ import torch  # noqa: E402
 import treelit  # noqa: E402
 from treelit.ssm import fla_backend, set_ssm_backend  # noqa: E402
 
+# a one-token segment ([15]), a branch that is a prefix of another, and segments of 3 and 4 tokens on one
+# level (mamba-ssm runs them as one batch with the shorter one padded)
 BRANCHES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 13, 14], [1, 2, 3, 4, 5, 6, 7, 8, 15],
-            [1, 2, 16], [1, 2, 16, 17, 18, 19, 20]]  # a one-token segment, a branch that is a prefix of another
-MASKS = [[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 8, [0] * 6 + [1] * 3, [1, 1, 1], [0, 1, 0, 1, 1, 1, 1]]
+            [1, 2, 16, 21, 22], [1, 2, 16, 21, 22, 17, 18, 19, 20], [1, 2, 16, 21, 22, 23, 24]]
+MASKS = [[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 8, [0] * 6 + [1] * 3, [1] * 5, [0, 1, 0, 1, 1, 1, 1, 1, 1],
+         [1] * 7]
 
 
 def model_for(case: str):
     torch.manual_seed(0)
-    if case == "gdn_tiny":
-        return treelit.build_model("gdn_tiny", vocab_size=64)
+    if case in ("gdn_tiny", "mamba2_tiny"):
+        return treelit.build_model(case, vocab_size=64)
     from hf_oracle import random_hf_checkpoint
     from models.test_hf_hybrid import HYBRID
 
@@ -73,10 +77,17 @@ def mutate() -> None:
     fla_backend.level_scan = level_scan
 
 
+def mutate_padding() -> None:
+    """mamba-ssm's padded slots keep their dt (the state runs on past the segment's end)."""
+    fla_backend._padded_dt = lambda dt, valid: dt
+
+
 def main() -> None:
-    case, mutated = sys.argv[1], "--mutate" in sys.argv
-    if mutated:
+    case = sys.argv[1]
+    if "--mutate" in sys.argv:
         mutate()
+    if "--mutate-padding" in sys.argv:
+        mutate_padding()
     model = model_for(case)
     tree = treelit.TokenTree.from_branches(BRANCHES, MASKS)
     for budget in (None, 12):  # (12: the longest branch; the tree is cut into partitions)

@@ -143,6 +143,12 @@ MAMBA_MAX_GRID_ROWS = 65_535
 MAMBA_MAX_ELEMENTS = 2**31 - 1
 
 
+def _padded_dt(dt: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``dt [rows, L, H]`` with the padded slots (a row's tokens past its segment's end) set to 0: there
+    exp(0 * A) = 1 keeps the state and 0 * x adds nothing, so each row's final state is its segment's."""
+    return dt * valid[..., None].to(dt.dtype)
+
+
 def _mamba_calls(rows: np.ndarray, length: int, chunk_size: int, H: int, P: int, G: int, N: int) -> List[np.ndarray]:
     """``rows`` (segments padded to ``length`` tokens) in groups that one mamba-ssm call can take: at most
     ``MAMBA_MAX_GRID_ROWS`` batch x chunks, and no tensor (x / y, B / C, the chunk states) of more than
@@ -180,7 +186,7 @@ def ssd_scan_mamba(x, dt, A, B, C, D, layout, init, chunk_size: int) -> Tuple[to
                 idx = torch.from_numpy(starts[rows][:, None] + np.minimum(pos[None, :], n[:, None] - 1)).to(dev)
                 valid = torch.from_numpy(valid_np).to(dev)
                 rows_t = torch.from_numpy(rows).to(dev)
-                y, hT = fn(xx[idx], dd[idx] * valid[..., None].to(dd.dtype), A, bb[idx], cc[idx], chunk_size,
+                y, hT = fn(xx[idx], _padded_dt(dd[idx], valid), A, bb[idx], cc[idx], chunk_size,
                            initial_states=h0[rows_t], return_final_states=True)
                 out_idx.append(idx[valid])
                 out_val.append(y[valid])
