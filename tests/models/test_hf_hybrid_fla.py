@@ -196,22 +196,30 @@ def test_fla_routing_equals_the_torch_backend(family, standins, monkeypatch, tmp
         set_ssm_backend(model, "torch")
 
 
-def test_fla_padding_keeps_each_segments_final_state(standins):
-    """mamba's batch rows padded with ``dt = 0``: outputs and the states captured at segment ends
-    equal the exact torch scan (float64), with their input gradients, on a level of 1- to
-    10-token segments whose initial states come from their parents and from outside."""
+def _ssd_case(seed: int):
+    """A Mamba2 scan's inputs over the BRANCHES tree (float64): ``(H, P, G, N)``, ``(x, dt, A, B, C, D,
+    initial state)`` and its layout, with the states captured at three segment ends."""
     from treelit.ssm.layout import tree_layout
-    from treelit.ssm.scan import chunked_scan, ssd_chunk
 
     batch = treelit.TokenTree.from_branches(BRANCHES).to_batch()
     T, H, P, G, N = batch.num_tokens, 4, 3, 2, 5
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, P, generator=gen, dtype=torch.float64)
     dt = torch.rand(T, H, generator=gen, dtype=torch.float64)
     A, D = -torch.rand(H, generator=gen, dtype=torch.float64) - 0.1, torch.randn(H, generator=gen, dtype=torch.float64)
     B, C = (torch.randn(T, G, N, generator=gen, dtype=torch.float64) for _ in range(2))
     init = torch.randn(H, P, N, generator=gen, dtype=torch.float64)
     layout = tree_layout(batch, 1, external=True, capture=torch.tensor([6, 25, T - 1]).numpy())  # (segment ends)
+    return (H, P, G, N), (x, dt, A, B, C, D, init), layout
+
+
+def test_fla_padding_keeps_each_segments_final_state(standins):
+    """mamba's batch rows padded with ``dt = 0``: outputs and the states captured at segment ends
+    equal the exact torch scan (float64), with their input gradients, on a level of 1- to
+    10-token segments whose initial states come from their parents and from outside."""
+    from treelit.ssm.scan import chunked_scan, ssd_chunk
+
+    (H, P, G, N), (x, dt, A, B, C, D, init), layout = _ssd_case(seed=0)
     results = []
     for fla in (False, True):
         xs = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, init)]
@@ -293,17 +301,7 @@ def test_mamba_calls_split_below_the_launch_limits_and_stay_exact(standins, monk
     """A level's padded rows go to mamba-ssm in several calls when one call would pass its grid limit
     (batch x chunks on grid axis 1) or its int32 offsets (elements of a tensor): tested with the limits
     lowered, outputs, captured states and every input gradient equal the one-call run (float64)."""
-    from treelit.ssm.layout import tree_layout
-
-    batch = treelit.TokenTree.from_branches(BRANCHES).to_batch()
-    T, H, P, G, N = batch.num_tokens, 4, 3, 2, 5
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(T, H, P, generator=gen, dtype=torch.float64)
-    dt = torch.rand(T, H, generator=gen, dtype=torch.float64)
-    A, D = -torch.rand(H, generator=gen, dtype=torch.float64) - 0.1, torch.randn(H, generator=gen, dtype=torch.float64)
-    B, C = (torch.randn(T, G, N, generator=gen, dtype=torch.float64) for _ in range(2))
-    init = torch.randn(H, P, N, generator=gen, dtype=torch.float64)
-    layout = tree_layout(batch, 1, external=True, capture=torch.tensor([6, 25, T - 1]).numpy())
+    (H, P, G, N), (x, dt, A, B, C, D, init), layout = _ssd_case(seed=1)
 
     def run():
         standins.clear()
