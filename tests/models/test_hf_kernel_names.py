@@ -22,7 +22,7 @@ from torch import nn
 
 import treelit
 from treelit.models import hf_kernels
-from treelit.models.hf_kernels import _plan, kernel_calls, kernel_class
+from treelit.models.hf_kernels import _plan, kernel_class
 from treelit.utils.versions import TESTED
 
 HUB_NAME = re.compile(r"use_kernel_(?:forward|func)_from_hub(?:_with_fallback)?\(\s*[\"']([A-Za-z0-9_]+)[\"']")
@@ -135,8 +135,8 @@ def test_attribute_names_are_not_globals():
     ``nn.functional.silu`` is an attribute, not that global (5.25 refused Bamba / Falcon-H1 over it)."""
     from transformers.activations import SiLUActivation
 
-    assert kernel_calls(SiLUActivation) == {}
-    assert _plan(hf_kernels._inner(SiLUActivation.forward), "SiLUActivation", _make).refusals == []
+    plan = _plan(hf_kernels._inner(SiLUActivation.forward), "SiLUActivation", _make)
+    assert plan.replace == {} and plan.kernels == set() and plan.refusals == []
 
 
 def test_loaded_hybrid_has_no_hub_kernels_and_refuses_a_lost_binding(tmp_path):

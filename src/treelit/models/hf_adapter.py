@@ -216,7 +216,8 @@ class HFTreeModel(nn.Module):
                             / float(getattr(cfg, "logits_scaling", 1.0) or 1.0))
         self.hf.train()  # from_pretrained returns eval mode; dropout is refused, so the mode changes nothing
         self._router_refusal = bias_routed(hf_model) if self.config.moe else None
-        self._hybrid = self.config.model_type in HYBRID_FAMILIES
+        # the layers bind_tree_kernels bound (checked before each tree forward: still bound?)
+        self._bound_layers = [m for m in hf_model.modules() if hasattr(m, "_treelit_forward")]
 
     @property
     def base(self) -> nn.Module:
@@ -255,8 +256,7 @@ class HFTreeModel(nn.Module):
         if self._router_refusal and self.config.moe.get("router_aux_loss_coef", 0.0) > 0:
             raise ValueError(f"router_aux_loss_coef = {self.config.moe['router_aux_loss_coef']}: "
                              f"{self._router_refusal}")
-        if self._hybrid:
-            check_bound(self.hf)
+        check_bound(self._bound_layers)
         kw = {"output_router_logits": True} if self.config.moe else {}
         out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                         attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)

@@ -85,7 +85,7 @@ from treelit.utils.versions import TESTED
 
 __all__ = ["TREE_KERNELS", "WRAPPER_KERNELS", "TOKENWISE_KERNELS", "MIXER_KERNELS", "NO_TREE_KERNELS",
            "HYBRID_FAMILIES", "bind_tree_kernels", "bind_torch_kernels", "kernel_name", "kernel_class",
-           "kernel_calls", "no_hub_kernels", "check_bound"]
+           "no_hub_kernels", "check_bound"]
 
 CHUNK_SIZE = 64  # tokens per block of treelit's chunked scans (exact for any size; ssm.chunk_size sets it)
 
@@ -448,21 +448,6 @@ def _plan(fn: types.FunctionType, owner: str, make: Callable[[str, Callable], Ca
     return plan
 
 
-def kernel_calls(cls: type) -> Dict[str, str]:
-    """Global name -> kernel name of the entry points ``cls.forward`` calls directly (hub-named
-    globals only; what the adapter binds is :func:`_plan`'s walk)."""
-    fwd = getattr(cls, "forward", None)
-    inner = _inner(fwd) if fwd is not None else None
-    if not isinstance(inner, types.FunctionType):
-        return {}
-    out = {}
-    for n in set(_global_loads(inner.__code__)):
-        k = kernel_name(inner.__globals__.get(n))
-        if k is not None:
-            out[n] = k
-    return out
-
-
 def _copy(fn: types.FunctionType, globals_: dict, closure) -> types.FunctionType:
     new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
@@ -571,12 +556,12 @@ def no_hub_kernels() -> Dict[str, Any]:
     return {"use_kernels": False} if hasattr(PreTrainedModel, "set_use_kernels") else {}
 
 
-def check_bound(model: nn.Module) -> None:
-    """Raise if a hybrid layer :func:`bind_tree_kernels` bound has lost its rebound forward (e.g. a
-    later ``model.use_kernels = True`` kernelized it): its original forward would mix the tree's
-    DFS row as one sequence."""
-    for mod in model.modules():
-        if hasattr(mod, "_treelit_forward") and "forward" not in vars(mod):
+def check_bound(layers) -> None:
+    """Raise if a hybrid layer :func:`bind_tree_kernels` bound (``layers``: those modules) has lost its
+    rebound forward (e.g. a later ``model.use_kernels = True`` kernelized it): its original forward would
+    mix the tree's DFS row as one sequence."""
+    for mod in layers:
+        if "forward" not in vars(mod):
             raise RuntimeError(f"{type(mod).__name__} (layer {mod._treelit_layer}) no longer runs treelit's tree "
                                "kernels: its forward was replaced after loading (kernelize / use_kernels=True?); "
                                "load the model again without hub kernels")
