@@ -161,6 +161,7 @@ DEFERRABLE = {
     "matplotlib": "~1 s CPU: only when a plot is drawn",
     "torch.distributed.fsdp": "~0.9 s CPU on top of torch: only when a model is sharded",
     "torch.distributed.checkpoint": "~1 s CPU on top of torch: sharded checkpoints only",
+    "peft": "~3 s CPU (it imports transformers): LoRA runs only",
     "fcntl": "POSIX only: the module stays importable where it is missing",
 }
 # The command-line layer defers more: each command pays only for what it runs (``treelit --help``

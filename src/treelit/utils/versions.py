@@ -20,4 +20,5 @@ TESTED: Dict[str, Tuple[str, ...]] = {
     "flash-linear-attention": ("0.6.0",),
     "lightning": ("2.6.6",),
     "mlflow": ("3.17.2",),
+    "peft": ("0.18.1",),  # exact pin: 0.19+ refuses to wrap layers with the torchao torchtune imports with
 }
