@@ -20,10 +20,24 @@ log-prob pass that fills old log-probs (no gradient, partitioned); optionally th
 tree unpartitioned. Token-forwards with gradient are reported apart from the no-gradient
 ones; the partitioned GRPO gradients are compared with the unpartitioned ones.
 
+``cp``: context parallelism (:func:`treelit.partition.context_parallel.cp_micro_batch`) on
+one long tree (``--branches`` branches of ``--branch-len`` tokens under a ``--prefix``-token
+prefix), one SFT forward + backward split over C gloo processes (``--worlds``; C = 1 is the
+same code in one process). Per rank: its range of the DFS row, the ancestor path whose K/V it
+receives (bytes over all layers), the bytes it sends forward (path K/V) and backward (their
+gradients), counted at the point-to-point calls and checked against the plan's arithmetic
+(rows x KV heads x (Dk + Dv) x element size per attention layer), the tensor bytes held when
+the forward ends and the peak of the step. Parameters, buffers and gradient buffers exist
+before the measured region and are not counted, nor are views of them made inside it (a linear
+layer's ``W.t()``); FSDP2 shards them over every rank (see ``sharding``). The peak is what the
+pass itself allocates: activations, the received K/V and their gradient buffers, logits
+chunks and transient weight gradients. The ranks' summed gradients are compared with C = 1.
+
     python benchmarks/bench_scale.py sharding --json benchmarks/results/bench_scale_sharding.json
     python benchmarks/bench_scale.py sharding --worlds 4 --modes ddp fsdp2 hsdp --checkpointing on \
         --json benchmarks/results/bench_scale_hsdp.json
     python benchmarks/bench_scale.py grpo --json benchmarks/results/bench_scale_grpo.json
+    python benchmarks/bench_scale.py cp --json benchmarks/results/bench_scale_cp.json
     python benchmarks/bench_scale.py table benchmarks/results/bench_scale_*.json    # the README tables
 """
 
@@ -52,8 +66,9 @@ def _model(args):
 
     torch.manual_seed(0)
     return treelit.build_decoder(family="qwen2", vocab_size=args.vocab, num_layers=args.layers, num_heads=args.heads,
-                                 num_kv_heads=max(1, args.heads // 2), embed_dim=args.dim,
-                                 intermediate_dim=3 * args.dim, max_seq_len=4096)
+                                 num_kv_heads=getattr(args, "kv_heads", None) or max(1, args.heads // 2),
+                                 embed_dim=args.dim, intermediate_dim=getattr(args, "intermediate", None) or 3 * args.dim,
+                                 max_seq_len=max(4096, getattr(args, "prefix", 0) + getattr(args, "branch_len", 0)))
 
 
 def _tree(rank: int, args):
@@ -255,6 +270,135 @@ def grpo(args):
     return out
 
 
+# ---------------------------------------------------------------------------------------
+# cp: context parallelism on one long tree, per rank
+
+
+def _existing(live, tensors) -> None:
+    """Mark the storages of ``tensors`` as held before the region: a view of a parameter made
+    inside it (``W.t()`` in a linear layer) shares the parameter's storage and is not new memory."""
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key:
+            live.live.setdefault(key, 0)
+
+
+def _cp_step(model, batch, ckpt: bool, args):
+    """One SFT forward + backward of ``batch`` split over the default group: this rank's figures."""
+    import torch.distributed as dist
+
+    import treelit.partition.context_parallel as cpm
+    from treelit.objectives import make_objective
+    from treelit.utils.memory import LiveBytes
+
+    model.activation_checkpointing = ckpt
+    obj = make_objective("sft")
+    for p in model.parameters():  # gradient buffers exist before the region (FSDP2 shards them)
+        p.grad = torch.zeros_like(p)
+    sent = [0, 0]  # bytes this rank sends: forward (path K/V, even tags), backward (their gradients, odd tags)
+    held = []
+    wait, forward_range = cpm._wait, cpm._forward_range
+    live = LiveBytes()
+
+    def counting_wait(ops):
+        for op in ops:
+            if op.op is dist.isend:
+                sent[op.tag % 2] += op.tensor.numel() * op.tensor.element_size()
+        wait(ops)
+
+    def noting_forward(*a, **k):
+        res = forward_range(*a, **k)
+        held.append(live.current)  # tensors alive when the forward ends: what the backward will need
+        return res
+
+    _existing(live, [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())])
+    cpm._wait, cpm._forward_range = counting_wait, noting_forward
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        with live:
+            loss, _, plan = cpm.cp_micro_batch(model, obj, batch, None, aggregation="token-mean",
+                                               normalizer=obj.norm_contribution(batch, "token-mean"),
+                                               attention=args.attention)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        cpm._wait, cpm._forward_range = wait, forward_range
+    # the plan's arithmetic: per attention layer, rows x KV heads x (Dk + Dv) x element size
+    cfg = model.config
+    row_bytes = cfg.num_kv_heads * 2 * cfg.head_dim * next(model.parameters()).element_size() * len(model.layers)
+    return {"rank": plan.rank, "start": plan.start, "end": plan.end, "tokens": plan.size, "path": len(plan.path),
+            "recv_kv_bytes": len(plan.path) * row_bytes,
+            "plan_sent_bytes": sum(len(r) for r in plan.send.values()) * row_bytes,
+            "sent_forward_bytes": sent[0], "sent_backward_bytes": sent[1], "held_after_forward_bytes": held[0],
+            "step_peak_bytes": live.peak, "seconds": seconds, "cpu_seconds": cpu, "imbalance": plan.imbalance,
+            "loss": loss, "kv_row_bytes_all_layers": row_bytes}
+
+
+def _cp_worker(rank: int, world: int, port: int, args, out_dir: str):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    try:
+        model = _model(args)
+        batch = _tree(0, args)  # the same tree on every rank
+        out = []
+        for ckpt in args.checkpointing:
+            m = _cp_step(model, batch, ckpt, args)
+            ranks = [None] * world
+            dist.all_gather_object(ranks, m)
+            grads = [p.grad for p in model.parameters()]
+            for g in grads:
+                dist.all_reduce(g)  # the ranks' gradients sum to the one-process gradient
+            diff = None
+            if rank == 0:
+                ref = os.path.join(out_dir, f"grads_ckpt{int(ckpt)}.pt")
+                if world == 1:
+                    torch.save(grads, ref)
+                else:
+                    one = torch.load(ref)
+                    diff = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads, one))
+            out.append({"world": world, "checkpointing": ckpt, "ranks": ranks, "max_rel_grad_diff_vs_one": diff,
+                        "tree_tokens": batch.num_tokens, "logprob_allreduce_bytes": 8 * batch.num_tokens})
+        if rank == 0:
+            torch.save(out, os.path.join(out_dir, "rows.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def cp(args):
+    import torch.multiprocessing as mp
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in sorted(set(args.worlds) | {1}):  # C = 1 first: the reference
+            mp.spawn(_cp_worker, args=(world, _free_port(), args, tmp), nprocs=world, join=True)
+            new = torch.load(os.path.join(tmp, "rows.pt"), weights_only=False)
+            rows += new
+            for r in new:
+                for x in r["ranks"]:
+                    # counted at the point-to-point calls = the plan; recomputed layers send their path again
+                    assert x["sent_forward_bytes"] == x["plan_sent_bytes"] * (2 if r["checkpointing"] else 1), x
+                    assert x["sent_backward_bytes"] == x["recv_kv_bytes"], x  # the received rows' gradients go back
+                    print(f"C={world} ckpt={'on' if r['checkpointing'] else 'off':3s} rank {x['rank']}: tokens "
+                          f"[{x['start']}, {x['end']}), path {x['path']}, recv K/V {x['recv_kv_bytes'] / MIB:.1f} MiB, "
+                          f"sent {x['sent_forward_bytes'] / MIB:.1f} + {x['sent_backward_bytes'] / MIB:.1f} MiB, held "
+                          f"after forward {x['held_after_forward_bytes'] / MIB:.0f} MiB, peak "
+                          f"{x['step_peak_bytes'] / MIB:.0f} MiB ({x['seconds']:.1f}s)", flush=True)
+    for r in rows:
+        one = next(x for x in rows if x["world"] == 1 and x["checkpointing"] == r["checkpointing"])["ranks"][0]
+        for x in r["ranks"]:
+            x["step_peak_over_one"] = x["step_peak_bytes"] / one["step_peak_bytes"]
+            x["held_over_one"] = x["held_after_forward_bytes"] / one["held_after_forward_bytes"]
+        r["imbalance"] = r["ranks"][0]["imbalance"]
+        r["sent_forward_bytes"] = sum(x["sent_forward_bytes"] for x in r["ranks"])
+        r["sent_backward_bytes"] = sum(x["sent_backward_bytes"] for x in r["ranks"])
+    a = args
+    return {"cp": rows, "tree": f"{a.branches} branches of {a.branch_len} tokens under a {a.prefix}-token prefix",
+            "model": f"qwen2-style, {a.layers} layers, dim {a.dim}, {a.heads} heads ({a.kv_heads} kv) x {a.dim // a.heads}, "
+                     f"MLP {a.intermediate}, vocab {a.vocab}, float32", "attention": a.attention, "threads_per_rank": 1}
+
+
 def table(paths) -> str:
     """The README tables from result files."""
     lines = []
@@ -262,6 +406,26 @@ def table(paths) -> str:
         with open(path) as f:
             d = json.load(f)
         lines.append(f"$ {d['command']}")
+        if "cp" in d:
+            lines.append(f"# {d['tree']} ({d['cp'][0]['tree_tokens']} tokens); {d['model']}; attention={d['attention']}, "
+                         f"{d['threads_per_rank']} thread per rank, cpu = CPU seconds of the step")
+            lines.append(f"{'C':>2s}{'ckpt':>5s}{'rank':>5s}{'tokens':>13s}{'path':>6s}{'recv K/V':>10s}{'sent fwd':>10s}"
+                         f"{'sent bwd':>10s}{'held after fwd':>16s}{'vs C=1':>7s}{'step peak':>11s}{'vs C=1':>7s}{'cpu':>6s}")
+            for r in d["cp"]:
+                for x in r["ranks"]:
+                    lines.append(f"{r['world']:>2d}{('on' if r['checkpointing'] else 'off'):>5s}{x['rank']:>5d}"
+                                 f"{x['tokens']:>6d} @{x['start']:>5d}{x['path']:>6d}{x['recv_kv_bytes'] / MIB:>6.1f} MiB"
+                                 f"{x['sent_forward_bytes'] / MIB:>6.1f} MiB{x['sent_backward_bytes'] / MIB:>6.1f} MiB"
+                                 f"{x['held_after_forward_bytes'] / MIB:>12.0f} MiB{x['held_over_one']:>6.2f}x"
+                                 f"{x['step_peak_bytes'] / MIB:>7.0f} MiB{x['step_peak_over_one']:>6.2f}x{x['cpu_seconds']:>5.0f}s")
+            for r in d["cp"]:
+                if r["world"] == 1:
+                    continue
+                lines.append(f"# C={r['world']}, ckpt {'on' if r['checkpointing'] else 'off'}: cp/imbalance "
+                             f"{r['imbalance']:.1e}; per step {r['sent_forward_bytes'] / MIB:.1f} MiB of K/V sent + "
+                             f"{r['sent_backward_bytes'] / MIB:.1f} MiB of gradients back (+ a {r['logprob_allreduce_bytes'] / 1024:.0f}"
+                             f" KiB log-prob all-reduce); gradients vs C=1: {r['max_rel_grad_diff_vs_one']:.1e}")
+            continue
         if "rows" in d:
             lines.append(f"{'strategy':9s}{'ranks':>6s}{'checkpointing':>15s}{'params+grads+AdamW':>21s}{'vs DDP':>8s}"
                          f"{'step peak':>11s}{'vs DDP':>8s}")
@@ -326,6 +490,21 @@ def main(argv=None):
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--unpartitioned", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--json")
+    c = sub.add_parser("cp")
+    c.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="context-parallel degrees C (1: one process)")
+    c.add_argument("--layers", type=int, default=8)
+    c.add_argument("--dim", type=int, default=512)
+    c.add_argument("--heads", type=int, default=8)
+    c.add_argument("--kv-heads", type=int, default=2)
+    c.add_argument("--intermediate", type=int, default=2816)
+    c.add_argument("--vocab", type=int, default=32768)
+    c.add_argument("--prefix", type=int, default=2048)
+    c.add_argument("--branches", type=int, default=4)
+    c.add_argument("--branch-len", type=int, default=1024)
+    c.add_argument("--attention", default="segment")
+    c.add_argument("--checkpointing", type=lambda v: v == "on", nargs="+", default=[False, True],
+                   help="activation checkpointing: off, on or both")
+    c.add_argument("--json")
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
@@ -333,7 +512,7 @@ def main(argv=None):
         print(table(args.results))
         return
     t0 = time.perf_counter()
-    result = {"sharding": sharding, "grpo": grpo}[args.what](args)
+    result = {"sharding": sharding, "grpo": grpo, "cp": cp}[args.what](args)
     result["command"] = " ".join(["python", "benchmarks/bench_scale.py", *(argv if argv is not None else sys.argv[1:])])
     result["torch"] = torch.__version__
     result["seconds"] = time.perf_counter() - t0

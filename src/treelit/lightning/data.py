@@ -18,7 +18,7 @@ see :mod:`treelit.lightning.streaming`; for rollouts arriving during training,
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
@@ -33,8 +33,9 @@ from treelit.data.limits import MiB, ReadLimits, out_of_memory
 from treelit.data.records import DataError, ReadStats, iter_file, read_records
 from treelit.tree.batch import TreeBatch
 from treelit.tree.token_tree import TokenTree
+from treelit.utils.distributed import data_parallel_rank
 
-__all__ = ["TreeDataModule", "StepBatch"]
+__all__ = ["TreeDataModule", "StepBatch", "tree_origin"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,12 @@ class StepBatch:
     micro_batches: List[TreeBatch]
     index: int  # global step index in the data stream
     load_imbalance: float = 1.0  # max over ranks of the assigned cost / mean (1 = balanced)
+    # per micro-batch, its trees as "id (file:line)" (None: not known), for messages that name them
+    origins: Optional[List[List[str]]] = None
+
+    def on(self, device: torch.device) -> "StepBatch":
+        """The same step with its micro-batches on ``device``."""
+        return replace(self, micro_batches=[b.to(device) for b in self.micro_batches])
 
     @property
     def tree_tokens(self) -> int:
@@ -54,6 +61,11 @@ class StepBatch:
     @property
     def flat_tokens(self) -> int:
         return sum(b.flat_tokens for b in self.micro_batches)
+
+
+def tree_origin(t: BuiltTree) -> str:
+    """A tree as messages name it: its id and the record it came from (``file:line``)."""
+    return f"{t.id} ({t.source})"
 
 
 def _pack_indices(order: List[int], sizes: List[int], budget: int) -> List[List[int]]:
@@ -262,7 +274,7 @@ class TreeDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         trainer = getattr(self, "trainer", None)
         if trainer is not None:
-            self.rank, self.world = int(trainer.global_rank), int(trainer.world_size)
+            self.rank, self.world = data_parallel_rank(trainer)  # (context parallelism: per group)
         if self.trees:
             return
         self.read_stats = ReadStats()
@@ -335,7 +347,8 @@ class TreeDataModule(pl.LightningDataModule):
             epoch += 1
         rows = self.epoch_steps(epoch)[i]
         if self.world == 1:
-            return StepBatch([TreeBatch.pack([self._batches[t] for t in row]) for row in rows], index)
+            return StepBatch([TreeBatch.pack([self._batches[t] for t in row]) for row in rows], index,
+                             origins=self._origins(rows))
         trees = [t for row in rows for t in row]
         shares = _assign(trees, self._cost, self.world)
         loads = [sum(self._cost[t] for t in share) for share in shares]
@@ -345,14 +358,18 @@ class TreeDataModule(pl.LightningDataModule):
         mine = [TreeBatch.pack([self._batches[t] for t in row]) for row in packed[self.rank]]
         mine += [_empty_batch() for _ in range(n_passes - len(mine))]
         mean = sum(loads) / len(loads)
-        return StepBatch(mine, index, max(loads) / mean if mean > 0 else 1.0)
+        origins = self._origins(packed[self.rank]) + [[] for _ in range(n_passes - len(packed[self.rank]))]
+        return StepBatch(mine, index, max(loads) / mean if mean > 0 else 1.0, origins)
+
+    def _origins(self, rows: List[List[int]]) -> List[List[str]]:
+        return [[tree_origin(self.trees[t]) for t in row] for row in rows]
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
         return DataLoader(_StepStream(self), batch_size=None, num_workers=0, collate_fn=lambda x: x)
 
     def transfer_batch_to_device(self, batch: StepBatch, device: torch.device, dataloader_idx: int) -> StepBatch:
-        return StepBatch([b.to(device) for b in batch.micro_batches], batch.index, batch.load_imbalance)
+        return batch.on(device)
 
     # checkpointed state -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -41,9 +41,10 @@ from treelit.builders.sequences import SequencesBuilder
 from treelit.data.limits import MiB, ReadLimits
 from treelit.data.records import DataError, ReadStats
 from treelit.lightning.data import (StepBatch, _assign, _empty_batch, _pack_indices, _tree_cost, build_trees,
-                                    conform_batches)
+                                    conform_batches, tree_origin)
 from treelit.lightning.staleness import StalenessGate, trainer_policy_version
 from treelit.tree.batch import TreeBatch
+from treelit.utils.distributed import data_parallel_rank
 from treelit.utils.paths import confined
 
 __all__ = ["RolloutDirDataModule"]
@@ -133,7 +134,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         trainer = getattr(self, "trainer", None)
         if trainer is not None:
-            self.rank, self.world = int(trainer.global_rank), int(trainer.world_size)
+            self.rank, self.world = data_parallel_rank(trainer)  # (context parallelism: per group)
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None) -> None:
@@ -207,16 +208,19 @@ class RolloutDirDataModule(pl.LightningDataModule):
         log.info("step %d: %s (%d trees, %d tree tokens)", index + 1, path.name, len(trees), sum(sizes))
         if self.world == 1:
             rows = _pack_indices(list(range(len(batches))), sizes, self.micro_batch_tokens)
-            return StepBatch([TreeBatch.pack([batches[t] for t in row]) for row in rows], index)
+            return StepBatch([TreeBatch.pack([batches[t] for t in row]) for row in rows], index,
+                             origins=[[tree_origin(trees[t]) for t in row] for row in rows])
         cost = np.array([_tree_cost(b, self.attention_cost) for b in batches])
         shares = _assign(list(range(len(batches))), cost, self.world)
         packed = [_pack_indices(share, sizes, self.micro_batch_tokens) for share in shares]
         n_passes = max(1, max(len(p) for p in packed))
         mine = [TreeBatch.pack([batches[t] for t in row]) for row in packed[self.rank]]
+        origins = [[tree_origin(trees[t]) for t in row] for row in packed[self.rank]]
+        origins += [[] for _ in range(n_passes - len(mine))]
         mine += [_empty_batch() for _ in range(n_passes - len(mine))]
         loads = [float(cost[s].sum()) for s in shares]
         mean = sum(loads) / len(loads)
-        return StepBatch(mine, index, max(loads) / mean if mean > 0 else 1.0)
+        return StepBatch(mine, index, max(loads) / mean if mean > 0 else 1.0, origins)
 
     def policy_version(self) -> int:
         """The trainer's policy version, which rollout staleness is measured against."""
@@ -235,7 +239,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> StepBatch:
         if isinstance(batch, _Pending):
             batch = self.load_step(batch.index)
-        return StepBatch([b.to(device) for b in batch.micro_batches], batch.index, batch.load_imbalance)
+        return batch.on(device)
 
     def teardown(self, stage: Optional[str] = None) -> None:
         self._mark(self.consumed_steps)

@@ -39,8 +39,9 @@ from treelit.data.limits import MiB, ReadLimits
 from treelit.data.records import DataError, ReadStats
 from treelit.data.sources import DataSource
 from treelit.data.stream import TreeStream
-from treelit.lightning.data import StepBatch, _empty_batch, _tree_cost, conform_batches
+from treelit.lightning.data import StepBatch, _empty_batch, _tree_cost, conform_batches, tree_origin
 from treelit.tree.batch import TreeBatch
+from treelit.utils.distributed import data_parallel_rank
 
 __all__ = ["StreamingTreeDataModule"]
 
@@ -148,8 +149,8 @@ class StreamingTreeDataModule(pl.LightningDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and (int(trainer.global_rank), int(trainer.world_size)) != (self.rank, self.world):
-            self.rank, self.world = int(trainer.global_rank), int(trainer.world_size)
+        if trainer is not None and data_parallel_rank(trainer) != (self.rank, self.world):
+            self.rank, self.world = data_parallel_rank(trainer)
             self.readers = {}
         if not self.readers:
             self._make_readers()
@@ -205,6 +206,7 @@ class StreamingTreeDataModule(pl.LightningDataModule):
                 self.trees.append(t)
             cur.append(t)
             size += n
+        self._origins += [[tree_origin(t) for t in row] for row in rows]
         return [TreeBatch.pack(conform_batches([t.tree.to_batch() for t in row])) for row in rows]
 
     def _produce(self, index: int) -> StepBatch:
@@ -212,11 +214,13 @@ class StreamingTreeDataModule(pl.LightningDataModule):
         while len(self._snaps) > 8:
             self._snaps.popitem(last=False)
         mine: List[TreeBatch] = []
+        self._origins: List[List[str]] = []
         for r in sorted(self.readers):
             mine += self._micro_batches(r)
         per_rank = -(-self._num_readers() // self.world) * self.micro_batches_per_step
+        origins = self._origins + [[] for _ in range(per_rank - len(mine))]
         mine += [_empty_batch() for _ in range(per_rank - len(mine))]
-        return StepBatch(mine, index, self._imbalance(mine))
+        return StepBatch(mine, index, self._imbalance(mine), origins)
 
     def _imbalance(self, mine: List[TreeBatch]) -> float:
         if self.world == 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
@@ -241,7 +245,7 @@ class StreamingTreeDataModule(pl.LightningDataModule):
         return DataLoader(_Steps(self), batch_size=None, num_workers=0, collate_fn=lambda x: x)
 
     def transfer_batch_to_device(self, batch: StepBatch, device: torch.device, dataloader_idx: int) -> StepBatch:
-        return StepBatch([b.to(device) for b in batch.micro_batches], batch.index, batch.load_imbalance)
+        return batch.on(device)
 
     # checkpointed state -----------------------------------------------------------------------------
     def _reader_state(self, r: int) -> Dict[str, Any]:

@@ -25,7 +25,7 @@ partition schedules of :mod:`treelit.partition.schedule`, out-of-memory flags.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,15 @@ def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
 
 
 HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def data_parallel_rank(trainer) -> Tuple[int, int]:
+    """``(rank, world)`` for reading data: under context parallelism (``context_parallel_degree``
+    C > 1 on the strategy) the C consecutive ranks of a group read the same micro-batches, so
+    the data is split over ``world / C`` readers."""
+    rank, world = int(trainer.global_rank), int(trainer.world_size)
+    C = int(getattr(getattr(trainer, "strategy", None), "context_parallel_degree", 1) or 1)
+    return (rank // C, world // C) if C > 1 else (rank, world)
 
 
 def hsdp_mesh(replicas: int, world: int, device_type: str = "cpu"):

@@ -1,0 +1,92 @@
+"""``treelit-train trainer=fsdp2_cpu trainer.strategy.context_parallel_degree=C``: each tree
+row split over the C ranks of a group (FSDP2 shards the parameters over every rank), the
+update equal to one process's in float64; one run folder, one summary; bad options one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import treelit
+from cli import run, tail
+from test_multiprocess import COMMON, data  # noqa: F401  (the module fixture: six trees of different sizes)
+
+F64 = ["model.dtype=float64"]
+
+
+def train(data: Path, name: str, *extra) -> Path:
+    out = data / name
+    log = data / f"{name}.log"
+    rc = run([*COMMON, *F64, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}", *extra], data, log)
+    assert rc == 0, tail(log)
+    return out
+
+
+def weights(out: Path):
+    return treelit.load_hf_checkpoint(out / "hf_checkpoint", dtype=torch.float64).state_dict()
+
+
+def close(got, want, what):
+    """Every weight within 1e-9 of the one-process run's (relative to the tensor's largest entry)."""
+    for k in want:
+        d = (got[k].double() - want[k].double()).abs().max().item()
+        assert d <= 1e-9 * max(want[k].abs().max().item(), 1e-12), (what, k, d)
+
+
+@pytest.fixture(scope="module")
+def single(data):  # noqa: F811
+    return weights(train(data, "cp_single"))
+
+
+def test_cp2_equals_one_process(data, single):  # noqa: F811
+    out = train(data, "cp2", "trainer=fsdp2_cpu",
+                "trainer.strategy.context_parallel_degree=2")
+    close(weights(out), single, "C=2")
+    summary = json.loads((out / "summary.json").read_text())
+    one = json.loads((data / "cp_single" / "summary.json").read_text())
+    assert summary["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-9)
+    assert 0.0 <= summary["metrics"]["cp/imbalance"] < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices,C", [(4, 2), (4, 4)])
+def test_cp_with_data_parallel_groups_equals_one_process(data, single, devices, C):  # noqa: F811
+    out = train(data, f"cp{C}_of_{devices}", "trainer=fsdp2_cpu",
+                f"trainer.devices={devices}", f"trainer.strategy.context_parallel_degree={C}")
+    close(weights(out), single, f"C={C} of {devices}")
+
+
+@pytest.mark.parametrize("args,expected", [
+    pytest.param(["trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=3"],
+                 "trainer.strategy.context_parallel_degree=3 does not divide the 2 processes",
+                 marks=pytest.mark.slow),
+    (["trainer=ddp_cpu", "trainer.strategy.context_parallel_degree=2"],
+     "context parallelism runs on the FSDP2 strategies"),
+    pytest.param(["trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=2", "model=hybrid_tiny"],
+                 "this model has recurrent layers", marks=pytest.mark.slow),
+], ids=["not-dividing", "ddp", "recurrent"])
+def test_bad_cp_options_fail_with_one_line(data, args, expected):  # noqa: F811
+    log = data / "bad.log"
+    common = [c for c in COMMON if not c.startswith("model.config")] if any(a.startswith("model=") for a in args) \
+        else COMMON
+    rc = run([*common, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={data / 'bad'}", *args], data, log)
+    text = log.read_text()
+    assert rc != 0 and expected in text, tail(log)
+
+
+@pytest.mark.slow
+def test_cp_under_torchrun_two_nodes_equals_one_process(data, single, tmp_path):  # noqa: F811
+    """Two simulated machines (``torchrun --nnodes 2``, one process each) form one group of C = 2:
+    one run folder, one summary, the one-process update."""
+    from test_multinode import start_nodes, wait_all
+
+    out = tmp_path / "cp_torchrun"
+    args = [*COMMON, *F64, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}", "trainer=fsdp2_cpu",
+            "trainer.devices=1", "trainer.num_nodes=2", "trainer.strategy.context_parallel_degree=2"]
+    procs = start_nodes(args, tmp_path, tmp_path)
+    assert wait_all(procs, tmp_path, 400) == [0, 0], [p.read_text()[-2000:] for p in tmp_path.glob("node*.log")]
+    close(weights(out), single, "torchrun C=2")
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 2
