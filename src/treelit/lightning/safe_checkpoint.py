@@ -16,22 +16,47 @@ reads with ``torch.load(weights_only=False)``. :func:`check_sharded_metadata` re
 types and refuses any other global, then every non-tensor item with
 ``weights_only=True``, and requires every data file it names to lie in the directory;
 a crafted file is refused, naming it, before torch reads it.
+
+Before any of that, :func:`verify_checkpoint` checks the checkpoint against the manifest
+treelit wrote with it (size and SHA-256 of every file, :mod:`treelit.utils.integrity`): a
+truncated, altered or missing file is named in one line instead of surfacing as a
+deserialization error from inside torch. A checkpoint written before treelit recorded
+manifests has none; it is read as before, unchecked, and said so in one warning.
+:func:`load_checkpoint` and :func:`check_sharded_metadata` run it first.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import re
 from pathlib import Path
 from typing import Any, Union
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from treelit.models.errors import CheckpointError
+from treelit.utils.integrity import MANIFEST, verify
 from treelit.utils.paths import confined, not_a_checkpoint
 
-__all__ = ["load_checkpoint", "check_sharded_metadata"]
+log = logging.getLogger(__name__)
+
+__all__ = ["load_checkpoint", "check_sharded_metadata", "verify_checkpoint"]
+
+
+def verify_checkpoint(path: Union[str, Path], what: str = "resume_from") -> bool:
+    """Check a checkpoint (a file, or a sharded directory) against its manifest; a
+    :class:`CheckpointError` naming the first file that is missing, truncated or altered.
+    False when it has no manifest (an older checkpoint: nothing to check against)."""
+    return verify(path, what, error=CheckpointError) is not None
+
+
+def _unchecked(path: Path, what: str) -> None:
+    if getattr(rank_zero_only, "rank", 0) == 0:  # one warning for a run, not one per process
+        log.warning("%s: %s has no manifest (written before treelit recorded one): its files are read unchecked",
+                    what, path)
 
 
 def _refusal(exc: BaseException) -> str:
@@ -48,16 +73,24 @@ def load_checkpoint(path: Union[str, Path], what: str = "resume_from") -> Any:
     archive). A file that names anything but tensors and plain data is refused with a
     :class:`CheckpointError` naming it; so is an unreadable one."""
     p = Path(path)
+    inside = (p.parent / MANIFEST).is_file()  # a sharded checkpoint's meta.pt: checked with its folder
+    verified = inside or verify_checkpoint(p, what)
     why = not_a_checkpoint(p)  # say what the file is not, before torch's loader has its say
     if why:
         raise CheckpointError(f"{what}: {p} is not a checkpoint: {why}")
     try:
         try:
-            return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+            loaded = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+            if not verified:
+                _unchecked(p, what)
+            return loaded
         except pickle.UnpicklingError:
             raise
         except Exception:  # not a zip archive (mmap needs one): a plain load says what is wrong
-            return torch.load(p, map_location="cpu", weights_only=True)
+            loaded = torch.load(p, map_location="cpu", weights_only=True)
+            if not verified:
+                _unchecked(p, what)
+            return loaded
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" in str(exc):
             raise CheckpointError(f"{what}: {p} is refused: {_refusal(exc)} (checkpoints are read as tensors and "
@@ -97,6 +130,7 @@ def check_sharded_metadata(directory: Union[str, Path], what: str = "resume_from
     """Refuse a sharded checkpoint whose ``.metadata`` files name anything but torch's
     checkpoint-metadata types (torch reads them with plain ``pickle.load``)."""
     d = Path(directory)
+    verified = verify_checkpoint(d, what)
     names = {f.name for f in d.glob("*.metadata")} | ({".metadata"} if (d / ".metadata").is_file() else set())
     for f in (d / name for name in sorted(names)):
         try:
@@ -109,6 +143,8 @@ def check_sharded_metadata(directory: Union[str, Path], what: str = "resume_from
             raise CheckpointError(f"{what}: {f} is not readable distributed-checkpoint metadata "
                                   f"({type(exc).__name__}: {exc})") from None
         _check_byte_items(d, f, items, storage, what)
+    if not verified:
+        _unchecked(d, what)
 
 
 def _check_byte_items(d: Path, metadata_file: Path, items: Any, storage: Any, what: str) -> None:
