@@ -3,8 +3,12 @@ reference is generated and complete, and every recipe's commands run as written.
 
 Recipes are the ``bash`` blocks of docs/recipes.md preceded by ``<!-- recipe: NAME -->``; each runs
 in a fresh folder with ``CKPT``, ``HYBRID_CKPT`` and ``DATA`` pointing at a tiny random Qwen3
-checkpoint, a tiny random Qwen3.5 checkpoint and a small token-tree file, and must exit 0. One
-recipe runs in the default suite, the others with ``-m slow``.
+checkpoint, a tiny random Qwen3.5 checkpoint and a small token-tree file, and ``examples/`` the
+checkout's (as from the checkout's root), and must exit 0. One recipe runs in the default suite,
+the others with ``-m slow``. Two recipes need a service the machine does not have and run against a
+local stand-in for it: ``slurm`` with ``sbatch`` and ``srun`` from tests/slurm_standin.py first on
+``PATH``, ``online_rl_sglang`` with tests/sglang_standin.py serving ``CKPT`` as an SGLang server on
+127.0.0.1:30000; their tests also check what the run did.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = re.compile(r"<!-- recipe: (\w+) -->\s*```bash\n(.*?)```", re.S)
 DEFAULT_RECIPE = "jsonl"  # the representative case in the default suite
+STANDIN_RECIPES = ("slurm", "online_rl_sglang")  # run by their own tests below, each with a local stand-in
+SGLANG_PORT = 30000  # the recipe's hook URL
 
 
 def recipes():
@@ -86,19 +93,25 @@ def recipe_inputs(tmp_path_factory):
 
 
 def _recipe_params():
-    return [pytest.param(name, marks=() if name == DEFAULT_RECIPE else pytest.mark.slow) for name in recipes()]
+    return [pytest.param(name, marks=() if name == DEFAULT_RECIPE else pytest.mark.slow)
+            for name in recipes() if name not in STANDIN_RECIPES]
 
 
-@pytest.mark.parametrize("name", _recipe_params())
-def test_recipe_runs_as_written(name, recipe_inputs, tmp_path):
-    env = dict(os.environ, **recipe_inputs, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+def test_every_recipe_is_run_by_a_test():
+    assert set(STANDIN_RECIPES) <= set(recipes()), "a recipe with a stand-in test is gone or renamed"
+
+
+def _run_recipe(name, inputs, cwd: Path, path=()):
+    """Run recipe ``name`` in ``cwd`` as written (``path``: folders put first on ``PATH``)."""
+    env = dict(os.environ, **inputs, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db")
+    env["PATH"] = os.pathsep.join([*map(str, path), str(Path(sys.executable).parent), env.get("PATH", "")])
+    (cwd / "examples").symlink_to(REPO / "examples")  # the recipes run from the checkout's root
     block = recipes()[name]
     if name == "plugins":  # the recipe installs the example plugin: take it out again afterwards
         block = block.replace("pip install -q -e plugins/treelit_example",
                               f"pip install -q --no-deps -e {REPO / 'plugins' / 'treelit_example'}")
     try:
-        res = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+        res = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env,
                              capture_output=True, text=True, timeout=600)
     finally:
         if name == "plugins":
@@ -106,8 +119,95 @@ def test_recipe_runs_as_written(name, recipe_inputs, tmp_path):
                            capture_output=True)
     assert res.returncode == 0, f"recipe {name!r} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert "error:" not in res.stderr
+    return res
+
+
+@pytest.mark.parametrize("name", _recipe_params())
+def test_recipe_runs_as_written(name, recipe_inputs, tmp_path):
+    _run_recipe(name, recipe_inputs, tmp_path)
     if name == "online_rl":  # the loop's rewards reach its MLflow run
         assert "reward/mean" in _metric_names(tmp_path / "mlflow.db")
+
+
+@pytest.mark.slow  # about 25 s on 2 cores: two training processes
+def test_slurm_recipe_runs_with_a_standin_for_sbatch_and_srun(recipe_inputs, tmp_path):
+    """The sbatch recipe as written, ``sbatch`` and ``srun`` being tests/slurm_standin.py: two
+    "nodes" of one task each train as one run named after the job."""
+    from slurm_standin import install
+
+    res = _run_recipe("slurm", recipe_inputs, tmp_path, path=[install(tmp_path / "standin-bin")])
+    job = re.search(r"Submitted batch job (\d+)", res.stdout)
+    assert job, res.stdout
+    log = (tmp_path / f"slurm-{job[1]}.out").read_text()
+    assert "error:" not in log, log
+    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert runs == [f"slurm-{job[1]}"], f"one run folder named after the job, got {runs}"
+    out = tmp_path / "outputs" / runs[0]
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 2
+    # both tasks trained: rank 1 logged beside rank 0, and the sharded checkpoint holds both ranks' shards
+    assert (out / "train.log").is_file() and (out / "train.rank1.log").is_file()
+    assert len(list((out / "checkpoints" / "last.ckpt").glob("*.distcp"))) == 2
+    assert _runs(tmp_path / "mlflow.db") == [(runs[0], "FINISHED")]
+
+
+@pytest.mark.slow  # about 25 s on 2 cores: the stand-in server, the trainer and the sampler
+def test_sglang_recipe_runs_against_a_standin_server(recipe_inputs, tmp_path):
+    """The online RL recipe with an external sampler, as written, against tests/sglang_standin.py
+    serving ``CKPT`` where the recipe's hook points: the server is told about every version the
+    trainer publishes, the sampler's files carry the versions it sampled from, and the trainer
+    trains on each of them once."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", SGLANG_PORT)) == 0:
+            pytest.fail(f"port {SGLANG_PORT} is taken: the recipe's SGLang server must listen there")
+    calls, server_log = tmp_path / "standin_calls.jsonl", open(tmp_path / "standin.log", "w")
+    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "sglang_standin.py"), "--model-path",
+                               recipe_inputs["CKPT"], "--port", str(SGLANG_PORT), "--log", str(calls)],
+                              stdout=server_log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{SGLANG_PORT}/health", timeout=1):
+                    break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "standin.log").read_text()
+                time.sleep(0.1)
+        else:
+            pytest.fail("the SGLang stand-in did not come up within 60 s")
+        res = _run_recipe("online_rl_sglang", recipe_inputs, tmp_path)
+    finally:
+        server.terminate()
+        server.wait(30)
+        server_log.close()
+
+    updates = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [(u["body"]["weight_version"], Path(u["body"]["model_path"]).name, u["success"]) for u in updates] == [
+        (str(v), f"step-{v}", True) for v in range(4)], updates  # versions 0 (initial weights) to 3
+    files = sorted((tmp_path / "rl" / "rollouts").iterdir())
+    assert [p.name for p in files] == [f"step-{i:06d}.jsonl.consumed" for i in range(3)], files
+    for i, f in enumerate(files):
+        records = [json.loads(line) for line in f.read_text().splitlines()]
+        assert len(records) == 8 and all(i - 1 <= r["policy_version"] <= i for r in records), (f.name, records)
+        for b in (b for r in records for b in r["branches"]):
+            assert len(b["old_logprobs"]) == len(b["input_ids"]) == len(b["loss_mask"])
+            assert all((lp is None) == (m == 0) for lp, m in zip(b["old_logprobs"], b["loss_mask"]))
+    sampled = [json.loads(line) for line in res.stdout.splitlines() if line.startswith('{"step"')]
+    assert [s["step"] for s in sampled] == [0, 1, 2], res.stdout
+    summary = json.loads((tmp_path / "out" / "sglang" / "summary.json").read_text())
+    metrics = summary["metrics"]
+    assert summary["global_step"] == 3, summary
+    assert metrics["publish/hook_failures"] == 0 and metrics["rollout/files_skipped_stale"] == 0, metrics
+    assert _runs(tmp_path / "mlflow.db") == [(summary["mlflow"]["run_name"], "FINISHED")]
+    assert "reward/mean" in _metric_names(tmp_path / "mlflow.db")
+
+
+def _runs(db: Path) -> list:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        return sorted(con.execute("SELECT name, status FROM runs"))
 
 
 def _metric_names(db: Path) -> set:
