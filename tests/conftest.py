@@ -84,3 +84,15 @@ def cli_main(monkeypatch):
             root.removeHandler(h)
             h.close()
     root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _autograd_left_on():
+    """A test (or the code it runs) must not leave autograd switched off for the tests after it
+    in the same worker: that once failed unrelated exactness tests far from the cause."""
+    import torch
+
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("autograd was left switched off (torch.set_grad_enabled(False) outside a context)")

@@ -67,7 +67,7 @@ def _simultaneous(tmp_path, n: int):
                             if line.startswith("seed:")).split()[1]) for o in outs)
     assert seeds == list(range(n))
     for o in outs:
-        assert sorted(p.name for p in (o / "checkpoints").iterdir()) == ["last.ckpt"]
+        assert sorted(p.name for p in (o / "checkpoints").iterdir()) == ["last.ckpt", "last.ckpt.manifest.json"]
         assert (o / "hf_checkpoint" / "model.safetensors").is_file()
     # each run's logged config is its own
     for r in rs:

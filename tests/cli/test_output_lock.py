@@ -130,8 +130,9 @@ def test_resume_into_the_same_folder_continues_the_run_there(tmp_path, cli_main,
     assert not [w for w in recwarn if "exists and is not empty" in str(w.message)]  # expected there: no warning
     s = json.loads((out / "summary.json").read_text())
     assert s["global_step"] == 4 and s["resumed_from"]["step"] == 2
-    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
     assert ckpts == ["last.ckpt", "step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt", "step-000004.ckpt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(ckpts + [f"{c}.manifest.json" for c in ckpts])
     assert "max_steps: 4" in (out / "config.yaml").read_text()
     log = (out / "train.log").read_text()
     assert log.count("done: ") == 2  # both runs' lines, the second appended
@@ -199,4 +200,4 @@ def test_a_checkpoint_directory_deleted_mid_run_is_reported(tmp_path, cli_main, 
     assert len(lines) == 1, log
     assert "[WARNING]" in lines[0] and f"checkpoint directory {ckpts} was deleted" in lines[0]
     assert "(step-000001.ckpt, last.ckpt) are lost" in lines[0] and "writing step-000002.ckpt" in lines[0]
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step-000002.ckpt", "step-000003.ckpt"]
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["last.ckpt", "step-000002.ckpt", "step-000003.ckpt"]

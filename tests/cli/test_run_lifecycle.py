@@ -169,25 +169,27 @@ def test_progress_bar_counts_optimizer_steps_after_a_resume(tmp_path, capsys):
 
 def test_a_checkpoint_write_that_dies_leaves_the_previous_one_intact(tmp_path, monkeypatch):
     """The write of last.ckpt at step 3 dies half-way: last.ckpt still holds step 2, and a
-    resume from it works (files are written as <name>.partial, then renamed)."""
-    import lightning.pytorch as pl
+    resume from it works (files are written as <name>.partial, then renamed; the partial one
+    is removed)."""
+    from treelit.lightning.callbacks import TreeCheckpointIO
 
-    real = pl.Trainer.save_checkpoint
+    real = TreeCheckpointIO.save_checkpoint
 
-    def dies_at_step_3(self, filepath, *args, **kwargs):
-        if self.global_step == 3 and os.path.basename(str(filepath)).startswith("last"):
-            with open(filepath, "wb") as f:
+    def dies_at_step_3(self, checkpoint, path, *args, **kwargs):
+        if checkpoint["global_step"] == 3 and os.path.basename(str(path)).startswith("last"):
+            with open(path, "wb") as f:
                 f.write(b"half a checkpoint")
-            raise OSError(28, "No space left on device", str(filepath))
-        return real(self, filepath, *args, **kwargs)
+            raise OSError(28, "No space left on device", str(path))
+        return real(self, checkpoint, path, *args, **kwargs)
 
-    monkeypatch.setattr(pl.Trainer, "save_checkpoint", dies_at_step_3)
+    monkeypatch.setattr(TreeCheckpointIO, "save_checkpoint", dies_at_step_3)
     over = ["trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=1", "logger=none", "callbacks.hf_export=null"]
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="last.ckpt not written at step 3: no space left on device"):
         _in_process(tmp_path, "a", *over)
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 2
-    monkeypatch.setattr(pl.Trainer, "save_checkpoint", real)
+    assert not list(last.parent.glob("*.partial*"))
+    monkeypatch.setattr(TreeCheckpointIO, "save_checkpoint", real)
     summary, _ = _in_process(tmp_path, "b", *over, f"resume_from={last}")
     assert summary["global_step"] == 4
 

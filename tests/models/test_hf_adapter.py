@@ -162,6 +162,26 @@ def test_adapter_parameters_keep_transformers_names_and_export_identical(tmp_pat
         assert torch.equal(v, ours[k]), k
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_tied_head_is_written_once_from_a_cast_or_cloned_state_dict(tmp_path, dtype):
+    """A cast (publish dtype) or cloned (gathered) state dict no longer shares the tied head's storage
+    with the embedding; the checkpoint still holds the embedding only, and loads tied."""
+    from safetensors import safe_open
+
+    random_hf_checkpoint(tmp_path / "src", "qwen2", **TINY, **IDS, tie_word_embeddings=True)
+    model = treelit.load_hf_model(tmp_path / "src")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert "hf.lm_head.weight" in sd
+    treelit.save_hf_checkpoint(model, tmp_path / "out", state_dict=sd, dtype=dtype)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    back = hf_from_pretrained(tmp_path / "out")
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    expected = model.hf.model.embed_tokens.weight.to(dtype or torch.float32)
+    assert torch.equal(back.model.embed_tokens.weight.to(expected.dtype), expected)
+
+
 def _config_dir(tmp_path, model_type, **extra):
     cfg = transformers.AutoConfig.for_model(model_type, **extra)
     cfg.save_pretrained(tmp_path)

@@ -158,7 +158,7 @@ def check_input_files(cfg: DictConfig) -> None:
         except (ValueError, UnicodeDecodeError) as exc:
             raise ConfigError(f"model.hf_checkpoint: {conf}: invalid JSON ({exc})") from None
     resume = cfg.get("resume_from")
-    if resume:
+    if resume and str(resume) != "auto":  # auto: the run folder's newest checkpoint, looked for later
         if not os.path.exists(str(resume)):  # a file, or a sharded (FSDP2) checkpoint directory
             raise ConfigError(f"resume_from: checkpoint {str(resume)!r} does not exist")
         why = not_a_checkpoint(str(resume)) if os.path.isfile(str(resume)) else ""

@@ -22,11 +22,23 @@ the seconds spent waiting for a version, loading it and sampling.
 
 Hugging Face checkpoints are sampled with transformers (one forward per token, KV cache);
 a checkpoint in treelit's own format (a layer mix no Hugging Face model holds) with
-treelit's decoder, recomputing the prefix for every token (small models only).
+treelit's decoder, recomputing the prefix for every token (small models only). A LoRA
+adapter (the trainer's ``publish.lora=adapter``: ``latest.json`` says ``"kind": "lora_adapter"``
+and its ``"base"``, or ``--base DIR``) is sampled as base + adapter: the base checkpoint is
+loaded once, PEFT's LoRA layers are put into it, and each new version's adapter weights are
+read into them (``adapter_config.json`` as JSON, ``adapter_model.safetensors`` as tensors:
+nothing in the folder is run, and the folder must be a ``step-<N>`` directory of
+``--publish-dir``). The tokenizer and the end-of-sequence token then come from the base.
+
+Before a version is loaded its files are checked against the manifest the trainer wrote into
+it (size and SHA-256 of each, :mod:`treelit.utils.integrity`): a file cut short or altered is
+one ``error:`` line naming it (exit 1), not an error from inside safetensors. A version
+published before manifests existed is read unchecked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -35,9 +47,22 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from safetensors import safe_open
+
 from treelit.cli.args import OneLineParser
+from treelit.utils.integrity import verify
 
 __all__ = ["main", "Sampler", "read_prompts", "next_step"]
+
+ADAPTER_KIND = "lora_adapter"  # as treelit.lightning.publish writes it (not imported: --help pays for no torch)
+# LoRA config fields whose values only describe the adapter's layers; any other field that is set
+# (layer replication, LoftQ / EVA / CorDA / Arrow initialisation, Megatron layers) is refused
+_LORA_FIELDS = {"r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out", "bias",
+                "use_rslora", "modules_to_save", "layers_to_transform", "layers_pattern", "rank_pattern",
+                "alpha_pattern", "use_dora", "lora_bias", "target_parameters", "trainable_token_indices",
+                "ensure_weight_tying"}
+_LORA_IGNORED = {"peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                 "inference_mode", "init_lora_weights", "megatron_core", "runtime_config"}
 
 
 def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[str, Any]]:
@@ -83,16 +108,20 @@ def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[s
 class Sampler:
     """The newest published policy, sampled at temperature 1 with per-token log-probs."""
 
-    def __init__(self, publish_dir: str, dtype: str = "float32") -> None:
+    def __init__(self, publish_dir: str, dtype: str = "float32", base: Optional[str] = None) -> None:
         import torch  # cli: treelit-rollout --help pays for no torch
 
         self.dir = Path(publish_dir)
         self.dtype = getattr(torch, dtype)
+        self.base_override = base
         self.version: Optional[int] = None
         self.path: Optional[Path] = None
+        self.tokenizer_dir: Optional[Path] = None  # the published checkpoint, or an adapter's base
         self.model = None
         self.native = False
         self.eos: Optional[int] = None
+        self._peft = None  # base + LoRA layers (adapters): the PEFT model the weights are read into
+        self._peft_key: Optional[Tuple[str, str]] = None  # (base, adapter config) it was built for
 
     def latest(self) -> Optional[Dict[str, Any]]:
         from treelit.lightning.publish import read_latest
@@ -100,31 +129,111 @@ class Sampler:
         return read_latest(self.dir)
 
     def load(self, latest: Dict[str, Any]) -> None:
-        import torch  # cli: treelit-rollout --help pays for no torch
-
-        path = Path(latest["path"])
-        cfg = json.loads((path / "config.json").read_text())
-        self.native = cfg.get("model_type") == "treelit"
-        if self.native:
-            import treelit
-
-            self.model = treelit.load_hf_checkpoint(path, dtype=self.dtype).eval()
+        if latest.get("kind") == ADAPTER_KIND:
+            path, config = self._load_adapter(latest)
         else:
-            from transformers import AutoModelForCausalLM  # heavy (~1.5 s CPU): transformers checkpoints only
-            from transformers.utils import logging as hf_logging  # as above
+            path = config = Path(latest["path"])
+            verify(path, f"published version {latest['version']}")
+            cfg = json.loads((path / "config.json").read_text())
+            self.native = cfg.get("model_type") == "treelit"
+            if self.native:
+                import treelit
 
-            hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
-            from treelit.models.hf_kernels import no_hub_kernels  # as above
-
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, trust_remote_code=False,
-                                                              **no_hub_kernels()).eval()
-        gen = path / "generation_config.json"
+                self.model = treelit.load_hf_checkpoint(path, dtype=self.dtype).eval()
+            else:
+                self.model = self._transformers(path)
+        gen = config / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
         self.eos = eos[0] if isinstance(eos, list) else eos
-        self.version, self.path = int(latest["version"]), path
-        torch.set_grad_enabled(False)
+        self.version, self.path, self.tokenizer_dir = int(latest["version"]), path, config
+        self.model.requires_grad_(False)  # sampling builds no graph (and leaves the caller's grad mode alone)
+
+    def _transformers(self, path: Path):
+        from transformers import AutoModelForCausalLM  # heavy (~1.5 s CPU): transformers checkpoints only
+        from transformers.utils import logging as hf_logging  # as above
+
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
+        from treelit.models.hf_kernels import no_hub_kernels  # as above
+
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, trust_remote_code=False,
+                                                    local_files_only=True, **no_hub_kernels()).eval()
+
+    def _load_adapter(self, latest: Dict[str, Any]) -> Tuple[Path, Path]:
+        """Base + the published adapter; returns (the adapter folder, the base checkpoint)."""
+        from treelit.utils.paths import confined
+
+        where = str(self.dir / "latest.json")
+        name = Path(str(latest.get("path", ""))).name  # read from this publish directory, whatever the path says
+        if not (name.startswith("step-") and name[5:].isdigit()):
+            raise ValueError(f"{where}: the adapter {latest.get('path')!r} is not a step-<N> directory")
+        path = confined(self.dir, name, where, resolve=True)
+        verify(path, f"published version {latest.get('version')}")
+        weights = confined(path, "adapter_model.safetensors", where, resolve=True)
+        if not weights.is_file():
+            raise ValueError(f"{path}: no adapter_model.safetensors (only safetensors adapters are read)")
+        base = self.base_override or latest.get("base")
+        if not base or not Path(str(base)).is_dir():
+            raise ValueError(f"{self.dir / 'latest.json'}: the adapter's base {base!r} is not a directory here: "
+                             "give the base checkpoint with --base DIR")
+        base = Path(str(base))
+        raw = json.loads(confined(path, "adapter_config.json", where, resolve=True).read_text())
+        key = (str(base.resolve()), json.dumps(self._lora_config(raw, path), sort_keys=True, default=str))
+        if self._peft_key != key:  # the base once; again only if the adapter's layers change
+            import peft  # heavy (~1 s): adapters only (imported by _lora_config already)
+
+            cfg = json.loads((base / "config.json").read_text())
+            if cfg.get("model_type") == "treelit":
+                raise ValueError(f"{base}: an adapter's base must be a Hugging Face checkpoint (this one is in "
+                                 "treelit's own format)")
+            self._peft_key = None
+            self._peft = peft.get_peft_model(self._transformers(base), peft.LoraConfig(**json.loads(key[1])))
+            for p in self._peft.parameters():  # the adapters in the sampling dtype (PEFT makes them float32)
+                if p.is_floating_point() and p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+            self._peft_key = key
+        from peft.utils import set_peft_model_state_dict  # peft: adapters only (imported above)
+
+        with safe_open(str(weights), framework="pt") as f:  # tensors only, never a pickle
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            result = set_peft_model_state_dict(self._peft, tensors)
+        except RuntimeError as exc:  # a tensor of the wrong shape
+            why = " ".join(str(exc).split())[:300]
+            raise ValueError(f"{weights}: the adapter does not fit its base ({why})") from None
+        missing = [k for k in getattr(result, "missing_keys", []) if ".lora_" in k or ".modules_to_save." in k]
+        unknown = list(getattr(result, "unexpected_keys", []))
+        if missing or unknown:
+            raise ValueError(f"{weights}: the adapter does not fit its config and base "
+                             f"({'no ' + missing[0] if missing else 'unknown ' + unknown[0]})")
+        self.native = False
+        self.model = self._peft.get_base_model().eval()  # the base with the LoRA layers in it
+        return path, base
+
+    @staticmethod
+    def _lora_config(raw: Dict[str, Any], path: Path) -> Dict[str, Any]:
+        """The adapter config's fields that describe its layers (others refused when set)."""
+        import peft  # heavy (~1 s): adapters only
+
+        if not isinstance(raw, dict) or str(raw.get("peft_type", "LORA")).upper() != "LORA":
+            raise ValueError(f"{path}/adapter_config.json: not a LoRA adapter config")
+        defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(peft.LoraConfig)}
+        known = _LORA_FIELDS | _LORA_IGNORED
+        odd = sorted(k for k, v in raw.items() if k not in known and v not in (None, False, [], {}, defaults.get(k)))
+        if odd:
+            raise ValueError(f"{path}/adapter_config.json: {odd[0]} is set, which "
+                             "treelit-rollout does not load (plain LoRA layers only)")
+        out = {k: v for k, v in raw.items() if k in _LORA_FIELDS}
+        out.update(init_lora_weights=True, inference_mode=True)  # the weights are read in right after
+        return out
 
     def _logits(self, ids, past):
+        import torch  # cli: treelit-rollout --help pays for no torch
+
+        with torch.no_grad():
+            return self._next_logits(ids, past)
+
+    def _next_logits(self, ids, past):
         if self.native:
             import torch  # cli: treelit-rollout --help pays for no torch
 
@@ -187,6 +296,7 @@ def _args(argv):
     p.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for a version")
     p.add_argument("--poll-s", type=float, default=0.1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--base", default=None, help="a LoRA adapter's base checkpoint (default: latest.json's)")
     a = p.parse_args(argv)
     for name in ("n", "max_new_tokens", "steps", "versions_per_step"):
         if getattr(a, name) < 1:
@@ -205,7 +315,7 @@ def run(a) -> int:
     reward = resolve_reward(a.reward)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    sampler = Sampler(a.publish_dir, a.dtype)
+    sampler = Sampler(a.publish_dir, a.dtype, a.base)
     prompts = None
     start = next_step(out)
     for i in range(start, a.steps):
@@ -222,7 +332,7 @@ def run(a) -> int:
         if latest["version"] != sampler.version:
             sampler.load(latest)
         if prompts is None:
-            prompts = read_prompts(a.prompts, sampler.path)
+            prompts = read_prompts(a.prompts, sampler.tokenizer_dir)
         t1 = time.monotonic()
         B = a.prompts_per_step or len(prompts)
         gen = torch.Generator().manual_seed(a.seed * 1_000_003 + i)

@@ -80,7 +80,10 @@ def build_summary(
         elif isinstance(cb, ModelCheckpoint) and cb.last_model_path:
             s["checkpoint"] = cb.last_model_path
         elif isinstance(cb, HFExport) and cb.saved is not None:
-            s["export"] = {"path": str(cb.saved), "format": "treelit" if cb.native else "huggingface"}
+            lora = (cb.saved / "adapter_config.json").exists()
+            s["export"] = {"path": str(cb.saved), "format": "lora" if lora else "treelit" if cb.native else "huggingface"}
+            if getattr(cb, "merged", None):
+                s["export"]["merged"] = str(cb.merged)
     verify = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("verify/")}
     if verify:
         s["verify"] = verify
@@ -165,8 +168,11 @@ def format_summary(s: Dict[str, Any]) -> str:
         row("checkpoint", f"{_short(s['checkpoint'])}  (continue: resume_from=... trainer.max_steps=N)")
     if "export" in s:
         e = s["export"]
-        kind = "Hugging Face format" if e["format"] == "huggingface" else "treelit's own format, not Hugging Face"
+        kind = {"huggingface": "Hugging Face format", "lora": "LoRA adapter, PEFT's format"}.get(
+            e["format"], "treelit's own format, not Hugging Face")
         row("model", f"{_short(e['path'])}  ({kind})")
+        if e.get("merged"):
+            row("merged", f"{_short(e['merged'])}  (the adapter merged into the base: full weights)")
     row("config", _short(s["config"]))
     m = s.get("mlflow")
     if m:

@@ -95,6 +95,53 @@ def read_resume_checkpoint(path: str) -> Dict[str, Any]:
     return info
 
 
+def find_resume_checkpoint(directory: Path) -> Optional[Dict[str, Any]]:
+    """``resume_from=auto``: the newest complete checkpoint in ``directory`` (what
+    :func:`read_resume_checkpoint` returns for it), or None when there is none. Newest is the
+    latest written (a sharded checkpoint directory: its ``meta.pt``, written last); complete
+    means it reads - one that does not (cut short, no ``meta.pt``) is passed over with a
+    warning, and the next newest is tried. Partial files (``*.partial``) are never candidates."""
+    from treelit.models.errors import CheckpointError
+
+    def written(p: Path) -> float:
+        try:
+            return (p / "meta.pt").stat().st_mtime if p.is_dir() else p.stat().st_mtime
+        except OSError:
+            return -1.0
+
+    if not directory.is_dir():
+        return None
+    found = [p for p in directory.iterdir() if p.name.endswith(".ckpt")]
+    for p in sorted(found, key=lambda p: (written(p), p.name), reverse=True):
+        try:
+            info = read_resume_checkpoint(str(p))
+            if info["global_step"] is not None:
+                return info
+            why = "no meta.pt"
+        except (CheckpointError, OSError, ValueError) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.warning("resume_from=auto: passing over %s, which is not complete (%s)", p, why)
+    return None
+
+
+def _resume(cfg: DictConfig, out: Path) -> Optional[Dict[str, Any]]:
+    """The checkpoint ``resume_from`` names; ``auto``: the run folder's newest complete one
+    (the checkpoint callback's ``dirpath``, else ``<output_dir>/checkpoints``), or a fresh start,
+    said in one line either way."""
+    wanted = cfg.get("resume_from")
+    if not wanted:
+        return None
+    if str(wanted) != "auto":
+        return read_resume_checkpoint(str(wanted))
+    where = Path(str(((cfg.get("callbacks") or {}).get("checkpoint") or {}).get("dirpath") or out / "checkpoints"))
+    info = find_resume_checkpoint(where)
+    if info is None:
+        log.info("resume_from=auto: no complete checkpoint in %s: starting fresh", where)
+    else:
+        log.info("resume_from=auto: resuming from %s (step %d)", info["path"], info["global_step"])
+    return info
+
+
 def _check_budget(cfg: DictConfig, data_stats: Dict[str, Any]) -> None:
     """A fixed partition budget must hold the longest branch (of the data, or of the trees a
     stream has read so far; a later streamed tree is reported when it comes)."""
@@ -192,12 +239,16 @@ def _start_tracking(loggers: List[Any], cfg: DictConfig, data_stats: Dict[str, A
 
 
 def _log_artifacts(loggers: List[Any], out: Path, summary: Dict[str, Any]) -> None:
+    """summary.json and the last checkpoint into the MLflow run; a copy that fails for want of
+    space is a warning (the files are in ``out``), never a partial artifact."""
+    from treelit.lightning.mlflow_logger import log_artifact_checked
+
     for lg in loggers:
         if type(lg).__name__.endswith("MLFlowLogger"):
-            lg.experiment.log_artifact(lg.run_id, str(out / "summary.json"))
+            log_artifact_checked(lg.experiment, lg.run_id, out / "summary.json")
             last = summary.get("checkpoint")
             if last and Path(last).is_file():
-                lg.experiment.log_artifact(lg.run_id, str(last), artifact_path="checkpoints")
+                log_artifact_checked(lg.experiment, lg.run_id, last, "checkpoints")
 
 
 class RanksStopped(RuntimeError):
@@ -221,6 +272,20 @@ def _ranks_stopped(trainer: Any) -> Iterator[None]:
                      f"step {trainer.global_step}, rank {trainer.global_rank} of {trainer.world_size}: a collective "
                      f"failed - another process stopped (a node lost?). {type(exc).__name__}: {first}")
         raise RanksStopped(first) from exc
+
+
+@contextmanager
+def _agreed_stop(trainer: Any) -> Iterator[None]:
+    """A stop every rank agreed on (a non-finite step, preemption; treelit.lightning.faults):
+    rank 0 of Lightning's own launcher waits for the processes it started before it reports."""
+    from treelit.lightning.faults import exit_code_of, wait_for_launched_ranks
+
+    try:
+        yield
+    except BaseException as exc:
+        if exit_code_of(exc) is not None:
+            wait_for_launched_ranks(trainer)
+        raise
 
 
 def _collective_failure(exc: BaseException) -> bool:
@@ -265,9 +330,10 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
     from treelit.lightning.module import TreeLitModule
+    from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
-    resume = read_resume_checkpoint(str(cfg.resume_from)) if cfg.get("resume_from") else None
+    resume = _resume(cfg, out)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if process_rank() == 0:  # one writer: every process of a multi-process run shares the folder
         # resolved, credentials redacted (the loggers receive the real values)
@@ -281,9 +347,13 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         hybrid = hybrid_line(model, cfg.ssm.name)
         if hybrid:
             log.info("%s", hybrid)
+        if lora_line(model):
+            log.info("%s", lora_line(model))
         builder = build(cfg.tree_builder)
         datamodule = build(cfg.data, tree_builder=builder)
         objective = build(cfg.objective)
+        check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
+        check_lora_mode(model, cfg.mode)
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
                                  objective=objective)
         data_stats = datamodule.stats()
@@ -306,10 +376,13 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             old_logprobs=cfg.old_logprobs,
             partition=cfg.partition.name,
             budget_tokens=cfg.partition.get("budget_tokens"),
+            on_nonfinite=cfg.get("on_nonfinite", "stop"),
+            max_skipped_steps=cfg.get("max_skipped_steps", 10),
         )
         callbacks = _instantiate_all(cfg.get("callbacks"))
         if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
             callbacks.append(build(cfg.publish))
+            callbacks[-1].publisher.check(model)  # publish.lora=adapter needs LoRA on a transformers model
         loggers = _build_loggers(cfg.get("logger"), resume)
     tidy_library_logging()
     if loggers:
@@ -328,8 +401,10 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         if resume:  # resumed in its own folder, the run finds its earlier checkpoints there: expected
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         # the processes Lightning's launcher starts during fit compose this run's name (one output folder)
-        with shared_run_name(LAST_RUN_NAME[0] if LAST_RUN_NAME else None), _ranks_stopped(trainer):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from, weights_only=True)  # no code from it
+        with shared_run_name(LAST_RUN_NAME[0] if LAST_RUN_NAME else None), _ranks_stopped(trainer), \
+                _agreed_stop(trainer):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume["path"] if resume else None,
+                        weights_only=True)  # no code from it
 
     from treelit.cli.summary import build_summary, format_summary
 
@@ -340,6 +415,12 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         _log_artifacts(loggers, out, summary)
         log.info("%s", format_summary(summary))
     return summary
+
+
+def _fault_exit_code(exc: BaseException) -> Optional[int]:
+    """The exit code of a stop the ranks agreed on (treelit.lightning.faults), else None."""
+    faults = sys.modules.get("treelit.lightning.faults")  # imported by any run that could raise one
+    return faults.exit_code_of(exc) if faults is not None else None
 
 
 # HYDRA_FULL_ERROR as the user set it: main() sets it to 1 while Hydra composes the config (so
@@ -354,7 +435,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         if "hf_adapter" in str(cfg.model.get("_target_", "")):  # transformers' model code: its bars are noise
             quiet_transformers_bars()
         run(cfg)
-    except Exception as exc:
+    except BaseException as exc:
+        code = _fault_exit_code(exc)
+        if code is not None and not full_error_requested():  # every rank knows it: one line, from rank 0
+            log.log(logging.ERROR if process_rank() == 0 else logging.INFO, "%s", exc)
+            sys.exit(code)
+        if not isinstance(exc, Exception):
+            raise
         msg = str(exc) if isinstance(exc, RanksStopped) else user_error_message(exc)
         if msg is None or full_error_requested():
             raise
@@ -373,6 +460,20 @@ def hybrid_line(model, ssm: str) -> str:
     kernels = sorted({k for m in layers for k in m._treelit_kernels if k in _SEQUENCE_KERNELS})
     return (f"model: {len(layers)} recurrent layer(s) ({', '.join(kinds)}) run through treelit's tree kernels "
             f"({', '.join(kernels)}; ssm={ssm}): each segment starts from its parent segment's state")
+
+
+def lora_line(model) -> str:
+    """The LoRA adapters in one console line ("" without them): rank, where, what trains."""
+    opts = getattr(model, "treelit_lora", None)
+    if opts is None:
+        return ""
+    wrapped = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if hasattr(m, "lora_A") and hasattr(m, "base_layer")})
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    saved = f", modules_to_save {', '.join(opts['modules_to_save'])}" if opts["modules_to_save"] else ""
+    return (f"lora: rank {opts['rank']}, alpha {opts['alpha']:g} on {', '.join(wrapped)}{saved}: "
+            f"{trained:,} trained parameters of {total:,} ({100.0 * trained / max(total, 1):.2f}%); the base is frozen")
 
 
 _SEQUENCE_KERNELS = {"causal_conv1d_fn", "chunk_gated_delta_rule", "chunk_kda", "mamba_chunk_scan_combined"}

@@ -11,19 +11,26 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 from weakref import proxy
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from treelit.lightning.faults import hold_launched_ranks
+from treelit.lightning.mlflow_logger import log_artifact_checked
 from treelit.loss.tree import tree_token_logprobs
 from treelit.models.hf import NATIVE_MODEL_TYPE, full_state_dict, save_hf_checkpoint
+from treelit.models.lora import adapter_state_dict, lora_of, merged_state_dict, save_adapter
 from treelit.objectives.paths import branch_target_sums
 from treelit.partition.engine import policy_logprobs
+from treelit.utils.integrity import (FULL, MANIFEST_SUFFIX, WriteFailed, disk_full, fmt_bytes, fsync_path,
+                                     remove_path, write_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +153,22 @@ class TreeCheckpoint(ModelCheckpoint):
     exactly as the uninterrupted run would (tested bit for bit, also after ``kill -9``).
     Lightning warns about manual optimization because for other modules the post-update
     state may be unintended; here it is the intended state, so that warning is not shown.
-    Each file is written as ``<name>.partial`` beside its final name, then renamed over it:
-    a run killed while writing leaves the previous checkpoint (``last.ckpt`` included) intact.
-    (Lightning stages the file in the system temporary directory and *moves* it, which is a
-    copy, not an atomic rename, when that directory is on another filesystem.) A resumed run
-    writes to its ``output_dir``: the folder it resumed from (``output_dir=`` that run's folder)
-    or a new one.
+    Each file is written as ``<name>.partial`` beside its final name, fsync'ed, then renamed
+    over it: a run killed while writing leaves the previous checkpoint (``last.ckpt``
+    included) intact. A single-file checkpoint is streamed by ``torch.save`` straight into that
+    file (:class:`TreeCheckpointIO`; Lightning's own writer holds a second copy of the whole
+    checkpoint in memory and stages it in the system temporary directory, then *moves* it,
+    which is a copy, not an atomic rename, when that directory is on another filesystem). A
+    resumed run writes to its ``output_dir``: the folder it resumed from (``output_dir=`` that
+    run's folder) or a new one.
+
+    Every checkpoint gets a manifest (:mod:`treelit.utils.integrity`): the size and SHA-256
+    of each file, in ``<name>.manifest.json`` beside a single file, in
+    ``treelit-manifest.json`` inside a sharded folder; ``resume_from`` checks it before
+    anything is loaded. A write that fails (a full disk, a quota, the file-size limit, or
+    anything else) on any rank is agreed by every rank: the partial files are removed, the
+    previous checkpoint stays as it was, and training stops with one line naming the path and
+    the bytes the checkpoint needed (:class:`~treelit.utils.integrity.WriteFailed`).
 
     Before each write it checks that the checkpoints this run wrote earlier are still there:
     Lightning would recreate a deleted directory and write only the new file, so a folder
@@ -185,15 +202,32 @@ class TreeCheckpoint(ModelCheckpoint):
             log.warning("checkpoints deleted from %s during the run (not by this run): %s are lost; writing %s",
                         where, names, os.path.basename(filepath))
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        strategy = trainer.strategy
+        if type(getattr(strategy, "_checkpoint_io", None) or TorchCheckpointIO()) is TorchCheckpointIO:
+            strategy.checkpoint_io = TreeCheckpointIO()  # Lightning's default writer only, not a user's plugin
+
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if trainer.is_global_zero:
             self._check_written(filepath)
         partial = f"{filepath}.partial"
-        trainer.save_checkpoint(partial, self.save_weights_only)  # ends with a barrier
+        manifest = f"{filepath}{MANIFEST_SUFFIX}"
+        error, report = self._write(trainer, partial, filepath)
+        reports = _all_ranks(trainer, report)  # every rank learns whether any rank failed, and why
+        failed = next((r for r in reports if r["why"]), None)
+        if failed is not None:
+            if trainer.is_global_zero:
+                remove_path(partial)
+                remove_path(f"{manifest}.partial")
+            trainer.strategy.barrier("TreeCheckpoint.failed")
+            if error is not None and failed["code"] is None and failed["rank"] == trainer.global_rank:
+                raise error  # not for want of space: this rank's own error, as it was raised
+            needed = sum(r["needed"] or 0 for r in reports) if failed["sharded"] else failed["needed"]
+            raise _agreed(trainer, WriteFailed(self._failure_line(trainer, filepath, failed, needed),
+                                               failed["code"] or 0, filepath, needed))
         if trainer.is_global_zero and os.path.exists(partial):
-            if os.path.isdir(partial) and os.path.isdir(filepath):  # a sharded checkpoint directory
-                shutil.rmtree(filepath)
-            os.replace(partial, filepath)
+            self._commit(partial, filepath)
             self._written[filepath] = None
         trainer.strategy.barrier("TreeCheckpoint.rename")
         self._last_global_step_saved = trainer.global_step
@@ -201,6 +235,72 @@ class TreeCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def _write(self, trainer: pl.Trainer, partial: str, filepath: str) -> Tuple[Optional[BaseException], dict]:
+        """Write the checkpoint under ``partial``, and its manifest (rank 0). Returns this rank's
+        exception (None) and its report: the rank that failed, the ``errno`` of a write that
+        failed for want of space, why (None: written), the bytes this rank's part needs."""
+        sharded = bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False)) and trainer.world_size > 1
+        report: Dict[str, Any] = {"rank": int(trainer.global_rank), "code": None, "why": None, "needed": None,
+                                  "sharded": sharded}
+        checkpoint = None
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+            report["needed"] = _tensor_bytes(checkpoint)  # this rank's part (before the strategy takes the tensors)
+            trainer.strategy.save_checkpoint(checkpoint, partial)
+            if trainer.is_global_zero and os.path.exists(partial):
+                # everything that takes space is written before the ranks agree; the commit only renames
+                write_manifest(partial, name=os.path.basename(filepath), where=f"{filepath}{MANIFEST_SUFFIX}.partial")
+            return None, report
+        except (Exception, _checkpoint_exception()) as exc:  # torch's CheckpointException is a BaseException
+            code = disk_full(exc)
+            if code is not None and checkpoint is not None and not sharded and trainer.is_global_zero:
+                report["needed"] = _serialized_bytes(checkpoint, report["needed"])  # one file: its exact size
+            failures = getattr(exc, "failures", None)  # torch's distributed checkpoint: the ranks that failed
+            if isinstance(failures, dict) and failures:
+                report["rank"] = min(failures)
+            report.update(code=code, why=FULL[code] if code is not None else _first_line(exc))
+            return exc, report
+
+    @staticmethod
+    def _commit(partial: str, filepath: str) -> None:
+        """Renames only: the new checkpoint (and its manifest) replace the previous one of that name."""
+        manifest = f"{filepath}{MANIFEST_SUFFIX}"
+        if os.path.isdir(partial):  # a sharded checkpoint directory: its manifest is inside
+            old = f"{os.path.dirname(filepath)}/.{os.path.basename(filepath)}.old-{os.getpid()}"
+            if os.path.isdir(filepath):
+                os.replace(filepath, old)
+            elif os.path.exists(filepath):
+                os.unlink(filepath)
+            os.replace(partial, filepath)
+            remove_path(old)
+            remove_path(manifest)  # a single-file checkpoint's, if one had this name before
+        else:
+            if os.path.isdir(filepath):
+                remove_path(filepath)
+            remove_path(manifest)  # never beside a file it does not describe, not even for a moment
+            os.replace(partial, filepath)
+            if os.path.exists(f"{manifest}.partial"):
+                os.replace(f"{manifest}.partial", manifest)
+        fsync_path(os.path.dirname(os.path.abspath(filepath)))
+
+    def _failure_line(self, trainer: pl.Trainer, filepath: str, failed: dict, needed: Optional[int]) -> str:
+        """One line: the checkpoint, why, the rank, the bytes it needed, what is left to resume from."""
+        where = f" (rank {failed['rank']} of {trainer.world_size})" if trainer.world_size > 1 else ""
+        size = ""
+        if failed["code"] is not None:
+            size = (f"; it needs about {fmt_bytes(needed)} (the shards of every rank)" if failed["sharded"]
+                    else f"; it needs {fmt_bytes(needed)}")
+        previous = self._last_checkpoint_saved
+        if previous and os.path.exists(previous):
+            same = previous == filepath
+            kept = (f"the previous {'one' if same else 'checkpoint ' + previous} (step {self._last_global_step_saved}) "
+                    f"is {'as it was' if same else 'complete'}: resume_from={previous} continues from it once there "
+                    "is room")
+        else:
+            kept = "this run has no earlier checkpoint"
+        return (f"checkpoint {filepath} not written at step {trainer.global_step}: {failed['why']}{where}{size}; "
+                f"its partial files were removed; {kept}")
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         with warnings.catch_warnings():
@@ -210,12 +310,98 @@ class TreeCheckpoint(ModelCheckpoint):
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         self._written.pop(filepath, None)
         super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            remove_path(f"{filepath}{MANIFEST_SUFFIX}")
 
     def load_state_dict(self, state_dict: Any) -> None:
         # a resumed run writes its checkpoints to its output_dir, which may be a new folder
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The dirpath has changed from")
             super().load_state_dict(state_dict)
+
+
+class TreeCheckpointIO(TorchCheckpointIO):
+    """Lightning's single-file checkpoint writer, with ``torch.save`` streaming into the file
+    itself (then fsync): no second copy of the checkpoint in memory, no staging elsewhere."""
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TreeCheckpointIO takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class _Counter:
+    """A file that only counts what is written to it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.n += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _serialized_bytes(checkpoint: Any, fallback: Optional[int]) -> Optional[int]:
+    """The exact size of ``torch.save(checkpoint)``, without writing it anywhere."""
+    counter = _Counter()
+    try:
+        torch.save(checkpoint, counter)
+    except Exception:  # pragma: no cover - the estimate from the tensors then
+        return fallback
+    return counter.n
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` held by this process (a DTensor's local shard)."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return int(local.numel() * local.element_size())
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _checkpoint_exception() -> type:
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException  # heavy (~1 s): only once a write failed
+    except ImportError:  # pragma: no cover
+        return Exception
+    return CheckpointException
+
+
+def _agreed(trainer: pl.Trainer, exc: BaseException) -> BaseException:
+    """``exc``, which every rank raises with the same line: in a run of several processes rank 0
+    reports it, the others only log it, and each exits with status 1
+    (:func:`treelit.lightning.faults.exit_code_of`)."""
+    if int(getattr(trainer, "world_size", 1)) > 1:
+        exc.agreed = True
+        hold_launched_ranks(trainer)
+    return exc
+
+
+def _all_ranks(trainer: pl.Trainer, obj: Any) -> List[Any]:
+    """``obj`` of every rank, in rank order (a collective every rank joins; ``[obj]`` alone)."""
+    if int(getattr(trainer, "world_size", 1)) <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class StepMetrics(pl.Callback):
@@ -287,30 +473,112 @@ class StepMetrics(pl.Callback):
 class HFExport(pl.Callback):
     """Write the model as a Hugging Face checkpoint at the end of training (and log it to
     MLflow). A model no Hugging Face format holds (a hybrid mixing Mamba2 with other layers)
-    is written in treelit's own format instead (``native`` is then true), and said so."""
+    is written in treelit's own format instead (``native`` is then true), and said so.
 
-    def __init__(self, dirpath: str, log_to_mlflow: bool = True) -> None:
+    A model with LoRA adapters is written as a PEFT adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained(base, dirpath)`` loads it
+    onto the base checkpoint); with ``merge`` the merged full weights go to ``merged_dirpath``
+    as well, as a plain checkpoint.
+
+    Each folder is written under a hidden temporary name beside ``dirpath``, fsync'ed and
+    renamed into place: an export that fails (a full disk, the file-size limit) leaves an
+    earlier export of that folder as it was, its partial files are removed, and the run stops
+    with one line naming the folder and the bytes it needed (every rank stops). The MLflow
+    copies are made afterwards; one that fails is a warning (the export is on disk)."""
+
+    def __init__(self, dirpath: str, log_to_mlflow: bool = True, merge: bool = False,
+                 merged_dirpath: Optional[str] = None) -> None:
         self.dirpath = dirpath
         self.log_to_mlflow = log_to_mlflow
+        self.merge = bool(merge)
+        self.merged_dirpath = merged_dirpath or str(Path(dirpath).with_name(Path(dirpath).name + "_merged"))
         self.saved: Optional[Path] = None
+        self.merged: Optional[Path] = None
         self.native = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sd = full_state_dict(pl_module.model)  # a collective under FSDP2: every rank gathers
-        if not trainer.is_global_zero:
-            return
-        self.saved = save_hf_checkpoint(pl_module.model, self.dirpath, state_dict=sd, native_fallback=True)
-        self.native = json.loads((self.saved / "config.json").read_text()).get("model_type") == NATIVE_MODEL_TYPE
+        written: list = []
+        failure: Optional[Tuple[int, str]] = None
+        error: Optional[BaseException] = None
+        if trainer.is_global_zero:
+            try:
+                written = self._export(pl_module.model, sd)
+            except Exception as exc:
+                error = exc
+                failure = (0 if isinstance(exc, WriteFailed) else 1, str(exc))
+        failure = trainer.strategy.broadcast(failure, 0)  # every rank stops when rank 0 could not write
+        if error is not None:
+            raise _agreed(trainer, error) if isinstance(error, WriteFailed) else error
+        if failure is not None:
+            raise _agreed(trainer, WriteFailed(failure[1]) if failure[0] == 0 else
+                          RuntimeError(f"the export failed on rank 0: {failure[1]}"))
+        if self.log_to_mlflow and trainer.is_global_zero:
+            for lg in trainer.loggers:
+                if isinstance(lg, MLFlowLogger):
+                    for path, name in written:
+                        log_artifact_checked(lg.experiment, lg.run_id, path, name)
+
+    def _export(self, model: Any, sd: Dict[str, torch.Tensor]) -> list:
+        written = []
+        if lora_of(model) is not None:
+            base = getattr(getattr(model, "hf", None), "name_or_path", None) or None
+            self.saved = _atomic_dir(self.dirpath, lambda tmp: save_adapter(model, tmp, sd, base_model=base),
+                                     "export", _tensor_bytes(adapter_state_dict(model, sd)))
+            log.info("wrote the LoRA adapter to %s (PEFT's format: PeftModel.from_pretrained(base, DIR))", self.saved)
+            written.append((self.saved, "hf_checkpoint"))
+            if self.merge:
+                merged = merged_state_dict(model, sd)
+                self.merged = self._write_full(model, self.merged_dirpath, merged)
+                written.append((self.merged, "hf_checkpoint_merged"))
+        else:
+            self.saved = self._write_full(model, self.dirpath, sd)
+            written.append((self.saved, "hf_checkpoint"))
+        return written
+
+    def _write_full(self, model, dirpath, sd) -> Path:
+        saved = _atomic_dir(dirpath, lambda tmp: save_hf_checkpoint(model, tmp, state_dict=sd, native_fallback=True),
+                            "export", _tensor_bytes(sd))
+        self.native = json.loads((saved / "config.json").read_text()).get("model_type") == NATIVE_MODEL_TYPE
         if self.native:
             log.info("wrote the model to %s in treelit's own checkpoint format, not a Hugging Face checkpoint "
                      "(no Hugging Face model holds this layer mix): treelit.load_hf_checkpoint and "
-                     "model.hf_checkpoint=DIR read it, transformers does not", self.saved)
+                     "model.hf_checkpoint=DIR read it, transformers does not", saved)
         else:
-            log.info("wrote Hugging Face checkpoint to %s", self.saved)
-        if self.log_to_mlflow:
-            for lg in trainer.loggers:
-                if isinstance(lg, MLFlowLogger):
-                    lg.experiment.log_artifacts(lg.run_id, str(self.saved), artifact_path="hf_checkpoint")
+            log.info("wrote Hugging Face checkpoint to %s", saved)
+        return saved
+
+
+def _atomic_dir(dirpath: Any, write: Any, what: str, needed: Optional[int]) -> Path:
+    """``write(tmp)`` into a hidden folder beside ``dirpath``, fsync it, rename it to ``dirpath``
+    (an earlier folder of that name is replaced only then). A write that fails for want of
+    space removes the folder and raises :class:`WriteFailed` naming ``dirpath`` and ``needed``."""
+    final = Path(dirpath)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    remove_path(tmp)
+    try:
+        write(tmp)
+        for dirpath_, _, files in os.walk(tmp):
+            for name in files:
+                fsync_path(os.path.join(dirpath_, name))
+            fsync_path(dirpath_)
+    except Exception as exc:
+        code = disk_full(exc)
+        remove_path(tmp)
+        if code is None:
+            raise
+        kept = (f"the earlier {final} is as it was" if final.exists() else f"nothing was left at {final}")
+        raise WriteFailed(f"{what} {final} not written: {FULL[code]}; it needs about {fmt_bytes(needed)}; its "
+                          f"partial files were removed and {kept}",
+                          code, final, needed) from None
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    remove_path(old)
+    fsync_path(final.parent)
+    return final
 
 
 class RewardMargin(pl.Callback):

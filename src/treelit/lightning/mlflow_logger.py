@@ -14,6 +14,9 @@ training framework owes its users:
 * a run stopped by Ctrl+C or SIGTERM ends ``KILLED``, one stopped by an error
   ``FAILED`` with the error in the tag ``treelit.end``;
 * artifacts of a local sqlite store go to ``mlruns/`` beside the database;
+  :func:`log_artifact_checked` copies a file or folder there under a temporary name and
+  renames it into place, so a copy that fails (a full disk) leaves no partial artifact and
+  an earlier artifact of that name as it was (a warning names it and the bytes it needed);
 * credentials in the store's URI are never written: log lines, the ``treelit.end`` tag and
   checkpoints carry it redacted (:mod:`treelit.utils.redact`), and MLflow's own "View run
   at <url>" line, which would show them, is switched off for such a store.
@@ -26,8 +29,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Any, Dict, Optional
+from urllib.parse import unquote, urlparse
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import MLFlowLogger
@@ -44,9 +50,10 @@ from treelit.utils.mlflow_store import (
     resolve_tracking_uri,
     store_lock,
 )
+from treelit.utils.integrity import FULL, disk_full, fmt_bytes, remove_path
 from treelit.utils.redact import redact_text
 
-__all__ = ["TreeMLFlowLogger", "MLflowRunInCheckpoint", "CHECKPOINT_KEY"]
+__all__ = ["TreeMLFlowLogger", "MLflowRunInCheckpoint", "CHECKPOINT_KEY", "log_artifact_checked"]
 
 log = logging.getLogger(__name__)
 
@@ -179,3 +186,68 @@ class MLflowRunInCheckpoint(pl.Callback):
                     "experiment_id": lg.experiment_id,
                 }
                 return
+
+
+def _local_artifact_root(client: Any, run_id: str) -> Optional[Path]:
+    """The run's artifact folder when it is on this machine (``file://`` or a plain path)."""
+    uri = str(client.get_run(run_id).info.artifact_uri or "")
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "" and uri:
+        return Path(uri)
+    return None
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def log_artifact_checked(client: Any, run_id: str, local: Any, artifact_path: Optional[str] = None) -> bool:
+    """MLflow's ``log_artifact`` (a file) or ``log_artifacts`` (a folder, ``artifact_path`` given)
+    that never leaves a partial copy: into a local artifact store the copy is made under a
+    hidden name and renamed into place. A copy that fails for want of space is a warning naming
+    the artifact and the bytes it needed (the files stay in the output folder); False then.
+    Other errors are raised."""
+    local = Path(local)
+    needed = _size(local)
+    root = _local_artifact_root(client, run_id)
+    if root is None or (local.is_dir() and not artifact_path):  # a remote store: MLflow uploads it
+        try:
+            (client.log_artifacts if local.is_dir() else client.log_artifact)(run_id, str(local), artifact_path)
+        except Exception as exc:
+            code = disk_full(exc)
+            if code is None:
+                raise
+            log.warning("MLflow artifact %s of run %s not logged: %s; it needs %s (%s stays where it is)",
+                        f"{artifact_path}/{local.name}" if artifact_path else local.name, run_id, FULL[code],
+                        fmt_bytes(needed), local)
+            return False
+        return True
+    folder = root / artifact_path if artifact_path else root
+    dest = folder if local.is_dir() else folder / local.name
+    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        remove_path(tmp)
+        if local.is_dir():
+            shutil.copytree(local, tmp)
+        else:
+            shutil.copy2(local, tmp)
+    except OSError as exc:
+        remove_path(tmp)
+        code = disk_full(exc)
+        if code is None:
+            raise
+        kept = f"; the earlier {dest.name} is as it was" if dest.exists() else ""
+        log.warning("MLflow artifact %s not copied: %s; it needs %s; the partial copy was removed%s (%s stays "
+                    "where it is)", dest, FULL[code], fmt_bytes(needed), kept, local)
+        return False
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    remove_path(old)
+    return True

@@ -16,6 +16,10 @@ micro-batches are aligned with empty passes, see :mod:`treelit.partition.engine`
 out-of-memory error on one rank is agreed on by all ranks after the update's passes,
 and all retry it with the smaller budget the planner picks. A collective that fails or
 times out is reported with the step it happened in.
+
+Before each optimizer step the update is checked: a non-finite loss of some micro-batch (on
+any rank) or gradient norm drops it on every rank alike; ``on_nonfinite`` says whether the run
+then stops or goes on (:mod:`treelit.lightning.faults`).
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from treelit.lightning.data import StepBatch
+from treelit.lightning.faults import NonFiniteStep, hold_launched_ranks
 from treelit.lightning.planner import MemoryPlanner
 from treelit.loss.linear import linear_branch_logprobs
 from treelit.loss.router import router_aux, router_normalizer_contribution
 from treelit.loss.tree import sft_tree_loss, tree_token_logprobs
+from treelit.models.lora import check_lora_mode, check_reference, lora_of, trainable_state_dict
 from treelit.objectives.base import Objective
 from treelit.objectives.behavior import split_behavior
 from treelit.objectives.folding import fold_spec
+from treelit.partition.context_parallel import check_cp_model, cp_logprobs, cp_micro_batch
 from treelit.partition.engine import PartitionStats, policy_logprobs, run_micro_batch
 from treelit.partition.passes import empty_row
 from treelit.tree.batch import check_aggregation
@@ -100,6 +107,10 @@ class TreeLitModule(pl.LightningModule):
             sets the budget from free memory before each step).
         max_oom_retries: on an out-of-memory error the step is retried with a smaller budget
             (the planner shrinks it) this many times.
+        on_nonfinite: ``stop`` or ``skip_step``: what a non-finite loss or gradient norm does
+            to the run (the update is never applied; see :meth:`_drop_nonfinite`).
+        max_skipped_steps: with ``skip_step``, the run stops when this many consecutive
+            updates were dropped.
     """
 
     def __init__(
@@ -120,6 +131,8 @@ class TreeLitModule(pl.LightningModule):
         partition: str = "none",
         budget_tokens: Optional[int] = None,
         max_oom_retries: int = 3,
+        on_nonfinite: str = "stop",
+        max_skipped_steps: int = 10,
     ) -> None:
         super().__init__()
         if mode not in ("tree", "linear"):
@@ -150,8 +163,20 @@ class TreeLitModule(pl.LightningModule):
         if partition != "none":
             fold_spec(objective)  # an objective that cannot run partitioned fails here, before training
         self.partition = partition
+        check_lora_mode(model, mode)
+        check_reference(model, objective)
         self.budget_tokens = budget_tokens
         self.max_oom_retries = int(max_oom_retries)
+        if on_nonfinite not in ("stop", "skip_step"):
+            raise ValueError(f"on_nonfinite={on_nonfinite} is not a choice: use stop or skip_step")
+        if int(max_skipped_steps) < 1:
+            raise ValueError(f"max_skipped_steps={max_skipped_steps} must be at least 1")
+        self.on_nonfinite = on_nonfinite
+        self.max_skipped_steps = int(max_skipped_steps)
+        self.skipped_steps = 0  # updates dropped as non-finite, in all (checkpointed)
+        self.consecutive_skips = 0  # ... since the last applied one (checkpointed)
+        self._micro_losses: list = []  # (micro-batch, loss) of the last attempt, for the check
+        self._where: Dict[int, tuple] = {}  # id(micro-batch) -> (position, count, its trees)
         self.last_partition_stats = None
         self.automatic_optimization = False
 
@@ -164,6 +189,11 @@ class TreeLitModule(pl.LightningModule):
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None or is_sharded(self.model):
             return
+        if self._cp_degree() > 1:
+            check_cp_model(self.model)
+            if self.partition != "none":
+                raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: "
+                                 "combine context parallelism with partitioning is not supported; choose one")
         if self.mode != "tree" or self.verify_every:
             raise ValueError("under FSDP2 every rank must run the same passes: mode=linear and verify_every "
                              "(per-branch passes whose number differs between ranks) need trainer=cpu or trainer=ddp_cpu/ddp")
@@ -178,11 +208,43 @@ class TreeLitModule(pl.LightningModule):
     def _fsdp(self) -> bool:
         return is_sharded(self.model)
 
+    def _cp_degree(self) -> int:
+        """C of context parallelism (the ranks of a group split each tree's row), 1 when off."""
+        group = getattr(self, "_cp_group", None)
+        return dist.get_world_size(group) if group is not None else 1
+
     def _comm(self) -> Collectives:
         """The data-parallel ranks (the trainer's; without one, the initialised process group)."""
         if self._trainer is not None:
             return Collectives(self.trainer.world_size, self.device)
         return Collectives(device=self.device)
+
+    # LoRA checkpoints: the trained parameters only -------------------------------------------
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        """With LoRA adapters a checkpoint holds the adapters and ``modules_to_save`` (and, through
+        the optimizer, their state): the frozen base comes from ``model.hf_checkpoint`` again."""
+        if lora_of(self.model) is not None and isinstance(checkpoint.get("state_dict"), dict):
+            checkpoint["state_dict"] = trainable_state_dict(self.model, checkpoint["state_dict"])
+            checkpoint["treelit_lora"] = dict(lora_of(self.model))
+        checkpoint["treelit_nonfinite"] = {"skipped": self.skipped_steps, "consecutive": self.consecutive_skips}
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        counts = checkpoint.get("treelit_nonfinite") or {}
+        self.skipped_steps = int(counts.get("skipped", 0))
+        self.consecutive_skips = int(counts.get("consecutive", 0))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """A LoRA model loads its adapters (every one must be there) and leaves its base as built."""
+        if lora_of(self.model) is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        own = self.state_dict()
+        wanted = set(trainable_state_dict(self.model, own))
+        missing, unknown = sorted(wanted - set(state_dict)), sorted(set(state_dict) - set(own))
+        if missing or unknown:
+            what = f"no {missing[0]}" if missing else f"{unknown[0]}, which this model does not have"
+            raise ValueError(f"resume_from: the checkpoint does not match this model's LoRA adapters ({what}): "
+                             "resume with the run's own model.lora options")
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
 
     def on_train_start(self) -> None:
         wrapped = getattr(self.trainer.strategy, "model", None)
@@ -194,7 +256,8 @@ class TreeLitModule(pl.LightningModule):
             wrapped.require_backward_grad_sync = False
 
     def configure_optimizers(self):
-        opt = self.optimizer_factory(self.model.parameters())
+        # the trained parameters only: a frozen base (LoRA) gets no optimizer state
+        opt = self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(opt), "interval": "step"}}
@@ -205,7 +268,7 @@ class TreeLitModule(pl.LightningModule):
             return 1.0
         # padding micro-batches (no targets) contribute nothing, whatever fields an objective reads
         Z = float(sum(self.objective.norm_contribution(b, self.aggregation) for b in micro_batches if b.num_targets))
-        return self._comm().sum(Z)
+        return self._comm().sum(Z) / self._cp_degree()  # a context-parallel group's ranks hold the same trees
 
     def router_normalizer(self, micro_batches) -> float:
         """The step's router-loss normaliser for a mixture-of-experts model (see
@@ -252,7 +315,9 @@ class TreeLitModule(pl.LightningModule):
                 old[mb.branch_tokens] = flat
                 mb.token_old_logp = old
                 continue
-            if self.partition != "none":
+            if self._cp_degree() > 1:
+                old = cp_logprobs(self.model, mb, self._cp_group, attention=self.attention, chunk_rows=self.chunk_rows)
+            elif self.partition != "none":
                 old = policy_logprobs(self.model, mb, budget_tokens=self.budget_tokens, attention=self.attention,
                                       chunk_rows=self.chunk_rows, comm=self._comm())
             else:
@@ -314,12 +379,100 @@ class TreeLitModule(pl.LightningModule):
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if self._drop_nonfinite(micro_batches, grad_norm):
+            opt.zero_grad(set_to_none=True)
+            return {**out, "grad_norm": grad_norm}
         opt.step()
         opt.zero_grad(set_to_none=True)
         sch = self.lr_schedulers()
         if sch is not None:
             sch.step()
+        self.consecutive_skips = 0
         return {**out, "grad_norm": grad_norm}
+
+    # non-finite updates --------------------------------------------------------------------------
+    def _drop_nonfinite(self, micro_batches, grad_norm: float) -> bool:
+        """True when this update must not be applied: the loss of a micro-batch (on any rank) or
+        the gradient norm is not finite. One all-reduce; every rank gets the same answer. The
+        caller then clears the gradients and takes no optimizer or scheduler step (the optimizer
+        state stays as it was). ``on_nonfinite=stop``, or a run of ``max_skipped_steps`` dropped
+        updates, raises :class:`~treelit.lightning.faults.NonFiniteStep` with one line naming the
+        step, the micro-batch and its trees; ``skip_step`` logs the dropped update and goes on."""
+        mine = [(mb, v) for mb, v in self._micro_losses if not math.isfinite(v)]
+        comm = self._comm()
+        if not comm.max(float(bool(mine) or not math.isfinite(grad_norm))):
+            return False
+        report = self._nonfinite_report(micro_batches, mine, grad_norm, comm)
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        if self.on_nonfinite == "stop":
+            hold_launched_ranks(self._trainer)
+            raise NonFiniteStep(f"{report}; the update was not applied and nothing was saved (on_nonfinite=stop; "
+                                "on_nonfinite=skip_step drops such updates and goes on)")
+        if self.consecutive_skips >= self.max_skipped_steps:
+            hold_launched_ranks(self._trainer)
+            raise NonFiniteStep(f"{report}; {self.consecutive_skips} updates in a row were dropped "
+                                f"(max_skipped_steps={self.max_skipped_steps}): stopping, nothing of them applied")
+        if comm.rank == 0:
+            log.warning("%s; the update was dropped (on_nonfinite=skip_step: %d in a row, %d in all)", report,
+                        self.consecutive_skips, self.skipped_steps)
+        return True
+
+    def _nonfinite_report(self, micro_batches, mine, grad_norm: float, comm: Collectives) -> str:
+        """One line, the same on every rank: the step, what was not finite, and each micro-batch
+        that made it so with its trees (``id (file:line)``), on every rank. When every loss is
+        finite but the gradient norm is not, each micro-batch's gradient is computed again on its
+        own to find those whose gradient is not finite (every rank runs the same passes)."""
+        what = [] if math.isfinite(grad_norm) else [f"gradient norm {grad_norm}"]
+        if comm.max(float(bool(mine))):
+            what.insert(0, "loss")
+            parts = [self._describe(mb, f"loss {v}", comm) for mb, v in mine]
+        else:
+            parts = [self._describe(mb, "its gradient alone is not finite", comm)
+                     for mb in self._nonfinite_gradients(micro_batches, comm)]
+        text = "; ".join(parts)
+        every = comm.gather_lists(list(text.encode("utf-8"))) if comm.distributed else [list(text.encode("utf-8"))]
+        found = "; ".join(p for p in (bytes(b).decode("utf-8", "replace") for b in every) if p)
+        data = getattr(self, "_data_step", None)
+        step = f"step {self.global_step + 1}"
+        if data is not None and data != self.global_step:
+            step += f" (data step {data + 1})"
+        return f"{step}: non-finite {' and '.join(what)} - " + (found or "no single micro-batch reproduces it alone")
+
+    def _describe(self, mb, why: str, comm: Collectives) -> str:
+        pos, count, trees = self._where.get(id(mb), (None, None, None))
+        where = f"micro-batch {pos + 1} of {count}" if pos is not None else "a micro-batch"
+        if comm.distributed:
+            where += f" on rank {comm.rank}"
+        if trees is None:
+            return f"{where} ({why})"
+        if not trees:
+            return f"{where} ({why}): an empty pass"
+        return f"{where} ({why}): tree{'s' if len(trees) != 1 else ''} {', '.join(trees)}"
+
+    def _nonfinite_gradients(self, micro_batches, comm: Collectives) -> list:
+        """The micro-batches whose gradient, computed on its own, is not finite (the gradients
+        are cleared before and after). Under FSDP2 a gradient is the ranks' sum: a micro-batch
+        position found there names that position on every rank."""
+        Z, R = getattr(self, "_normalizers", (1.0, None))
+        found = []
+        if getattr(self, "_cp_group", None) is not None:  # a row split over ranks: not recomputed whole
+            return found
+        for mb in micro_batches:
+            self.model.zero_grad(set_to_none=True)
+            if self.partition != "none" and self.mode == "tree":
+                run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
+                                budget_tokens=self.budget_tokens, attention=self.attention, chunk_rows=self.chunk_rows,
+                                comm=comm, router_normalizer=R)
+            else:
+                loss, _ = self.micro_loss(mb, Z, R=R)
+                self._backward(loss)
+            bad = any(not bool(torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all())
+                      for g in (p.grad for p in self.model.parameters()) if g is not None)
+            if (comm.max(float(bad)) if self._fsdp() else bad):
+                found.append(mb)
+        self.model.zero_grad(set_to_none=True)
+        return found
 
     def compute_gradients(self, micro_batches, planner=None) -> Dict[str, float]:
         """The update's gradients in ``.grad`` (summed over ranks; sharded under FSDP2) and its
@@ -328,6 +481,7 @@ class TreeLitModule(pl.LightningModule):
         budget the ``planner`` picks: the result is that of an undisturbed update."""
         Z = self.step_normalizer(micro_batches)
         R = self.router_normalizer(micro_batches)
+        self._normalizers = (Z, R)
         comm = self._comm()
         for attempt in range(self.max_oom_retries + 1):
             out = self._accumulate(micro_batches, Z, comm, R)
@@ -350,8 +504,18 @@ class TreeLitModule(pl.LightningModule):
         metrics: Dict[str, float] = {}
         stats = PartitionStats()
         failed = False
+        self._micro_losses = []
+        cp = self._cp_degree()
         for mb in micro_batches:
-            if self.partition != "none" and self.mode == "tree":
+            if cp > 1:
+                loss_value, m, plan = cp_micro_batch(self.model, self.objective, mb, self._cp_group,
+                                                     aggregation=self.aggregation, normalizer=Z,
+                                                     attention=self.attention, chunk_rows=self.chunk_rows)
+                loss_value /= cp  # every rank of the group holds the whole loss; the step sums over ranks
+                m = {**m, "cp/imbalance": plan.imbalance}
+                stats.partitions += 1
+                stats.token_forwards += plan.size
+            elif self.partition != "none" and self.mode == "tree":
                 res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
                                       budget_tokens=self.budget_tokens, attention=self.attention,
                                       chunk_rows=self.chunk_rows, stats=stats, comm=comm, failed=failed,
@@ -365,6 +529,7 @@ class TreeLitModule(pl.LightningModule):
                 stats.partitions += 1
                 stats.token_forwards += mb.num_tokens
             total += loss_value
+            self._micro_losses.append((mb, float(loss_value)))
             add_micro_batch_metrics(metrics, m, len(micro_batches))
         if self.partition != "none" and comm.max(float(failed)) > 0:
             return None
@@ -379,6 +544,8 @@ class TreeLitModule(pl.LightningModule):
     def training_step(self, batch: StepBatch, batch_idx: int):
         try:
             return self._training_step(batch)
+        except NonFiniteStep:
+            raise
         except Exception as exc:  # name the step when a collective fails or times out
             if not self._distributed() or not _is_collective_error(exc):
                 raise
@@ -414,6 +581,10 @@ class TreeLitModule(pl.LightningModule):
     def _training_step(self, batch: StepBatch):
         t0 = time.perf_counter()
         micro = self._same_count_on_every_rank(batch.micro_batches)
+        origins = list(batch.origins) if batch.origins is not None else [None] * len(batch.micro_batches)
+        origins += [[] for _ in range(len(micro) - len(origins))]  # the empty passes added above
+        self._where = {id(mb): (i, len(micro), o) for i, (mb, o) in enumerate(zip(micro, origins))}
+        self._data_step = batch.index
         if self.old_logprobs == "rollout":
             self.record_rollout_logprobs(micro)
         k = min(self.ppo_minibatches, len(micro))
@@ -445,6 +616,8 @@ class TreeLitModule(pl.LightningModule):
             }
         )
         self.log_dict({"tree_tok/s": tree_tok / dt, "flat_tok/s": flat_tok / dt}, prog_bar=True)
+        if self.on_nonfinite == "skip_step":
+            self.log("train/skipped_steps", float(self.skipped_steps))
         if getattr(self.objective, "name", "sft") != "sft":  # (every rank: the same collectives)
             self.log_dict(self._reward_metrics(batch))
         data_metrics = getattr(getattr(self.trainer, "datamodule", None), "step_metrics", None) if self._trainer else None

@@ -5,6 +5,14 @@ the trainer writes its weights to ``<dir>/step-<N>/`` (a Hugging Face checkpoint
 ``config.json``, ``generation_config.json``, and the tokenizer files when the run names a
 tokenizer directory; treelit's own format for a layer mix no Hugging Face model holds),
 then points ``<dir>/latest.json`` at it: ``{"version": N, "path": ..., "time": ...}``.
+
+**LoRA** (``model.lora.rank``). ``lora="merged"`` publishes the full weights with the adapters
+merged in (``W + s B A``), under the base model's own names: the same checkpoint format as
+without LoRA. ``lora="adapter"`` publishes only the adapter, as the PEFT folder
+(``adapter_config.json``, ``adapter_model.safetensors``) that vLLM, SGLang and
+``peft.PeftModel.from_pretrained(base, DIR)`` load onto the base checkpoint; ``latest.json``
+then also says ``"kind": "lora_adapter"`` and ``"base"`` (the base checkpoint), so a sampler
+loads the base once and each new adapter onto it.
 Version 0 is the initial weights, published before the first step; version N the weights
 after optimizer step N. Samplers poll ``latest.json`` (``treelit-rollout`` does) or are told
 by an HTTP hook (SGLang's ``/update_weights_from_disk``, a vLLM server route taking
@@ -19,12 +27,21 @@ filesystem); only then is ``latest.json`` replaced, by writing a temporary file,
 and a trainer killed mid-write (even ``kill -9``) leaves the previous version named by
 ``latest.json`` intact; the orphaned temporary directory is removed by the next publisher
 on the same directory. Old versions beyond ``keep`` are renamed away before being deleted.
+Each version holds a manifest (``treelit-manifest.json``: the size and SHA-256 of every file,
+:mod:`treelit.utils.integrity`), written last, which ``treelit-rollout`` checks before it loads
+the version. A write that fails for want of space (a full disk, the file-size limit) removes
+the temporary directory and leaves ``latest.json`` on the previous version; with
+``required=false`` the run goes on (a warning naming the version and the bytes it needed;
+``publish/write_failures`` counts them), with ``required=true`` every rank stops.
 
 **Several processes.** Under FSDP2 each parameter is gathered in turn (a collective every
 rank joins), cast to the publish dtype and kept on rank 0 only, which writes; the other
 ranks hold one gathered tensor at a time. Peak host memory on rank 0 is therefore the
 model once in ``dtype`` (bfloat16: 2 bytes per parameter) plus one parameter in the
-training dtype, and the Hugging Face name mapping's copies of the q/k projections. Under
+training dtype, and the Hugging Face name mapping's copies of the q/k projections. With
+LoRA, ``adapter`` gathers the trained tensors only (the frozen base is never gathered) and
+``merged`` merges each layer's adapter into its weight as the layer arrives, in the
+training dtype, before the cast. Under
 DDP rank 0 writes its own replica. Hooks run on rank 0; with ``required=true`` a hook
 failure stops every rank (the ranks agree on it).
 """
@@ -46,14 +63,19 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import OmegaConf
 
+from treelit.lightning.faults import hold_launched_ranks
 from treelit.models.hf import save_hf_checkpoint
+from treelit.models.lora import is_lora_key, lora_of, merged_state_dict, save_adapter
+from treelit.utils.integrity import FULL, WriteFailed, disk_full, fmt_bytes, remove_path, write_manifest
 
 __all__ = ["PolicyPublisher", "PublishPolicy", "HttpHook", "PublishError", "read_latest", "HOOK_PRESETS"]
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+LORA_MODES = ("adapter", "merged")
+ADAPTER_KIND = "lora_adapter"  # latest.json's "kind" when a version is a LoRA adapter
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 HOOK_PRESETS: Dict[str, Dict[str, Any]] = {
@@ -61,12 +83,18 @@ HOOK_PRESETS: Dict[str, Dict[str, Any]] = {
     "sglang": {"path": "/update_weights_from_disk", "body": {"model_path": "{path}", "weight_version": "{version}"}},
     # a vLLM server with a reload route (as prime-rl's): {"weight_dir": DIR}
     "vllm": {"path": "/update_weights", "body": {"weight_dir": "{path}"}},
+    # publish.lora=adapter: load the version's adapter under a name that carries the version
+    # (SGLang started with --enable-lora; vLLM with --enable-lora and
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); requests then name the adapter (``policy-v<N>``)
+    "sglang_lora": {"path": "/load_lora_adapter", "body": {"lora_name": "policy-v{version}", "lora_path": "{path}"}},
+    "vllm_lora": {"path": "/v1/load_lora_adapter", "body": {"lora_name": "policy-v{version}", "lora_path": "{path}"}},
 }
+ADAPTER_PRESETS = ("sglang_lora", "vllm_lora")
 TEMPLATE_KEYS = ("version", "path", "step", "time")
 
 
 class PublishError(RuntimeError):
-    """A required hook failed (``publish.required=true``)."""
+    """A required hook failed, or a version could not be written (``publish.required=true``)."""
 
 
 def read_latest(directory) -> Optional[Dict[str, Any]]:
@@ -90,8 +118,9 @@ def _fill(template: Any, ctx: Mapping[str, Any]) -> Any:
 
 class HttpHook:
     """POST a JSON body to ``url + path`` after each publish. Args: ``url`` (``http://host:port``),
-    ``preset`` (``sglang`` | ``vllm``: their ``path`` and ``body``), ``path``, ``body`` (a JSON
-    template whose strings may name ``{version}``, ``{path}``, ``{step}``, ``{time}``),
+    ``preset`` (``sglang`` | ``vllm`` | ``sglang_lora`` | ``vllm_lora``: their ``path`` and ``body``),
+    ``path``, ``body`` (a JSON template whose strings may name ``{version}``, ``{path}``, ``{step}``,
+    ``{time}``),
     ``timeout_s`` per attempt, ``retries`` after the first attempt, ``retry_wait_s``, ``headers``."""
 
     def __init__(self, name: str, url: str, preset: Optional[str] = None, path: Optional[str] = None,
@@ -114,6 +143,7 @@ class HttpHook:
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"{where}.body: a template may name only {{{'}, {'.join(TEMPLATE_KEYS)}}} ({exc!r})") from None
         self.name, self.url = name, url.rstrip("/") + "/" + str(path).lstrip("/")
+        self.preset = preset
         self.body = body
         self.timeout_s, self.retries, self.retry_wait_s = float(timeout_s), int(retries), float(retry_wait_s)
         self.headers = {"Content-Type": "application/json", **{str(k): str(v) for k, v in (headers or {}).items()}}
@@ -154,11 +184,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            _fsync(Path(dirpath) / f)
-        _fsync(Path(dirpath))
+def _trained_key(name: str) -> bool:
+    """A LoRA model's state-dict entry that training changes (an adapter, a ``modules_to_save`` copy)."""
+    return is_lora_key(name) or ".modules_to_save." in name
+
+
+_LORA_PARTS = (".base_layer.", ".lora_", ".original_module.", ".modules_to_save.")
+
+
+def _lora_owner(name: str) -> Optional[str]:
+    """The LoRA-wrapped module a state-dict entry belongs to (None: an entry of no wrapped module)."""
+    for part in _LORA_PARTS:
+        if part in name:
+            return name.split(part, 1)[0]
+    return None
 
 
 def _version_of(name: str) -> Optional[int]:
@@ -177,13 +216,21 @@ class PolicyPublisher:
         tokenizer: a directory whose tokenizer files are published beside the weights, or None.
         hooks: ``{name: HttpHook options}`` called after each publish.
         required: a failing hook raises :class:`PublishError` (otherwise logged and counted).
+        lora: for a model with LoRA adapters, ``merged`` (full weights, adapters merged in) or
+            ``adapter`` (the PEFT adapter folder only; needs LoRA on a ``model=hf_auto`` model).
+        base: the base checkpoint an adapter applies to, named in ``latest.json`` and the
+            adapter's config (default: the directory the transformers model was loaded from).
     """
 
     def __init__(self, directory, dtype: str = "bfloat16", keep: int = 3, tokenizer: Optional[str] = None,
                  hooks: Optional[Mapping[str, Any]] = None, required: bool = False,
-                 max_shard_bytes: Optional[int] = 5 * 2**30) -> None:
+                 max_shard_bytes: Optional[int] = 5 * 2**30, lora: str = "merged",
+                 base: Optional[str] = None) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"publish.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if lora not in LORA_MODES:
+            raise ValueError(f"publish.lora must be adapter (the LoRA adapter only) or merged (full weights), "
+                             f"got {lora!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"publish.keep must be a positive number of versions, got {keep!r}")
         if tokenizer is not None and not Path(str(tokenizer)).is_dir():
@@ -197,9 +244,20 @@ class PolicyPublisher:
         if OmegaConf.is_config(hooks):
             hooks = OmegaConf.to_container(hooks, resolve=True)
         self.hooks: List[HttpHook] = [HttpHook(name, **dict(opts)) for name, opts in (hooks or {}).items() if opts]
+        for hook in self.hooks:  # a preset that reloads full weights cannot take an adapter, nor the reverse
+            if hook.preset is None or (hook.preset in ADAPTER_PRESETS) == (lora == "adapter"):
+                continue
+            better = hook.preset + "_lora" if lora == "adapter" else hook.preset[: -len("_lora")]
+            what = "loads a LoRA adapter" if lora == "merged" else "reloads full weights"
+            raise ValueError(f"publish.hooks.{hook.name}.preset={hook.preset} {what}, but publish.lora={lora} "
+                             f"publishes {'full weights' if lora == 'merged' else 'adapters only'}: use "
+                             f"preset {better}")
+        self.lora = lora
+        self.base = None if base is None else str(base)
         self.required = bool(required)
         self.max_shard_bytes = max_shard_bytes
         self.hook_failures = 0
+        self.write_failures = 0  # versions not written for want of space (required=false)
 
     # files ---------------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -217,31 +275,99 @@ class PolicyPublisher:
         return sorted(v for v in (_version_of(p.name) for p in self.directory.glob("step-*") if p.is_dir())
                       if v is not None)
 
+    def check(self, model: torch.nn.Module) -> None:
+        """Refuse, in one line, a model this publisher cannot publish as configured."""
+        if self.lora != "adapter":
+            return
+        if lora_of(model) is None:
+            raise ValueError("publish.lora=adapter publishes the LoRA adapter, and this model has none: set "
+                             "model.lora.rank (or publish.lora=merged for the full weights)")
+        if getattr(model, "hf", None) is None:
+            raise ValueError("publish.lora=adapter needs model=hf_auto: the adapter of treelit's own decoder is "
+                             "named after its modules, which no sampler maps onto a Hugging Face base; use "
+                             "model=hf_auto or publish.lora=merged")
+        if not self._base(model):
+            raise ValueError("publish.lora=adapter: samplers need the base checkpoint the adapter applies to; set "
+                             "publish.base=DIR (default: model.hf_checkpoint)")
+
+    def _base(self, model: torch.nn.Module) -> Optional[str]:
+        base = self.base or getattr(getattr(model, "hf", None), "name_or_path", None) or None
+        if base is not None and Path(base).is_dir():
+            base = str(Path(base).resolve())
+        return base
+
     def _gather(self, model: torch.nn.Module, rank0: bool) -> Dict[str, torch.Tensor]:
-        """The state dict in the publish dtype on rank 0 (empty elsewhere), one tensor at a time."""
+        """The state dict in the publish dtype on rank 0 (empty elsewhere), one tensor at a time.
+        With LoRA: the trained tensors only (``adapter``), or every adapter merged into its
+        layer's weight in the training dtype before the cast (``merged``), one layer at a time."""
+        lora = lora_of(model) is not None
+        adapter_only = lora and self.lora == "adapter"
         out: Dict[str, torch.Tensor] = {}
+        layer: Dict[str, torch.Tensor] = {}  # the LoRA layer being gathered (merged), training dtype
+        owner: Optional[str] = None
+        done = set()
+
+        def cast(v: torch.Tensor) -> torch.Tensor:
+            return v.to(self.dtype) if v.is_floating_point() else v
+
+        def merge_layer() -> None:
+            if layer:
+                out.update((k, cast(v)) for k, v in merged_state_dict(model, layer).items())
+                layer.clear()
+                done.add(owner)
+
         for k, v in model.state_dict().items():
+            if adapter_only and not _trained_key(k):
+                continue  # every rank skips the same keys: the frozen base is not gathered
             if hasattr(v, "full_tensor"):
                 v = v.full_tensor()  # a collective: every rank gathers this one
             if rank0:
                 v = v.detach()
-                out[k] = (v.to(self.dtype) if v.is_floating_point() else v).cpu().clone()
+                mine = _lora_owner(k) if lora and not adapter_only else None
+                if mine != owner:
+                    merge_layer()
+                    owner = mine
+                if mine is None:
+                    out[k] = cast(v).cpu().clone()
+                elif mine in done:
+                    raise RuntimeError(f"publish: the state dict entries of LoRA layer {mine} are not together")
+                else:
+                    layer[k] = v.cpu().clone()
             del v
+        merge_layer()
         return out
+
+    def _adapter(self, model) -> bool:
+        return self.lora == "adapter" and lora_of(model) is not None
 
     def _write(self, model, sd: Dict[str, torch.Tensor], version: int, step: int) -> Path:
         final = self.directory / f"step-{version}"
         tmp = self.directory / f".step-{version}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        save_hf_checkpoint(model, tmp, state_dict=sd, native_fallback=True, max_shard_bytes=self.max_shard_bytes)
-        self._generation_config(tmp)
-        if self.tokenizer is not None:
-            for name in TOKENIZER_FILES:
-                if (self.tokenizer / name).is_file():
-                    shutil.copyfile(self.tokenizer / name, tmp / name)
-        (tmp / "treelit_publish.json").write_text(json.dumps({"version": version, "step": step}) + "\n")
-        _fsync_tree(tmp)
+        meta: Dict[str, Any] = {"version": version, "step": step}
+        try:
+            if self._adapter(model):  # the adapter folder only: the sampler has the base and its tokenizer
+                base = self._base(model)
+                save_adapter(model, tmp, sd, base_model=base)
+                meta.update(kind=ADAPTER_KIND, base=base)
+            else:
+                save_hf_checkpoint(model, tmp, state_dict=sd, native_fallback=True,
+                                   max_shard_bytes=self.max_shard_bytes)
+                self._generation_config(tmp)
+                if self.tokenizer is not None:
+                    for name in TOKENIZER_FILES:
+                        if (self.tokenizer / name).is_file():
+                            shutil.copyfile(self.tokenizer / name, tmp / name)
+            (tmp / "treelit_publish.json").write_text(json.dumps(meta) + "\n")
+            write_manifest(tmp)  # every file fsync'ed, then the manifest, last
+        except Exception as exc:
+            remove_path(tmp)
+            code = disk_full(exc)
+            if code is None:
+                raise
+            needed = sum(v.numel() * v.element_size() for v in sd.values())
+            raise self._failed(version, final, FULL[code], needed, code) from None
         if final.exists():  # the same version published again (a resumed run): replace it
             trash = self.directory / f".trash-{final.name}-{os.getpid()}"
             os.rename(final, trash)
@@ -261,12 +387,28 @@ class PolicyPublisher:
         gen.update({"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
         (path / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
-    def _point_latest(self, version: int, final: Path) -> None:
+    def _failed(self, version: int, final: Path, why: str, needed: Optional[int], code: int) -> WriteFailed:
+        latest = read_latest(self.directory)
+        kept = (f"{LATEST} still names version {latest.get('version')}" if latest else "no version was published before")
+        return WriteFailed(f"publish: version {version} ({final}) not written: {why}; it needs about "
+                           f"{fmt_bytes(needed)}; its partial files were removed and {kept}", code, final, needed)
+
+    def _point_latest(self, version: int, final: Path, extra: Optional[Mapping[str, Any]] = None) -> None:
         tmp = self.directory / f".{LATEST}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"version": version, "path": str(final.resolve()), "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        text = json.dumps({"version": version, "path": str(final.resolve()), "time": time.time(), **(extra or {})})
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except Exception as exc:  # the version was never named: it goes too
+            remove_path(tmp)
+            code = disk_full(exc)
+            if code is None:
+                raise
+            remove_path(final)
+            raise self._failed(version, final, f"{LATEST} could not be updated: {FULL[code]}", len(text),
+                               code) from None
         os.replace(tmp, self.directory / LATEST)
         _fsync(self.directory)
 
@@ -283,12 +425,14 @@ class PolicyPublisher:
         point ``latest.json`` at it, prune, call the hooks."""
         t0 = time.perf_counter()
         step = version if step is None else step
+        self.check(model)
         sd = self._gather(model, rank == 0)
         if rank != 0:
             return Published(version, None, time.perf_counter() - t0, 0, 0)
         final = self._write(model, sd, version, step)
         del sd
-        self._point_latest(version, final)
+        self._point_latest(version, final, {"kind": ADAPTER_KIND, "base": self._base(model)}
+                           if self._adapter(model) else None)
         self._prune()
         size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
         failures = 0
@@ -312,22 +456,26 @@ class PublishPolicy(pl.Callback):
     restored step, unless ``latest.json`` already names it) and, after a step batch whose
     updates reached or passed a multiple of ``every_n_steps``, version N = the optimizer step
     count after it. Logs, every step, the last publish's
-    ``publish/seconds`` and ``publish/bytes``, ``publish/version`` and the hook failures so
-    far (``publish/hook_failures``). ``version`` is the last published
+    ``publish/seconds`` and ``publish/bytes``, ``publish/version``, the hook failures so
+    far (``publish/hook_failures``) and the versions not written for want of space
+    (``publish/write_failures``, ``required=false``). ``version`` is the last published
     version: the trainer's policy version that rollout staleness is measured against."""
 
     def __init__(self, dir: Optional[str] = None, every_n_steps: int = 1, dtype: str = "bfloat16", keep: int = 3,
                  tokenizer: Optional[str] = None, hooks: Optional[Mapping[str, Any]] = None,
-                 required: bool = False) -> None:
+                 required: bool = False, lora: str = "merged", base: Optional[str] = None) -> None:
         if dir is None:
             raise ValueError("publish.dir is required to publish the policy (null switches publishing off)")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"publish.every_n_steps must be a positive number of optimizer steps, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.publisher = PolicyPublisher(dir, dtype=dtype, keep=keep, tokenizer=tokenizer, hooks=hooks,
-                                         required=required)
+                                         required=required, lora=lora, base=base)
         self.version: Optional[int] = None
         self.last: Optional[Published] = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.publisher.check(pl_module.model)  # before training: publish.lora=adapter on a model without LoRA
 
     def _publish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = int(trainer.global_step)
@@ -337,11 +485,24 @@ class PublishPolicy(pl.Callback):
             res = self.publisher.publish(pl_module.model, step, step, rank)
         except PublishError as exc:
             failed, res = exc, None
+        except WriteFailed as exc:  # rank 0 could not write the version: latest.json names the previous one
+            if self.publisher.required:
+                failed, res = WriteFailed(f"{exc} (publish.required=true)", exc.errno, exc.path, exc.needed), None
+            else:
+                self.publisher.write_failures += 1
+                log.warning("%s; training goes on (publish.required=false)", exc)
+                res = None
         comm = pl_module._comm() if hasattr(pl_module, "_comm") else None
         if comm is not None and comm.distributed and comm.max(float(failed is not None)) > 0:
-            raise failed or PublishError(f"a required publish hook failed on rank 0 for version {step}")
+            failed = failed or PublishError(f"a required publish of version {step} failed on rank 0 (its hook, or "
+                                            "writing it: see rank 0's line)")
+            failed.agreed = True  # every rank stops; rank 0's line reports it (treelit.lightning.faults)
+            hold_launched_ranks(trainer)
+            raise failed
         if failed is not None:
             raise failed
+        if res is None:
+            return  # not published: the next step tries again
         self.version, self.last = step, res
         if rank == 0:
             log.info("published version %d to %s (%.2fs, %.1f MB)", step, res.path, res.seconds, res.bytes / 1e6)
@@ -366,5 +527,6 @@ class PublishPolicy(pl.Callback):
             self._publish(trainer, pl_module)
         if self.last is not None:  # the latest publish's cost, logged with every step (rank 0's)
             pl_module.log_dict({"publish/seconds": self.last.seconds, "publish/bytes": float(self.last.bytes),
-                                "publish/version": float(self.version),
-                                "publish/hook_failures": float(self.publisher.hook_failures)})
+                                "publish/version": float(self.version)})
+        pl_module.log_dict({"publish/hook_failures": float(self.publisher.hook_failures),
+                            "publish/write_failures": float(self.publisher.write_failures)})

@@ -8,6 +8,7 @@ import torch
 
 from treelit.models.config import AUX_DEFINITIONS
 from treelit.models.hf import load_hf_checkpoint
+from treelit.models.lora import apply_lora, lora_options
 from treelit.models.registry import build_model
 
 __all__ = ["make_model", "parse_dtype", "set_router_aux_loss"]
@@ -32,6 +33,7 @@ def make_model(
     router_aux_loss_coef: Optional[float] = None,
     router_aux_loss: Optional[str] = None,
     activation_checkpointing: bool = False,
+    lora: Optional[Dict[str, Any]] = None,
 ):
     """Load ``hf_checkpoint`` if given, else build the registered ``preset`` (random init,
     ``config`` overriding its fields). ``max_seq_len`` overrides the context length.
@@ -41,8 +43,11 @@ def make_model(
     by default a checkpoint's own setting applies (on when it has ``output_router_logits``).
 
     ``activation_checkpointing``: recompute each decoder layer in the backward pass instead of
-    keeping its activations (tree mode, partitioned or not, any number of processes; exact)."""
+    keeping its activations (tree mode, partitioned or not, any number of processes; exact).
+
+    ``lora``: the ``model.lora`` options (:mod:`treelit.models.lora`); ``rank: null`` is off."""
     dt = parse_dtype(dtype)
+    lora = lora_options(lora)  # bad options fail before the weights load
     if hf_checkpoint:
         model = load_hf_checkpoint(hf_checkpoint, dtype=dt, max_seq_len=max_seq_len)
     else:
@@ -52,7 +57,7 @@ def make_model(
         model = build_model(preset, **overrides).to(dt)
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
     model.activation_checkpointing = bool(activation_checkpointing)
-    return model
+    return apply_lora(model, lora)
 
 
 def set_router_aux_loss(model, coef: Optional[float] = None, definition: Optional[str] = None) -> None:

@@ -54,6 +54,9 @@ def in_forward(model: nn.Module, fn):
 def output_weight(model: nn.Module) -> torch.Tensor:
     """The ``[V, D]`` weight of the language-model head (tied or not)."""
     out = model.output
+    if hasattr(out, "modules_to_save") and hasattr(out, "original_module"):  # PEFT's trained copy (LoRA)
+        out = out.original_module if out.disable_adapters or not out.active_adapters else \
+            out.modules_to_save[out.active_adapters[0]]
     # torchtune's tied head; where torchtune.modules was never imported, no model holds one
     tied = getattr(sys.modules.get("torchtune.modules"), "TiedLinear", None)
     if tied is not None and isinstance(out, tied):

@@ -50,6 +50,7 @@ from treelit.models.factory import parse_dtype, set_router_aux_loss
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
+from treelit.models.lora import apply_lora, lora_options
 from treelit.models.moe import record_pass
 
 __all__ = ["ATTENTION_NAME", "HFTreeModel", "load_hf_model", "make_hf_model", "check_adapter_config"]
@@ -283,6 +284,13 @@ class HFTreeModel(nn.Module):
         """The wrapped model's checkpoint (transformers' own format and names)."""
         if state_dict is not None:
             state_dict = {k[len("hf."):] if k.startswith("hf.") else k: v for k, v in state_dict.items()}
+            if self.config.tie_word_embeddings:
+                # a tied head is the embedding: transformers writes it once only when the two entries share
+                # storage, which a cast (publish dtype) or a cloned (gathered) state dict no longer does
+                names = {id(m): n for n, m in self.hf.named_modules(remove_duplicate=False)}
+                head, emb = names.get(id(self.output)), names.get(id(self.tok_embeddings))
+                if head is not None and emb is not None and head != emb and f"{emb}.weight" in state_dict:
+                    state_dict.pop(f"{head}.weight", None)
         self.hf.save_pretrained(str(path), state_dict=state_dict, max_shard_size=max_shard_size)
         for f in Path(path).glob("*.safetensors"):
             os.chmod(f, 0o666 & ~_umask())
@@ -349,14 +357,16 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 
 
 def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
-                  router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False) -> HFTreeModel:
+                  router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False,
+                  lora: Optional[Dict[str, Any]] = None) -> HFTreeModel:
     """The ``model=hf_auto`` config option (``activation_checkpointing``: transformers' own,
-    per layer, non-reentrant)."""
+    per layer, non-reentrant; ``lora``: PEFT LoRA adapters, :mod:`treelit.models.lora`)."""
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
+    opts = lora_options(lora)  # bad options fail before the weights load
     model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype), router_loss_set=router_aux_loss_coef is not None)
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
     if model._router_refusal and model.config.moe.get("router_aux_loss_coef", 0.0) > 0:
         raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")
     model.activation_checkpointing = bool(activation_checkpointing)
-    return model
+    return apply_lora(model, opts)

@@ -56,9 +56,9 @@ def fold_spec(objective: Objective) -> FoldSpec:
     if type(objective) is SFT:
         return FoldSpec(True, False, False, True)
     if isinstance(objective, DPO):
-        return FoldSpec(False, False, objective.reference == "initial", False)
+        return FoldSpec(False, False, objective.reference != "data", False)
     if isinstance(objective, _PolicyObjective):
-        ref = bool(objective.kl_coef) and objective.reference == "initial"
+        ref = bool(objective.kl_coef) and objective.reference != "data"
         return FoldSpec(not isinstance(objective, GSPO), bool(objective.entropy_coef), ref, False)
     raise NotImplementedError(
         f"objective {getattr(objective, 'name', type(objective).__name__)!r} cannot run partitioned: define "

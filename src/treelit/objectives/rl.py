@@ -27,7 +27,8 @@ k1/k2/k3 estimators; ``entropy_coef`` subtracts ``entropy_coef * sum_t c_t H_t``
 
 Old log-probs come from the data (``old_logprobs`` per branch) or, where missing,
 equal the current policy's (detached): one on-policy step. Reference log-probs come
-from the data or, with ``reference=initial``, from a frozen copy of the initial model.
+from the data or, with ``reference=initial``, from a frozen copy of the initial model, or with
+``reference=base`` from the model itself with its LoRA adapters off (one model in memory).
 
 **Off-policy correction** (``behavior_correction=tis|decoupled``, ``ppo``/``grpo``/``gspo``):
 the old log-probs are then the trainer's proximal ones and the sampler's are kept as
@@ -42,6 +43,7 @@ per-branch formula); tests compare both with references written from the papers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Dict, List, Optional, Tuple
 
@@ -51,6 +53,7 @@ import torch.nn.functional as F
 
 from treelit import loss as primitives  # the loss face: the decoder (torchtune) is imported on the first loss
 from treelit.loss.branches import Branches, as_branches
+from treelit.models.lora import adapters_disabled
 from treelit.objectives.base import OBJECTIVES, Objective
 from treelit.objectives.behavior import branch_behavior, check_behavior_options, tree_behavior
 from treelit.objectives.paths import branch_target_sums
@@ -77,6 +80,9 @@ def _branch_scale(n: np.ndarray, aggregation: str) -> np.ndarray:
     return np.divide(1.0, n, out=np.zeros_like(n), where=n > 0) if aggregation == "seq-mean-token-mean" else np.ones_like(n)
 
 
+REFERENCES = ("data", "initial", "base")  # where the reference log-probs come from
+
+
 class _PolicyObjective(Objective):
     """Shared plumbing: log-probs in both forms, old/reference log-probs, KL and entropy."""
 
@@ -85,8 +91,8 @@ class _PolicyObjective(Objective):
         self.behavior_correction, self.behavior_is_cap = check_behavior_options(behavior_correction, behavior_is_cap)
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"objective.kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-        if reference not in ("data", "initial"):
-            raise ValueError(f"objective.reference must be 'data' or 'initial', got {reference!r}")
+        if reference not in REFERENCES:
+            raise ValueError(f"objective.reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)
@@ -99,25 +105,35 @@ class _PolicyObjective(Objective):
             self._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         return self._ref_model
 
+    @contextlib.contextmanager
+    def as_reference(self, model):
+        """The reference model inside the context: a frozen copy of the initial model
+        (``initial``) or, with ``base``, the model itself with its LoRA adapters off."""
+        if self.reference == "base":
+            with adapters_disabled(model):
+                yield model
+        else:
+            yield self._reference_model(model)
+
     def _tree_ref(self, model, batch, sel, attention):
-        if self.reference == "initial":
-            with torch.no_grad():
-                _, ref, _ = primitives.tree_token_logprobs(self._reference_model(model), batch, attention, select=sel)
+        if self.reference != "data":
+            with torch.no_grad(), self.as_reference(model) as reference:
+                _, ref, _ = primitives.tree_token_logprobs(reference, batch, attention, select=sel)
             return ref.to(torch.float64)
         if batch.token_ref_logp is None or torch.isnan(batch.token_ref_logp[sel]).any():
-            raise ValueError("kl_coef > 0 needs ref_logprobs for every target token in the data, or objective.reference=initial")
+            raise ValueError("kl_coef > 0 needs ref_logprobs for every target token in the data, or objective.reference=initial|base")
         return batch.token_ref_logp[sel]
 
     def _linear_ref(self, model, br: Branches, b, lp):
         """Branch ``b``'s reference log-probs of its tokens 1.. (per branch: no tree)."""
-        if self.reference == "initial":
+        if self.reference != "data":
             if not hasattr(self, "_lin_ref_cache") or self._lin_ref_cache[0] is not br:
-                with torch.no_grad():
-                    refs, _ = primitives.linear_branch_logprobs(self._reference_model(model), br.tokens)
+                with torch.no_grad(), self.as_reference(model) as reference:
+                    refs, _ = primitives.linear_branch_logprobs(reference, br.tokens)
                 self._lin_ref_cache = (br, refs)
             return self._lin_ref_cache[1][b].to(torch.float64)
         if br.ref is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs in the data, or objective.reference=initial")
+            raise ValueError("kl_coef > 0 needs ref_logprobs in the data, or objective.reference=initial|base")
         return torch.from_numpy(br.ref[b][1:]).to(lp.device)
 
     # shared pieces ------------------------------------------------------------------------
@@ -370,24 +386,24 @@ class DPO(_PolicyObjective):
 
     def _ref_seq(self, model, batch, attention):
         """Per-branch reference sequence log-probs from the tree row ``batch``."""
-        if self.reference == "initial":
-            with torch.no_grad():
-                sel, lp, _ = primitives.tree_token_logprobs(self._reference_model(model), batch, attention)
+        if self.reference != "data":
+            with torch.no_grad(), self.as_reference(model) as reference:
+                sel, lp, _ = primitives.tree_token_logprobs(reference, batch, attention)
             x = torch.zeros(batch.num_tokens, dtype=torch.float64).index_put((sel,), lp.double())
             return branch_target_sums(batch, x)
         if batch.branch_ref_logp is None:
-            raise ValueError("dpo needs ref_logprobs in the data, or objective.reference=initial")
+            raise ValueError("dpo needs ref_logprobs in the data, or objective.reference=initial|base")
         return _branch_sums_host(batch, batch.branch_ref_logp)
 
     def _ref_seq_linear(self, model, br: Branches):
         """Per-branch reference sequence log-probs, branch by branch (no tree)."""
-        if self.reference == "initial":
-            with torch.no_grad():
-                lps, _ = primitives.linear_branch_logprobs(self._reference_model(model), br.tokens)
+        if self.reference != "data":
+            with torch.no_grad(), self.as_reference(model) as reference:
+                lps, _ = primitives.linear_branch_logprobs(reference, br.tokens)
             return torch.stack([(lp.double().cpu() * torch.from_numpy(m[1:].astype(np.float64))).sum()
                                 for lp, m in zip(lps, br.masks)])
         if br.ref is None:
-            raise ValueError("dpo needs ref_logprobs in the data, or objective.reference=initial")
+            raise ValueError("dpo needs ref_logprobs in the data, or objective.reference=initial|base")
         out = []
         for b, (r, m) in enumerate(zip(br.ref, br.masks)):
             vals = r[1:][m[1:]]

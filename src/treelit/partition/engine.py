@@ -275,7 +275,8 @@ class _Run:
     def _finish(self, live: _Live) -> None:
         tensors, grads = [live.loss], [torch.ones_like(live.loss)]
         for t, leaf in zip(live.produced, live.leaves):
-            if leaf.grad is not None:
+            # (a tensor computed from frozen parameters only, e.g. layer 0's keys under LoRA on q/v, has no graph)
+            if leaf.grad is not None and t.requires_grad:
                 tensors.append(t)
                 grads.append(leaf.grad)
         try:
@@ -321,7 +322,8 @@ def run_micro_batch(
         run.router = RouterTerms(model, batch, router_normalizer)
     routing = run.router if run.router is not None and len(plan.partitions) > 1 else None
     if spec.reference_model:
-        run.ref, _ = run.collect(objective._reference_model(model), with_entropy=False)
+        with objective.as_reference(model) as reference:
+            run.ref, _ = run.collect(reference, with_entropy=False)
     grads = None
     metrics: Dict[str, float] = {}
     value = None
