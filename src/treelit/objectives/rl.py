@@ -57,6 +57,7 @@ from treelit.models.lora import adapters_disabled
 from treelit.objectives.base import OBJECTIVES, Objective
 from treelit.objectives.behavior import branch_behavior, check_behavior_options, tree_behavior
 from treelit.objectives.paths import branch_target_sums
+from treelit.rl.gae import check_gae_options
 from treelit.tree.batch import check_aggregation
 
 __all__ = ["PPO", "GRPO", "GSPO", "DPO", "kl_estimate"]
@@ -244,8 +245,14 @@ class PPO(_PolicyObjective):
 
     name = "ppo"
 
-    def __init__(self, clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None, **kw):
+    def __init__(self, clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None,
+                 gamma: float = 1.0, lam: float = 1.0, whiten_advantages: bool = True, **kw):
         super().__init__(**kw)
+        # GAE with a critic (treelit.objectives.critic): discount, GAE lambda, whitening over the step
+        self.gamma, self.lam = check_gae_options(gamma, lam)
+        if not isinstance(whiten_advantages, bool):
+            raise ValueError(f"objective.whiten_advantages={whiten_advantages!r}: must be true or false")
+        self.whiten_advantages = whiten_advantages
         self.clip_low = float(clip_low)
         self.clip_high = float(clip_low if clip_high is None else clip_high)
         if dual_clip is not None and dual_clip <= 1.0:
@@ -283,8 +290,16 @@ class PPO(_PolicyObjective):
         return term, metrics
 
     def _branch_term(self, b, lp, old, c, br, n_b, aggregation):
-        A = float(br.adv[b])
         r = torch.exp(lp - old.to(lp.dtype))
+        token_adv = getattr(br, "token_adv", None)  # per-token advantages (GAE with a critic)
+        if token_adv is not None:
+            A = torch.from_numpy(token_adv[b][1:]).to(lp)
+            J = torch.minimum(r * A, self._clip(r) * A)
+            if self.dual_clip is not None:
+                J = torch.where(A < 0, torch.maximum(J, self.dual_clip * A), J)
+            wb = self._branch_behavior(br, b, old)
+            return -(c * J).sum() if wb is None else -(c * wb.to(lp.dtype) * J).sum()
+        A = float(br.adv[b])
         J = torch.minimum(r * A, self._clip(r) * A)
         if self.dual_clip is not None and A < 0:
             J = torch.maximum(J, torch.full_like(J, self.dual_clip * A))
