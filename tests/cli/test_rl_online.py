@@ -81,3 +81,41 @@ def test_trainer_and_worker_processes_learn_and_survive_kill_9(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"mean reward: first 5 files {first:.3f}, last 5 files {last:.3f}; staleness per file {lag}")
     assert last > first + 0.1, rewards
+
+
+@pytest.mark.slow
+def test_online_ppo_with_a_critic_learns_and_publishes_the_policy_only(tmp_path):
+    """``experiment=rl_online objective=ppo critic=shared``: the trainer's GAE advantages come from its
+    value head; the mean reward rises, the value loss falls, and the published folders hold the
+    policy's weights only (a sampler loads them as a plain checkpoint)."""
+    from safetensors import safe_open
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    rl, steps = tmp_path / "rl", 20
+    train = [EXE, "experiment=rl_online", f"rl_dir={rl}", "logger=none", f"trainer.max_steps={steps}",
+             "trainer.enable_progress_bar=false", "callbacks.progress=null", "objective=ppo", "critic=shared",
+             "tree_builder.advantage=null", f"output_dir={tmp_path / 'out'}"]
+    work = [sys.executable, "-m", "treelit.cli.rollout", "--publish-dir", str(rl / "policy"), "--out",
+            str(rl / "rollouts"), "--prompts", "rl_online_prompts.jsonl", "--reward", "even_tokens", "--n", "8",
+            "--max-new-tokens", "6", "--steps", str(steps), "--max-staleness", "1"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    trainer = subprocess.Popen(train, cwd=tmp_path, env=env, stdout=open(logs / "train.out", "w"),
+                               stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(work, cwd=tmp_path, env=env, stdout=open(logs / "work.out", "w"),
+                              stderr=subprocess.STDOUT)
+    try:
+        assert trainer.wait(timeout=900) == 0, (logs / "train.out").read_text()[-3000:]
+        assert worker.wait(timeout=300) == 0, (logs / "work.out").read_text()[-3000:]
+    finally:
+        for p in (trainer, worker):
+            if p.poll() is None:
+                p.kill()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    first, last = summary["rl"]["first"], summary["rl"]["last"]
+    assert last["reward_mean"] > first["reward_mean"] + 0.1, (first, last)
+    assert last["critic/value_loss"] < first["critic/value_loss"], (first, last)
+    published = sorted((rl / "policy").glob("step-*/model.safetensors"))
+    assert published
+    keys = list(safe_open(str(published[-1]), "pt").keys())
+    assert keys and not any("critic" in k or "value_head" in k for k in keys), keys

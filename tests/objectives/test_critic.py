@@ -167,8 +167,10 @@ def test_separate_critic_equals_per_branch_gae():
 def test_critic_on_random_forests(forest, kind, agg, seed):
     branches, masks, weights = forest
     rewards = _rewards(branches, seed)
-    for r in rewards:
+    for r, m in zip(rewards, masks):
         r[-1] += 1.0  # a reward at every branch end, others at random depths
+        first = next((t for t in range(1, len(m)) if m[t]), len(m))
+        r[:first] = [0.0] * min(first, len(r))  # none before the branch's first action (refused)
     # raw GAE advantages (a forest with one action would whiten its only advantage to 0)
     check(kind, branches, masks, weights, rewards, agg=agg, seed=seed % 5, white=False)
 
@@ -222,4 +224,14 @@ def test_branch_without_reward_is_named():
     model, critic = _setup("shared")
     batch = treelit.TokenTree.from_branches([[1, 2, 3], [1, 2, 4]], branch_fields={"reward": [1.0, None]}).to_batch()
     with pytest.raises(ValueError, match="branch 1 has no reward"):
+        prepare_tree(batch, tree_values(critic, model, batch), GAMMA, LAM)
+
+
+def test_reward_before_the_first_action_is_refused():
+    """A reward on a prompt token, before any action of its branch, is named (not dropped)."""
+    model, critic = _setup("shared")
+    batch = treelit.TokenTree.from_branches(
+        [[1, 2, 3, 4], [1, 2, 5]], [[0, 0, 1, 1], [0, 1, 1]],
+        branch_fields={"reward": [1.0, 1.0], "token_rewards": [[0.0, 0.5, 0.0, 1.0], None]}).to_batch()
+    with pytest.raises(ValueError, match=r"branch 0: a reward \(0.5\) at token 1, before the branch's first action"):
         prepare_tree(batch, tree_values(critic, model, batch), GAMMA, LAM)

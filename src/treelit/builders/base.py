@@ -35,7 +35,7 @@ TREE_BUILDERS = get_registry(
     "tree_builder", ["treelit.builders.sequences", "treelit.builders.groups", "treelit.builders.chat"]
 )
 
-BRANCH_FIELDS = ("group", "reward", "advantage", "old_logprobs", "ref_logprobs", "chosen", "pair")
+BRANCH_FIELDS = ("group", "reward", "advantage", "old_logprobs", "ref_logprobs", "chosen", "pair", "token_rewards")
 
 
 class TreeBuilder:

@@ -80,6 +80,11 @@ def check_needs(rec, branches: List[Dict[str, Any]], limits, est: Optional[str],
                 if br.get("advantage") is None and not finite_number(br.get("reward")):
                     raise DataError(f"{src}: {br['_where']}.reward: tree_builder.advantage={est} needs a finite "
                                     f"reward on every branch without an advantage, got {br.get('reward')!r}")
+    elif needs.get("reward"):  # GAE with a critic: rewards, not advantages
+        for br in branches:
+            if br.get("token_rewards") is None and not finite_number(br.get("reward")):
+                raise DataError(f"{src}: {br['_where']}.reward: {obj} with a critic needs a finite 'reward' (or "
+                                f"'token_rewards') on every branch for GAE, got {br.get('reward')!r}")
     elif needs.get("advantage"):
         for br in branches:
             if br.get("advantage") is None:

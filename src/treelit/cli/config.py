@@ -230,6 +230,63 @@ def validate_config(cfg: DictConfig) -> None:
         from treelit.partition import PARTITIONS
 
         PARTITIONS.get(part["name"])  # unknown names list the known ones
+    check_critic_config(cfg)
+
+
+def critic_model_config(cfg: DictConfig) -> DictConfig:
+    """The model config of ``critic=separate``'s own model: the policy's (``critic.model=policy``)
+    or a model group's file (``critic.model=NAME``), with ``critic.hf_checkpoint`` when given and
+    without LoRA (the critic trains in full)."""
+    critic = cfg.critic
+    name = critic.get("model")
+    if name in (None, "policy"):
+        node = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+    else:
+        folder = Path(__file__).resolve().parent.parent / "conf" / "model"
+        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        if not isinstance(name, str) or name not in known:
+            raise ConfigError(f"critic.model={name!r}: not a model config; use policy or one of {', '.join(known)}")
+        node = OmegaConf.load(folder / f"{name}.yaml")
+    if critic.get("hf_checkpoint"):
+        node.hf_checkpoint = str(critic.hf_checkpoint)
+    if "lora" in node:
+        node.lora.rank = None
+    return node
+
+
+def check_critic_config(cfg: DictConfig) -> None:
+    """The ``critic`` group against the rest of the run, one line naming the option."""
+    critic = cfg.get("critic") or {}
+    kind = critic.get("kind", "none")
+    if kind in (None, "none"):
+        return
+    from treelit.models.critic import check_critic_options
+
+    try:
+        check_critic_options(kind, critic.get("vf_coef"), critic.get("value_clip"), critic.get("lr"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    name = (cfg.get("objective") or {}).get("name")
+    if name != "ppo":
+        raise ConfigError(f"critic={kind} trains with objective=ppo (GAE advantages from a value function), not "
+                          f"objective={name}")
+    adv = (cfg.get("tree_builder") or {}).get("advantage")
+    if adv not in (None, "none"):
+        raise ConfigError(f"critic={kind} with tree_builder.advantage={adv}: the critic computes the advantages (GAE "
+                          "from the rewards and its values); set tree_builder.advantage=null")
+    if kind == "separate" and not critic.get("hf_checkpoint") and not critic.get("model"):
+        raise ConfigError("critic=separate needs its own model: critic.hf_checkpoint=DIR (a checkpoint folder) or "
+                          "critic.model=policy|NAME (the policy's model config, or a model group name such as tiny)")
+    if kind == "separate":
+        critic_model_config(cfg)  # an unknown model name is named here
+    if (cfg.get("partition") or {}).get("name", "none") != "none":
+        raise ConfigError(f"critic={kind} with partition={cfg.partition.name}: the critic trains unpartitioned "
+                          "(partition=none); partitioned critics are not supported yet")
+    strategy = ((cfg.get("trainer") or {}).get("strategy") or {})
+    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
+    if isinstance(cp, int) and cp > 1:
+        raise ConfigError(f"critic={kind} with trainer.strategy.context_parallel_degree={cp}: not supported; use "
+                          "context_parallel_degree=1")
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "train") -> DictConfig:

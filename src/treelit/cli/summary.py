@@ -125,6 +125,12 @@ def _rl_rows(s: Dict[str, Any], row: Any) -> None:
                    "where the policy is still the one the step's old log-probs came from, so 0 is expected"
                    if still and ("approx_kl" in a or "clip_frac" in a) else "")
             row("policy", f"{', '.join(parts)} {span}{why}")
+        if "critic/value_loss" in a and "critic/value_loss" in b:  # PPO with a value function
+            ev = [x.get("critic/explained_variance", float("nan")) for x in (a, b)]
+            row("critic", f"value loss {a['critic/value_loss']:.4g} -> {b['critic/value_loss']:.4g}, explained "
+                          f"variance {ev[0]:.3f} -> {ev[1]:.3f}, values mean {a['critic/values_mean']:.3f} -> "
+                          f"{b['critic/values_mean']:.3f} against returns mean {a['critic/returns_mean']:.3f} -> "
+                          f"{b['critic/returns_mean']:.3f} {span}")
     if margin:
         a, b = margin["first"], margin["last"]
         row("margin", f"{a['margin']:.2f} -> {b['margin']:.2f} nats (step {a['step']} -> {b['step']}): mean "

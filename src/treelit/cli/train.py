@@ -352,6 +352,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         builder = build(cfg.tree_builder)
         datamodule = build(cfg.data, tree_builder=builder)
         objective = build(cfg.objective)
+        critic = _build_critic(cfg, model, objective)
         check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
         check_lora_mode(model, cfg.mode)
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
@@ -378,6 +379,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             budget_tokens=cfg.partition.get("budget_tokens"),
             on_nonfinite=cfg.get("on_nonfinite", "stop"),
             max_skipped_steps=cfg.get("max_skipped_steps", 10),
+            critic=critic,
         )
         callbacks = _instantiate_all(cfg.get("callbacks"))
         if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
@@ -447,6 +449,37 @@ def _hydra_main(cfg: DictConfig) -> None:
             raise
         log.error("%s", msg)  # one line; HYDRA_FULL_ERROR=1 shows the traceback (docs: Training)
         sys.exit(1)
+
+
+def _build_critic(cfg: DictConfig, model, objective):
+    """``critic=shared|separate``: the value function (None with ``critic=none``). The objective
+    learns that advantages come from GAE (its data needs: rewards, not advantages)."""
+    c = cfg.get("critic") or {}
+    kind = c.get("kind", "none")
+    if kind in (None, "none"):
+        return None
+    import torch  # cli: built once a run is configured
+
+    from treelit.cli.config import critic_model_config
+    from treelit.models.critic import Critic
+    from treelit.models.forward import output_weight
+
+    trunk = None
+    if kind == "separate":
+        from treelit.ssm import set_ssm_backend
+
+        trunk = build(critic_model_config(cfg))
+        set_ssm_backend(trunk, cfg.ssm.name, cfg.ssm.get("chunk_size", 64))
+    ref = output_weight(trunk if trunk is not None else model)
+    dtype = ref.dtype if ref.dtype in (torch.float32, torch.float64) else torch.float32
+    critic = Critic(kind, int(ref.shape[1]), trunk, vf_coef=c.get("vf_coef"), value_clip=c.get("value_clip"),
+                    lr=c.get("lr"), dtype=dtype)
+    objective.critic = kind
+    log.info("critic: %s (%s), vf_coef %s, value_clip %s, GAE gamma %s lam %s", kind,
+             "a value head on the policy's trunk" if trunk is None else
+             f"its own model, {sum(p.numel() for p in critic.parameters()) / 1e6:.2f}M parameters",
+             critic.vf_coef, critic.value_clip, objective.gamma, objective.lam)
+    return critic
 
 
 def hybrid_line(model, ssm: str) -> str:

@@ -10,6 +10,7 @@ Token-level format, one record per tree::
          "group": "prompt-3",                  # optional: group key (a string or an integer)
          "reward": 1.0, "advantage": 0.5,      # optional: RL fields (numbers)
          "old_logprobs": [...], "ref_logprobs": [...],  # optional: one per token (or null)
+         "token_rewards": [...],               # optional: a reward per token (GAE with a critic)
          "pair": 0, "chosen": true}            # optional: DPO pairs
      ]}
 
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
 MAX_TOKEN_ID = 2**63 - 1
 BRANCH_KEYS = ("input_ids", "loss_mask", "weight", "group", "reward", "advantage", "old_logprobs", "ref_logprobs",
-               "pair", "chosen")
+               "pair", "chosen", "token_rewards")
 
 
 class DataError(TreeInputError):
@@ -179,6 +180,13 @@ def validate_token_record(rec: Any, source: str) -> None:
             check_key(br.get(key), f"{where}.{key}")
         if br.get("chosen") is not None and not isinstance(br["chosen"], bool):
             raise DataError(f"{where}.chosen: must be true or false, got {_show(br['chosen'])}")
+        rewards = br.get("token_rewards")
+        if rewards is not None:
+            if not isinstance(rewards, list) or len(rewards) != len(ids):
+                raise DataError(f"{where}.token_rewards: must be a list of {len(ids)} rewards (one per token, or null)")
+            for i, v in enumerate(rewards):
+                if v is not None and not finite_number(v):
+                    raise DataError(f"{where}.token_rewards[{i}]: must be a finite number or null, got {_show(v)}")
         for key in ("old_logprobs", "ref_logprobs"):
             lp = br.get(key)
             if lp is None:

@@ -416,7 +416,8 @@ class StepMetrics(pl.Callback):
     ``approx_kl`` (against the rollout policy) and ``kl_ref`` (against the reference) when it
     logs them."""
 
-    RL_KEYS = ("clip_frac", "approx_kl", "kl_ref", "behavior/kl")
+    RL_KEYS = ("clip_frac", "approx_kl", "kl_ref", "behavior/kl", "critic/explained_variance", "critic/value_loss",
+               "critic/values_mean", "critic/returns_mean", "critic/clip_fraction")
 
     def __init__(self) -> None:
         self.first: Optional[Tuple[int, float]] = None

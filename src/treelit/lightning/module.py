@@ -45,12 +45,18 @@ from treelit.loss.tree import sft_tree_loss, tree_token_logprobs
 from treelit.models.lora import check_lora_mode, check_reference, lora_of, trainable_state_dict
 from treelit.objectives.base import Objective
 from treelit.objectives.behavior import split_behavior
+from treelit.loss.branches import as_branches
+from treelit.models.critic import Critic
+from treelit.objectives.critic import (branch_values, check_critic_objective, critic_linear_loss, critic_padding_pass,
+                                       critic_tree_loss, prepare_branches, prepare_tree, set_branch_advantages,
+                                       set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
 from treelit.partition.context_parallel import check_cp_model, cp_logprobs, cp_micro_batch
 from treelit.partition.engine import PartitionStats, policy_logprobs, run_micro_batch
 from treelit.partition.passes import empty_row
 from treelit.tree.batch import check_aggregation
-from treelit.utils.distributed import Collectives, is_sharded, shard_model
+from treelit.rl.gae import explained_variance, value_sums, whiten
+from treelit.utils.distributed import Collectives, is_sharded, shard_model, shard_module
 
 __all__ = ["TreeLitModule"]
 
@@ -71,12 +77,18 @@ def _is_collective_error(exc: BaseException) -> bool:
                                                                       "connection closed", "connection reset"))
 
 
+SUMMED_METRICS = ("critic/value_loss",)  # shares of the step's value (each divided by the step's normaliser)
+
+
 def add_micro_batch_metrics(acc: Dict[str, float], m: Dict[str, Any], n: int) -> None:
     """Fold one of ``n`` micro-batches' metrics into ``acc``: means over the micro-batches, except
-    extremes (``*_max`` / ``*_min``, e.g. ``behavior/ratio_max``, ``adv_min``), which stay extremes."""
+    extremes (``*_max`` / ``*_min``, e.g. ``behavior/ratio_max``, ``adv_min``), which stay extremes,
+    and the shares of a step total (:data:`SUMMED_METRICS`), which add up."""
     for k, v in m.items():
         v = float(v)
-        if k.endswith("_max"):
+        if k in SUMMED_METRICS:
+            acc[k] = acc.get(k, 0.0) + v
+        elif k.endswith("_max"):
             acc[k] = max(acc.get(k, v), v)
         elif k.endswith("_min"):
             acc[k] = min(acc.get(k, v), v)
@@ -111,6 +123,9 @@ class TreeLitModule(pl.LightningModule):
             to the run (the update is never applied; see :meth:`_drop_nonfinite`).
         max_skipped_steps: with ``skip_step``, the run stops when this many consecutive
             updates were dropped.
+        critic: a :class:`~treelit.models.critic.Critic` (``objective=ppo``): values and GAE
+            advantages are computed before the first update of each step batch
+            (:meth:`record_values`) and the value loss joins the policy loss.
     """
 
     def __init__(
@@ -133,6 +148,7 @@ class TreeLitModule(pl.LightningModule):
         max_oom_retries: int = 3,
         on_nonfinite: str = "stop",
         max_skipped_steps: int = 10,
+        critic: Optional[Critic] = None,
     ) -> None:
         super().__init__()
         if mode not in ("tree", "linear"):
@@ -173,6 +189,13 @@ class TreeLitModule(pl.LightningModule):
             raise ValueError(f"max_skipped_steps={max_skipped_steps} must be at least 1")
         self.on_nonfinite = on_nonfinite
         self.max_skipped_steps = int(max_skipped_steps)
+        if critic is not None:
+            check_critic_objective(objective)
+            if partition != "none":
+                raise ValueError(f"critic={critic.kind} with partition={partition}: the critic trains unpartitioned "
+                                 "(partition=none); partitioned critics are not supported yet")
+        self.critic = critic
+        self._critic_metrics: Dict[str, float] = {}
         self.skipped_steps = 0  # updates dropped as non-finite, in all (checkpointed)
         self.consecutive_skips = 0  # ... since the last applied one (checkpointed)
         self._micro_losses: list = []  # (micro-batch, loss) of the last attempt, for the check
@@ -190,6 +213,9 @@ class TreeLitModule(pl.LightningModule):
         if mesh is None or is_sharded(self.model):
             return
         if self._cp_degree() > 1:
+            if self.critic is not None:
+                raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; "
+                                 "use critic=none or context_parallel_degree=1")
             check_cp_model(self.model)
             if self.partition != "none":
                 raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: "
@@ -204,6 +230,10 @@ class TreeLitModule(pl.LightningModule):
         if hasattr(self.objective, "_reference_model") and getattr(self.objective, "reference", None) == "initial":
             shard_model(self.objective._reference_model(self.model), dp, mp_policy=policy)
         shard_model(self.model, dp, mp_policy=policy)
+        if self.critic is not None:  # the critic's own model per block like the policy; the head as one unit
+            if self.critic.trunk is not None:
+                shard_model(self.critic.trunk, dp, mp_policy=policy)
+            shard_module(self.critic.head, dp, mp_policy=policy)
 
     def _fsdp(self) -> bool:
         return is_sharded(self.model)
@@ -257,7 +287,14 @@ class TreeLitModule(pl.LightningModule):
 
     def configure_optimizers(self):
         # the trained parameters only: a frozen base (LoRA) gets no optimizer state
-        opt = self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
+        policy = [p for p in self.model.parameters() if p.requires_grad]
+        if self.critic is None:
+            opt = self.optimizer_factory(policy)
+        else:  # the critic's parameters are a group of their own (critic.lr; null: the optimizer's)
+            group = {"params": [p for p in self.critic.parameters() if p.requires_grad], "name": "critic"}
+            if self.critic.lr is not None:
+                group["lr"] = self.critic.lr
+            opt = self.optimizer_factory([{"params": policy, "name": "policy"}, group])
         if self.scheduler_factory is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(opt), "interval": "step"}}
@@ -281,9 +318,18 @@ class TreeLitModule(pl.LightningModule):
         kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
         if not mb.num_targets and (mode or self.mode) == "tree":
             # a padding micro-batch: one pass through the model (the other ranks' collectives), loss 0
-            return sft_tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0), {}
+            loss = sft_tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0)
+            if self.critic is not None:  # ... and through the critic (its sharded parts are collectives too)
+                loss = loss + 0.0 * critic_padding_pass(self.critic, self.model, mb, self.attention)
+            return loss, {}
         with router_aux(self.model, R) as aux:  # MoE models: + coef x router loss (both modes alike)
-            if (mode or self.mode) == "tree":
+            if self.critic is not None and (mode or self.mode) == "tree":
+                loss, metrics = critic_tree_loss(self.objective, self.critic, self.model, mb, attention=self.attention,
+                                                 **kw)
+            elif self.critic is not None:
+                branches = mb.source_branches if mb.source_branches is not None else mb
+                loss, metrics = critic_linear_loss(self.objective, self.critic, self.model, branches, **kw)
+            elif (mode or self.mode) == "tree":
                 loss, metrics = self.objective.tree_loss(self.model, mb, attention=self.attention, **kw)
             else:  # per branch, from the records' branches (not read back from the tree)
                 branches = mb.source_branches if mb.source_branches is not None else mb
@@ -331,6 +377,58 @@ class TreeLitModule(pl.LightningModule):
                 flat = mb.branch_old_logp.cpu().numpy()
                 br.old = [flat[ptr[b]: ptr[b + 1]] for b in range(len(ptr) - 1)]
 
+    @torch.no_grad()
+    def record_values(self, micro_batches) -> None:
+        """Values and GAE advantages of the step batch, before its first update: the critic's
+        values of every target token (one tree pass per micro-batch, or per branch in
+        ``mode=linear``), GAE per (branch, action) pair, whitened over the whole step (every
+        micro-batch, every rank) with ``objective.whiten_advantages``. Sets what the losses read
+        and the step's ``critic/explained_variance``, ``critic/values_mean`` and
+        ``critic/returns_mean`` (over the action pairs of every rank)."""
+        obj, comm = self.objective, self._comm()
+        linear = self.mode == "linear" or bool(self.verify_every)
+        trees, lins = [], []
+        for mb in micro_batches:
+            if not mb.num_targets:
+                continue
+            if self.mode == "tree":
+                v = tree_values(self.critic, self.model, mb, self.attention)
+                trees.append((mb, prepare_tree(mb, v, obj.gamma, obj.lam)))
+            if linear:
+                if mb.source_branches is None:
+                    mb.source_branches = as_branches(mb)
+                br = mb.source_branches
+                vals = branch_values(self.critic, self.model, br)
+                lins.append((br, prepare_branches(br, vals, obj.gamma, obj.lam), vals))
+
+        def totals(advs):
+            flat = np.concatenate([a[~np.isnan(a)] for a in advs]) if advs else np.zeros(0)
+            return comm.sum_vector([len(flat), flat.sum(), (flat * flat).sum()])
+
+        def white(advs):
+            return whiten(advs, totals(advs)) if obj.whiten_advantages else advs
+
+        for (mb, pairs), adv in zip(trees, white([p.adv for _, p in trees])):
+            set_tree_advantages(mb, pairs, adv)
+        if lins:
+            advs = [a for _, gae, _ in lins for a, _ in gae]
+            it = iter(white(advs))
+            for br, gae, vals in lins:
+                set_branch_advantages(br, gae, [next(it) for _ in gae], vals)
+        if trees:
+            vs = np.concatenate([p.value[p.action] for _, p in trees])
+            rs = np.concatenate([p.ret[p.action] for _, p in trees])
+        else:
+            vs = np.concatenate([v[1:][br.masks[b][1:]] for br, _, vals in lins for b, v in enumerate(vals)]) \
+                if lins else np.zeros(0)
+            rs = np.concatenate([r[1:][br.masks[b][1:]] for br, gae, _ in lins for b, (_, r) in enumerate(gae)]) \
+                if lins else np.zeros(0)
+        sums = comm.sum_vector(value_sums(vs, rs))
+        n = max(float(sums[0]), 1.0)
+        self._critic_metrics = {"critic/explained_variance": explained_variance(sums),
+                                "critic/values_mean": float(sums[1] - sums[3]) / n,
+                                "critic/returns_mean": float(sums[1]) / n}
+
     def _backward(self, loss: torch.Tensor) -> None:
         if self._fsdp():
             loss.backward()  # FSDP2 sums the gradients over ranks (divide factor 1)
@@ -348,7 +446,7 @@ class TreeLitModule(pl.LightningModule):
         rank issues the same collectives whatever its number of partitions or passes."""
         if not self._distributed() or self._fsdp():
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trained_parameters()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -369,16 +467,43 @@ class TreeLitModule(pl.LightningModule):
                         off += q.numel()
                 bucket, size = [], 0
 
+    def _trained_parameters(self) -> list:
+        """The parameters the optimizer steps: the policy's trained ones, then the critic's."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.critic is not None:
+            params += [p for p in self.critic.parameters() if p.requires_grad]
+        return params
+
+    def _zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.zero_grad(set_to_none=True)
+
+    def _clip_groups(self) -> list:
+        """Parameter groups whose gradient norm is clipped on its own: the policy (with a shared
+        critic's head, which trains on the same loss) and a separate critic."""
+        policy = [p for p in self.model.parameters() if p.grad is not None]
+        if self.critic is None:
+            return [policy]
+        critic = [p for p in self.critic.parameters() if p.grad is not None]
+        return [policy + critic] if self.critic.kind == "shared" else [policy, critic]
+
     def _update(self, micro_batches) -> Dict[str, float]:
         """Forward and backward every micro-batch with the shared normaliser, then one step."""
         planner = next((c for c in (self.trainer.callbacks if self._trainer is not None else [])
                         if isinstance(c, MemoryPlanner)), None)
         out = self.compute_gradients(micro_batches, planner)
         opt = self.optimizers()
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norms = []
+        for params in self._clip_groups():
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        grad_norm = norms[0]
+        if len(norms) > 1:
+            out = {**out, "critic/grad_norm": norms[1]}
+            if not math.isfinite(norms[1]):
+                grad_norm = norms[1]  # a non-finite critic gradient drops the update like the policy's
         if self._drop_nonfinite(micro_batches, grad_norm):
             opt.zero_grad(set_to_none=True)
             return {**out, "grad_norm": grad_norm}
@@ -459,7 +584,7 @@ class TreeLitModule(pl.LightningModule):
         if getattr(self, "_cp_group", None) is not None:  # a row split over ranks: not recomputed whole
             return found
         for mb in micro_batches:
-            self.model.zero_grad(set_to_none=True)
+            self._zero_grad()
             if self.partition != "none" and self.mode == "tree":
                 run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
                                 budget_tokens=self.budget_tokens, attention=self.attention, chunk_rows=self.chunk_rows,
@@ -468,10 +593,10 @@ class TreeLitModule(pl.LightningModule):
                 loss, _ = self.micro_loss(mb, Z, R=R)
                 self._backward(loss)
             bad = any(not bool(torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all())
-                      for g in (p.grad for p in self.model.parameters()) if g is not None)
+                      for g in (p.grad for p in self._trained_parameters()) if g is not None)
             if (comm.max(float(bad)) if self._fsdp() else bad):
                 found.append(mb)
-        self.model.zero_grad(set_to_none=True)
+        self._zero_grad()
         return found
 
     def compute_gradients(self, micro_batches, planner=None) -> Dict[str, float]:
@@ -487,7 +612,7 @@ class TreeLitModule(pl.LightningModule):
             out = self._accumulate(micro_batches, Z, comm, R)
             if out is not None:
                 return out
-            self.model.zero_grad(set_to_none=True)
+            self._zero_grad()
             if attempt == self.max_oom_retries or planner is None:
                 raise torch.OutOfMemoryError(
                     f"out of memory at step {self.global_step} with a partition budget of {self.budget_tokens} tokens"
@@ -587,6 +712,8 @@ class TreeLitModule(pl.LightningModule):
         self._data_step = batch.index
         if self.old_logprobs == "rollout":
             self.record_rollout_logprobs(micro)
+        if self.critic is not None:
+            self.record_values(micro)
         k = min(self.ppo_minibatches, len(micro))
         bounds = [round(i * len(micro) / k) for i in range(k + 1)]
         groups = [micro[bounds[i] : bounds[i + 1]] for i in range(k)]
@@ -612,9 +739,12 @@ class TreeLitModule(pl.LightningModule):
                 "micro_batches": float(len(micro)),
                 "load_imbalance": float(batch.load_imbalance),
                 "peak_mem_bytes": float(_peak_memory_bytes(self.device)),
-                **{k: v for k, v in last.items() if k != "loss"},
+                **{k: v for k, v in last.items() if k not in ("loss",) + SUMMED_METRICS},
             }
         )
+        if self.critic is not None:  # the value loss of the step's first update, summed over the ranks
+            first = [u.get("critic/value_loss", 0.0) for u in updates[: len(groups)]]
+            self.log_dict({"critic/value_loss": self._comm().sum(sum(first)), **self._critic_metrics})
         self.log_dict({"tree_tok/s": tree_tok / dt, "flat_tok/s": flat_tok / dt}, prog_bar=True)
         if self.on_nonfinite == "skip_step":
             self.log("train/skipped_steps", float(self.skipped_steps))
@@ -633,7 +763,7 @@ class TreeLitModule(pl.LightningModule):
 
         Gradients are taken with ``torch.autograd.grad`` so that ``.grad`` is untouched.
         """
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trained_parameters()
 
         def run(mode):
             t0 = time.perf_counter()

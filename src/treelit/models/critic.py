@@ -70,8 +70,8 @@ class Critic(nn.Module):
         """Values ``[M]`` from hidden states ``[M, D]`` (the head's dtype follows ``h``)."""
         w, b = self.head.weight, self.head.bias
         if w.dtype != h.dtype and not hasattr(w, "to_local"):
-            return (h @ w.to(h.dtype).t()).squeeze(-1) + b.to(h.dtype)
-        return self.head(h).squeeze(-1)
+            return (h @ w.to(h.dtype).t()).sum(-1) + b.to(h.dtype)
+        return self.head(h).sum(-1)  # [M, 1] -> [M] as a new tensor: FSDP2 warns about a view returned by a forward
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, vf_coef={self.vf_coef}, value_clip={self.value_clip}, lr={self.lr}"

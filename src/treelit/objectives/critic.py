@@ -35,7 +35,7 @@ from treelit.objectives.rl import PPO, _branch_scale, kl_estimate
 from treelit.rl.gae import PairGAE, _branch_gae, branch_rewards, check_gae_options, gae_pairs
 from treelit.tree.batch import check_aggregation
 
-__all__ = ["check_critic_objective", "tree_values", "branch_values", "prepare_tree", "prepare_branches",
+__all__ = ["check_critic_objective", "critic_padding_pass", "tree_values", "branch_values", "prepare_tree", "prepare_branches",
            "set_tree_advantages", "set_branch_advantages", "critic_tree_loss", "critic_linear_loss"]
 
 Metrics = Dict[str, float]
@@ -109,7 +109,8 @@ def prepare_branches(br, values: List[np.ndarray], gamma: float, lam: float) -> 
     """Per branch ``(adv [L_b], ret [L_b])`` (NaN off the actions), each branch on its own."""
     out = []
     for b, (toks, mask) in enumerate(zip(br.tokens, br.masks)):
-        out.append(_branch_gae(values[b], branch_rewards(br.fields, b, len(toks)), mask.astype(bool), gamma, lam))
+        out.append(_branch_gae(values[b], branch_rewards(br.fields, b, len(toks)), mask.astype(bool), gamma, lam,
+                               f"branch {b}: "))
     return out
 
 
@@ -152,6 +153,18 @@ def set_branch_advantages(br, gae: List[Tuple[np.ndarray, np.ndarray]], adv: Lis
     br.token_ret = [r for _, r in gae]
     br.token_value = values
     br.adv = np.array([float(np.nanmean(a)) if (~np.isnan(a)).any() else 0.0 for a in adv])
+
+
+def critic_padding_pass(critic, model, batch, attention="auto") -> torch.Tensor:
+    """The critic's part of an empty pass (a rank without work, under FSDP2): its modules run,
+    so their collectives match the other ranks'; the result (a sum, to be multiplied by 0)
+    carries no gradient of value."""
+    if critic.kind == "shared":
+        w = critic.head.weight
+        return critic.values(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)).sum()
+    batch = prepare_batch(critic.trunk, batch)
+    return critic.values(_hidden_rows(critic.trunk, batch, attention, torch.arange(batch.num_tokens,
+                                                                                      device=batch.device))).sum()
 
 
 # losses -------------------------------------------------------------------------------------

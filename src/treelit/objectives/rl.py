@@ -142,6 +142,10 @@ class _PolicyObjective(Objective):
         return batch.norm_contribution(aggregation)
 
     def data_needs(self):
+        if getattr(self, "critic", None):  # GAE computes the advantages from rewards (treelit.objectives.critic)
+            return {"advantage": False, "reward": True, "old_logprobs": True, "pairs": False,
+                    "ref_logprobs": bool(self.kl_coef) and self.reference == "data",
+                    "behavior_logprobs": self.behavior_correction != "none"}
         return {"advantage": True, "old_logprobs": True, "pairs": False,
                 "ref_logprobs": bool(self.kl_coef) and self.reference == "data",
                 "behavior_logprobs": self.behavior_correction != "none"}

@@ -74,7 +74,8 @@ def branch_rewards(fields, b: int, length: int, where: str = "") -> np.ndarray:
     return arr
 
 
-def _branch_gae(values: np.ndarray, rewards: np.ndarray, targets: np.ndarray, gamma: float, lam: float):
+def _branch_gae(values: np.ndarray, rewards: np.ndarray, targets: np.ndarray, gamma: float, lam: float,
+                name: str = ""):
     """One branch: ``values [L]`` (the value before each token), ``rewards [L]``, ``targets [L]``
     (bool: the actions). Returns ``(adv [L], ret [L])``, NaN off the actions."""
     L = len(targets)
@@ -83,11 +84,16 @@ def _branch_gae(values: np.ndarray, rewards: np.ndarray, targets: np.ndarray, ga
     act = np.flatnonzero(targets)
     if not len(act):
         return adv, ret
-    # a reward on a non-action token goes to the last action before it (or is dropped before the first:
-    # nothing the policy did caused it)
+    # a reward on a non-action token goes to the last action before it; before the first action nothing the
+    # policy did caused it, and it is refused rather than dropped
     owner = np.searchsorted(act, np.arange(L), side="right") - 1
     r = np.zeros(len(act))
     keep = owner >= 0
+    early = np.flatnonzero(~keep & (rewards != 0))
+    if len(early):
+        raise ValueError(f"{name}a reward ({rewards[early[0]]:g}) at token {int(early[0])}, before the branch's first "
+                         f"action (token {int(act[0])}): no action of the policy earned it; put it on an action "
+                         "or a later token")
     np.add.at(r, owner[keep], rewards[keep])
     v = values[act]
     last = 0.0
@@ -122,7 +128,8 @@ def gae_pairs(branch_ptr: np.ndarray, branch_tokens: np.ndarray, branch_mask: np
         vals = token_values[branch_tokens[s:e]]
         if np.isnan(vals[targets]).any():
             raise ValueError(f"{where}branch {b}: a target token has no value")
-        a, r = _branch_gae(vals, branch_rewards(fields, b, e - s, where), targets, gamma, lam)
+        a, r = _branch_gae(vals, branch_rewards(fields, b, e - s, where), targets, gamma, lam,
+                           f"{where}branch {b}: ")
         action[s:e], adv[s:e], ret[s:e] = targets, a, r
         value[s:e] = np.where(targets, vals, np.nan)
     return PairGAE(action, adv, ret, value)

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-__all__ = ["shard_model", "is_sharded", "Collectives", "mixed_precision_policy", "hsdp_mesh", "fsdp_mesh"]
+__all__ = ["shard_model", "shard_module", "is_sharded", "Collectives", "mixed_precision_policy", "hsdp_mesh", "fsdp_mesh"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,6 +102,23 @@ def shard_model(model: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
     return model
 
 
+def shard_module(module: nn.Module, mesh=None, *, mp_policy=None) -> nn.Module:
+    """FSDP2 on one small module as a single unit (a value head), with the reduction settings
+    of :func:`shard_model` (plain sums, no divide factor)."""
+    from torch.distributed.fsdp import fully_shard  # heavy (~0.9 s CPU): sharding only
+
+    if is_sharded(module):
+        return module
+    kw: dict = {"mesh": fsdp_mesh(mesh)}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    fully_shard(module, **kw)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+    module.set_reduce_scatter_unused_params(True)
+    return module
+
+
 HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -164,6 +182,13 @@ class Collectives:
 
     def min(self, value: float) -> float:
         return self._reduce(value, dist.ReduceOp.MIN if self.distributed else None)
+
+    def sum_vector(self, values) -> np.ndarray:
+        """Elementwise sums over ranks of a short float vector (one collective), as float64 numpy."""
+        t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=self.device)
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu().numpy()
 
     def max(self, value: float) -> float:
         return self._reduce(value, dist.ReduceOp.MAX if self.distributed else None)
