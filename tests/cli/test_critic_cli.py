@@ -36,6 +36,19 @@ def test_shared_critic_run_checks_itself_against_per_branch(tmp_path):
     assert "critic/value_loss" in s["rl"]["last"]
 
 
+@pytest.mark.parametrize("kind", ["shared", pytest.param("separate", marks=pytest.mark.slow)])
+def test_partitioned_critic_run_checks_itself_against_per_branch(tmp_path, kind):
+    """Trees cut into partitions of 60 tokens (the values' pass and both losses folded per pass):
+    the update equals the per-branch path's (policy and critic)."""
+    extra = [f"critic={kind}"] + (["critic.model=policy"] if kind == "separate" else [])
+    s, _ = train(tmp_path, "part", "trainer.max_steps=2", "verify_every=1", "model.dtype=float64",
+                 "partition=redundancy_free", "partition.budget_tokens=60", *extra)
+    m = s["metrics"]
+    assert m["verify/loss_rel_diff"] < 1e-9 and m["verify/grad_rel_diff"] < 1e-9, m
+    assert m["partitions"] > m["micro_batches"], m
+    assert m["critic/value_loss"] > 0
+
+
 @pytest.mark.slow
 def test_ppo_critic_preset_learns_values(tmp_path):
     out = tmp_path / "preset"
@@ -76,7 +89,8 @@ def test_critic_resume_is_bit_exact(tmp_path, kind):
     (["objective.lam=-0.5"], "objective.lam=-0.5: must be a number in [0, 1]"),
     (["tree_builder.advantage=grpo"], "critic=shared with tree_builder.advantage=grpo: the critic computes"),
     (["critic.vf_coef=0"], "critic.vf_coef=0: must be a number > 0"),
-    (["partition=redundancy_free", "partition.budget_tokens=4096"], "critic=shared with partition=redundancy_free"),
+    (["partition=redundancy_free", "partition.budget_tokens=4096", "trainer=fsdp2_cpu"],
+     "critic=shared with partition=redundancy_free under FSDP2"),
 ])
 def test_bad_critic_options_are_one_line(tmp_path, args, expected):
     with pytest.raises((ValueError, SetupError)) as exc:

@@ -106,7 +106,26 @@ def _perturb(module, seed):
             p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=torch.float64))
 
 
-def check(kind, branches, masks, weights, rewards, agg="token-mean", seed=0, white=True, name="qwen2_5_tiny"):
+def partitioned_loss(objective, critic, model, batch, agg, Z, budget):
+    """The loss through the partition engine (gradients accumulated in ``.grad``): a shared
+    critic's value loss folds into the policy's passes; a separate critic's trunk runs its own."""
+    from treelit.partition.engine import PartitionStats, run_micro_batch
+
+    shared = critic.kind == "shared"
+    stats = PartitionStats()
+    res = run_micro_batch(model, objective, batch, aggregation=agg, normalizer=Z, budget_tokens=budget,
+                          critic=critic if shared else None, stats=stats)
+    if budget < batch.num_tokens:
+        assert stats.partitions > 1, (budget, batch.num_tokens)
+    total = res.loss
+    if not shared:
+        total += run_micro_batch(critic.trunk, None, batch, aggregation=agg, normalizer=Z, budget_tokens=budget,
+                                 critic=critic, critic_only=True).loss
+    return torch.tensor(total, dtype=torch.float64)
+
+
+def check(kind, branches, masks, weights, rewards, agg="token-mean", seed=0, white=True, name="qwen2_5_tiny",
+          budget=None):
     model, critic = _setup(kind, seed, name)
     both = torch.nn.ModuleDict({"policy": model, "critic": critic})
     # the rollout: old log-probs and values before the update, per branch (reference side)
@@ -121,6 +140,13 @@ def check(kind, branches, masks, weights, rewards, agg="token-mean", seed=0, whi
         old_logprobs=[[None] + lp.tolist() for lp in old_lp])
     batch = tree.to_batch()
     values = tree_values(critic, model, batch)
+    if budget is not None:  # the partitioned no-gradient value pass gives the same values
+        from treelit.partition.engine import partitioned_values
+
+        trunk = model if kind == "shared" else critic.trunk
+        pv = partitioned_values(trunk, critic, batch, budget_tokens=budget)
+        assert torch.equal(torch.isnan(pv), torch.isnan(values))
+        torch.testing.assert_close(pv[~torch.isnan(pv)], values[~torch.isnan(values)], rtol=1e-12, atol=1e-12)
     pairs = prepare_tree(batch, values, GAMMA, LAM)
     act = pairs.adv[pairs.action]
     (adv,) = whiten([pairs.adv], (len(act), act.sum(), (act * act).sum())) if white else (pairs.adv,)
@@ -128,11 +154,15 @@ def check(kind, branches, masks, weights, rewards, agg="token-mean", seed=0, whi
     _perturb(both, seed + 7)  # the update moves the parameters: ratios and values leave the rollout's
     objective = make_objective("ppo", clip_low=CLIP, gamma=GAMMA, lam=LAM)
     Z = batch.norm_contribution(agg) if agg != "sum" else 1.0
+    if budget is not None:
+        tree_fn = lambda: partitioned_loss(objective, critic, model, batch, agg, Z, budget)  # noqa: E731
+    else:
+        tree_fn = lambda: critic_tree_loss(objective, critic, model, batch, aggregation=agg, normalizer=Z)[0]  # noqa: E731
     assert_equivalent(
         both,
-        lambda: critic_tree_loss(objective, critic, model, batch, aggregation=agg, normalizer=Z)[0],
+        tree_fn,
         lambda: reference(model, critic, branches, masks, weights, rewards, old_lp, old_v, agg, white),
-        torch.float64, f"critic={kind} {agg}", forest=(branches, masks, weights))
+        torch.float64, f"critic={kind} {agg} budget={budget}", forest=(branches, masks, weights))
     return model, critic, batch
 
 
@@ -151,6 +181,16 @@ def test_shared_critic_equals_per_branch_gae():
     check("shared", branches, masks, weights, rewards)
 
 
+@pytest.mark.parametrize("kind", ["shared", pytest.param("separate", marks=pytest.mark.slow)])
+def test_partitioned_critic_equals_per_branch_gae(kind):
+    """Partitions of 8 tokens (the longest branch; the tree has 17): values, policy and value
+    losses folded per pass, every gradient equal to per-branch PPO with GAE."""
+    branches = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3], [1, 2, 3, 7, 8], [1, 9], [1, 2, 3, 4, 5, 6, 10, 2]]
+    masks = [[0, 1, 1, 1, 0, 1], [0, 0, 1, 1, 1], [0, 1, 1], [0, 1, 0, 1, 1], [1, 1], [0, 1, 1, 0, 1, 1, 1, 1]]
+    rewards = [[0.0] * (len(b) - 1) + [r] for b, r in zip(branches, [1.0, -0.5, 0.3, 2.0, -1.0, 0.7])]
+    check(kind, branches, masks, [1.0, 0.5, 2.0, 1.0, 1.0, 1.5], rewards, budget=8)
+
+
 def test_separate_critic_equals_per_branch_gae():
     branches = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9, 10], [1, 2, 3]]
     masks = [[0, 1, 1, 1, 1], [0, 1, 0, 1], [0, 1, 1, 1, 1, 1], [0, 0, 1]]
@@ -161,10 +201,12 @@ def test_separate_critic_equals_per_branch_gae():
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(forests(max_branches=6, max_len=9), st.sampled_from(["shared", "separate"]),
-       st.sampled_from(["token-mean", "seq-mean-token-mean", "sum"]), st.integers(0, 10**6))
+       st.sampled_from(["token-mean", "seq-mean-token-mean", "sum"]), st.integers(0, 10**6),
+       st.sampled_from([None, 0, 3]))
 @example(([[1, 2], [1, 2, 3], [1, 4], [1, 2, 3]], [[1, 1], [0, 1, 1], [0, 1], [0, 0, 1]], [1.0, 1.0, 0.5, 1.0]),
-         "shared", "token-mean", 3)  # one-token segments, a prefix branch, a duplicate with another mask
-def test_critic_on_random_forests(forest, kind, agg, seed):
+         "shared", "token-mean", 3, 0)  # one-token segments, a prefix branch, a duplicate with another mask
+def test_critic_on_random_forests(forest, kind, agg, seed, budget):
+    """Random forests, unpartitioned and in partitions of the longest branch's length (+ 3)."""
     branches, masks, weights = forest
     rewards = _rewards(branches, seed)
     for r, m in zip(rewards, masks):
@@ -172,17 +214,19 @@ def test_critic_on_random_forests(forest, kind, agg, seed):
         first = next((t for t in range(1, len(m)) if m[t]), len(m))
         r[:first] = [0.0] * min(first, len(r))  # none before the branch's first action (refused)
     # raw GAE advantages (a forest with one action would whiten its only advantage to 0)
-    check(kind, branches, masks, weights, rewards, agg=agg, seed=seed % 5, white=False)
+    budget = None if budget is None else max(len(b) for b in branches) + budget
+    check(kind, branches, masks, weights, rewards, agg=agg, seed=seed % 5, white=False, budget=budget)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["shared", "separate"])
-def test_critic_on_a_hybrid_model(kind):
-    """Attention + Gated DeltaNet + Mamba2 (state routed across segments): the same equality."""
+@pytest.mark.parametrize("budget", [None, 6])
+def test_critic_on_a_hybrid_model(kind, budget):
+    """Attention + Gated DeltaNet + Mamba2 (state routed across segments and partitions): the same equality."""
     branches = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3], [1, 9, 4]]
     masks = [[0, 1, 1, 1, 0, 1], [0, 0, 1, 1, 1], [0, 1, 1], [0, 1, 1]]
     rewards = [[0.0] * (len(b) - 1) + [r] for b, r in zip(branches, [1.0, -0.5, 0.3, 2.0])]
-    check(kind, branches, masks, [1.0, 0.5, 2.0, 1.0], rewards, name="hybrid_tiny")
+    check(kind, branches, masks, [1.0, 0.5, 2.0, 1.0], rewards, name="hybrid_tiny", budget=budget)
 
 
 def test_linear_path_equals_tree_path():

@@ -52,7 +52,8 @@ from treelit.objectives.critic import (branch_values, check_critic_objective, cr
                                        set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
 from treelit.partition.context_parallel import check_cp_model, cp_logprobs, cp_micro_batch
-from treelit.partition.engine import PartitionStats, policy_logprobs, run_micro_batch
+from treelit.partition.engine import (MicroBatchResult, PartitionStats, partitioned_values, policy_logprobs,
+                                     run_micro_batch)
 from treelit.partition.passes import empty_row
 from treelit.tree.batch import check_aggregation
 from treelit.rl.gae import explained_variance, value_sums, whiten
@@ -191,9 +192,6 @@ class TreeLitModule(pl.LightningModule):
         self.max_skipped_steps = int(max_skipped_steps)
         if critic is not None:
             check_critic_objective(objective)
-            if partition != "none":
-                raise ValueError(f"critic={critic.kind} with partition={partition}: the critic trains unpartitioned "
-                                 "(partition=none); partitioned critics are not supported yet")
         self.critic = critic
         self._critic_metrics: Dict[str, float] = {}
         self.skipped_steps = 0  # updates dropped as non-finite, in all (checkpointed)
@@ -220,6 +218,10 @@ class TreeLitModule(pl.LightningModule):
             if self.partition != "none":
                 raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: "
                                  "combine context parallelism with partitioning is not supported; choose one")
+        if self.critic is not None and self.partition != "none":
+            raise ValueError(f"critic={self.critic.kind} with partition={self.partition} under FSDP2: not supported "
+                             "(a partitioned critic runs on one process or with trainer=ddp_cpu/ddp); use "
+                             "partition=none")
         if self.mode != "tree" or self.verify_every:
             raise ValueError("under FSDP2 every rank must run the same passes: mode=linear and verify_every "
                              "(per-branch passes whose number differs between ranks) need trainer=cpu or trainer=ddp_cpu/ddp")
@@ -391,7 +393,12 @@ class TreeLitModule(pl.LightningModule):
         for mb in micro_batches:
             if not mb.num_targets:
                 continue
-            if self.mode == "tree":
+            if self.mode == "tree" and self.partition != "none":
+                trunk = self.model if self.critic.kind == "shared" else self.critic.trunk
+                v = partitioned_values(trunk, self.critic, mb, budget_tokens=self.budget_tokens,
+                                       attention=self.attention, comm=self._comm())
+                trees.append((mb, prepare_tree(mb, v, obj.gamma, obj.lam)))
+            elif self.mode == "tree":
                 v = tree_values(self.critic, self.model, mb, self.attention)
                 trees.append((mb, prepare_tree(mb, v, obj.gamma, obj.lam)))
             if linear:
@@ -586,9 +593,7 @@ class TreeLitModule(pl.LightningModule):
         for mb in micro_batches:
             self._zero_grad()
             if self.partition != "none" and self.mode == "tree":
-                run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
-                                budget_tokens=self.budget_tokens, attention=self.attention, chunk_rows=self.chunk_rows,
-                                comm=comm, router_normalizer=R)
+                self._partitioned(mb, Z, comm, R)
             else:
                 loss, _ = self.micro_loss(mb, Z, R=R)
                 self._backward(loss)
@@ -598,6 +603,21 @@ class TreeLitModule(pl.LightningModule):
                 found.append(mb)
         self._zero_grad()
         return found
+
+    def _partitioned(self, mb, Z: float, comm: Collectives, R: Optional[float], stats=None, failed: bool = False):
+        """One micro-batch through the partition engine: the policy (with a shared critic's value
+        loss folded into its passes), then a separate critic's trunk with its value loss."""
+        shared = self.critic is not None and self.critic.kind == "shared"
+        res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
+                              budget_tokens=self.budget_tokens, attention=self.attention, chunk_rows=self.chunk_rows,
+                              stats=stats, comm=comm, failed=failed, router_normalizer=R,
+                              critic=self.critic if shared else None)
+        if self.critic is None or shared:
+            return res
+        crit = run_micro_batch(self.critic.trunk, None, mb, aggregation=self.aggregation, normalizer=Z,
+                               budget_tokens=self.budget_tokens, attention=self.attention, stats=stats, comm=comm,
+                               failed=failed or res.failed, critic=self.critic, critic_only=True)
+        return MicroBatchResult(res.loss + crit.loss, {**res.metrics, **crit.metrics}, res.failed or crit.failed)
 
     def compute_gradients(self, micro_batches, planner=None) -> Dict[str, float]:
         """The update's gradients in ``.grad`` (summed over ranks; sharded under FSDP2) and its
@@ -641,10 +661,7 @@ class TreeLitModule(pl.LightningModule):
                 stats.partitions += 1
                 stats.token_forwards += plan.size
             elif self.partition != "none" and self.mode == "tree":
-                res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
-                                      budget_tokens=self.budget_tokens, attention=self.attention,
-                                      chunk_rows=self.chunk_rows, stats=stats, comm=comm, failed=failed,
-                                      router_normalizer=R)
+                res = self._partitioned(mb, Z, comm, R, stats=stats, failed=failed)
                 failed = failed or res.failed
                 loss_value, m = res.loss, res.metrics
             else:

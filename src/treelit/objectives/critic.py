@@ -36,7 +36,8 @@ from treelit.rl.gae import PairGAE, _branch_gae, branch_rewards, check_gae_optio
 from treelit.tree.batch import check_aggregation
 
 __all__ = ["check_critic_objective", "critic_padding_pass", "tree_values", "branch_values", "prepare_tree", "prepare_branches",
-           "set_tree_advantages", "set_branch_advantages", "critic_tree_loss", "critic_linear_loss"]
+           "set_tree_advantages", "set_branch_advantages", "critic_tree_loss", "critic_linear_loss", "ValuePairs",
+           "value_pairs"]
 
 Metrics = Dict[str, float]
 
@@ -179,15 +180,52 @@ def _value_term(critic, v: torch.Tensor, old: torch.Tensor, ret: torch.Tensor, c
     return 0.5 * (c * torch.maximum(un, cl)).sum(), float(clipped.double().sum()), float(c.numel())
 
 
+class ValuePairs:
+    """The value loss's (branch, action) pairs of a tree batch that went through
+    :func:`set_tree_advantages`: each pair's tree token ``tok [P]``, rollout value ``old``,
+    return ``ret`` and coefficient ``c`` (the branch's weight and aggregation scale)."""
+
+    def __init__(self, batch, aggregation: str, device=None) -> None:
+        pairs: PairGAE = getattr(batch, "critic_pairs", None)
+        if pairs is None:
+            raise ValueError("critic: the batch has no GAE advantages (prepare_tree / set_tree_advantages first)")
+        act = np.flatnonzero(pairs.action)
+        dev = batch.device if device is None else device
+        self.tok = batch.branch_tokens.to(dev)[torch.from_numpy(act).to(dev)]
+        ptr = batch.branch_ptr.cpu().numpy()
+        branch_of = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))[act]
+        n_b = np.bincount(branch_of, minlength=len(ptr) - 1).astype(np.float64)
+        c = batch.branch_weight.cpu().numpy()[branch_of] * _branch_scale(n_b, aggregation)[branch_of]
+        f = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(dev)  # noqa: E731
+        self.old, self.ret, self.c = f(pairs.value[act]), f(pairs.ret[act]), f(c)
+
+    def loss(self, critic, v: torch.Tensor, where: torch.Tensor):
+        """The value loss (unnormalised), clipped pairs and pairs over the pairs whose token has a
+        value here: ``v [M]`` the values of the tokens with ``where[token] = index into v`` (-1:
+        not here, e.g. a token of another partition)."""
+        at = where[self.tok]
+        here = at >= 0
+        if not bool(here.all()):
+            at = at[here]
+            old, ret, c = self.old[here], self.ret[here], self.c[here]
+        else:
+            old, ret, c = self.old, self.ret, self.c
+        vt = v[at]
+        return _value_term(critic, vt, old.to(vt.dtype), ret.to(vt.dtype), c.to(vt.dtype))
+
+
+def value_pairs(batch, aggregation: str, device=None) -> ValuePairs:
+    return ValuePairs(batch, aggregation, device)
+
+
 def critic_tree_loss(objective, critic, model, batch, *, aggregation: str, normalizer: float, attention="auto",
                      chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, Metrics]:
     """The micro-batch's ``policy + vf_coef x value`` loss on the tree (divided by ``normalizer``);
     the batch went through :func:`set_tree_advantages`."""
     check_aggregation(aggregation)
-    pairs: PairGAE = getattr(batch, "critic_pairs", None)
-    if pairs is None:
-        raise ValueError("critic: the batch has no GAE advantages (prepare_tree / set_tree_advantages first)")
+    source = batch  # (a batch moved to the model's device is a copy without ``critic_pairs``)
     batch = prepare_batch(model, batch)
+    terms = value_pairs(source, aggregation, batch.device)
     sel = target_selection(batch)
     rows = batch.parent[sel]
     need_ent = bool(objective.entropy_coef)
@@ -209,18 +247,10 @@ def critic_tree_loss(objective, critic, model, batch, *, aggregation: str, norma
     policy, metrics = loss_from_logprobs(objective, batch, sel, logp, ent, aggregation=aggregation,
                                          normalizer=normalizer, ref=ref)
     # the value loss over (branch, action) pairs: the value of pair f is its token's
-    act = np.flatnonzero(pairs.action)
     dev = batch.device
-    tok = batch.branch_tokens[torch.from_numpy(act).to(dev)]
     where = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=dev)
     where[sel] = torch.arange(len(sel), device=dev)
-    ptr = batch.branch_ptr.cpu().numpy()
-    branch_of = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))[act]
-    n_b = np.bincount(branch_of, minlength=len(ptr) - 1).astype(np.float64)
-    c = batch.branch_weight.cpu().numpy()[branch_of] * _branch_scale(n_b, aggregation)[branch_of]
-    vt = v[where[tok]]
-    f = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(dev, vt.dtype)  # noqa: E731
-    value, n_clip, n_pairs = _value_term(critic, vt, f(pairs.value[act]), f(pairs.ret[act]), f(c))
+    value, n_clip, n_pairs = terms.loss(critic, v, where)
     Z = float(normalizer)
     value = value / Z if Z > 0 else value * 0.0
     metrics = {**metrics, "critic/value_loss": float(value.detach()),

@@ -34,6 +34,7 @@ import torch
 from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
+from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
@@ -42,7 +43,7 @@ from treelit.tree.batch import TreeBatch
 from treelit.utils.blocks import OOMGuard
 from treelit.utils.distributed import Collectives, is_sharded
 
-__all__ = ["PartitionStats", "MicroBatchResult", "run_micro_batch", "policy_logprobs"]
+__all__ = ["PartitionStats", "MicroBatchResult", "run_micro_batch", "policy_logprobs", "partitioned_values"]
 
 
 @dataclass
@@ -90,6 +91,10 @@ class _Run:
         self.collected: List[Any] = []
         self._empty: Optional[TreeBatch] = None
         self.router = None  # RouterTerms: the router loss of an MoE model, folded per pass
+        self.critic = None  # a Critic whose value loss is folded per pass (``value_terms``: its pairs)
+        self.value_terms = None
+        self.policy = True  # False: the critic's own trunk (a separate critic), the value loss alone
+        self.value_sum, self.n_clip, self.n_pairs = 0.0, 0.0, 0.0
 
     def empty(self) -> TreeBatch:
         if self._empty is None:
@@ -97,10 +102,10 @@ class _Run:
         return self._empty
 
     # forward-only phases ----------------------------------------------------------------
-    def collect(self, model, with_entropy: bool, routing=None, logprobs: bool = True):
+    def collect(self, model, with_entropy: bool, routing=None, logprobs: bool = True, value_head=None):
         """No-gradient log-probs (and entropies) ``[N]`` of every target token under ``model``;
         with ``routing`` (a RouterTerms), every pass's router counts too (``logprobs=False``:
-        the routing only)."""
+        the routing only); with ``value_head`` (a Critic), its values instead of log-probs."""
         N, dev = self.N, self.batch.device
         lp = torch.full((N,), float("nan"), dtype=torch.float64, device=dev)
         en = torch.full((N,), float("nan"), dtype=torch.float64, device=dev) if with_entropy else None
@@ -132,6 +137,8 @@ class _Run:
                         return tokens[:0], h[:0, 0], None, ctx
                     rows, tok = rp.targets(i, sub, tokens)
                     keep = self.batch.target_count[tok] > 0
+                    if value_head is not None:
+                        return tok[keep], value_head.values(h[rows[keep]]), None, ctx
                     logp, ent = token_logprobs(h[rows[keep]], output_weight(m), self.batch.input_ids[tok[keep]],
                                                chunk_rows=self.chunk_rows, with_entropy=with_entropy)
                     return tok[keep], logp, ent, ctx
@@ -180,6 +187,9 @@ class _Run:
                                 chunk_rows=self.chunk_rows, weight_grad_accumulator=out_buf), None
         keep = b.target_count[tok] > 0
         tok = tok[keep]
+        value = self._value_loss(h[rows[keep]], tok) if self.critic is not None else None
+        if not self.policy:  # a separate critic's trunk: its value loss only
+            return value, None
         logp, ent = token_logprobs(h[rows[keep]], output_weight(m), b.input_ids[tok], chunk_rows=self.chunk_rows,
                                    with_entropy=self.spec.needs_entropy)
         if grads is not None:  # the surrogate of a sequence-level loss
@@ -190,7 +200,21 @@ class _Run:
         else:
             loss, _ = loss_from_logprobs(self.objective, b, tok, logp, ent, aggregation=self.aggregation,
                                          normalizer=self.Z, ref=self.ref)
+        if value is not None:
+            loss = loss + value
         return loss, (tok, logp.detach(), None if ent is None else ent.detach())
+
+    def _value_loss(self, hs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """``vf_coef x`` this pass's share of the value loss (over the pairs of its target tokens
+        ``tok``, whose hidden states are ``hs``), divided by the step normaliser."""
+        where = torch.full((self.N,), -1, dtype=torch.long, device=tok.device)
+        where[tok] = torch.arange(len(tok), device=tok.device)
+        value, n_clip, n_pairs = self.value_terms.loss(self.critic, self.critic.values(hs), where)
+        value = value / self.Z if self.Z > 0 else value * 0.0
+        self.value_sum += float(value.detach())
+        self.n_clip += n_clip
+        self.n_pairs += n_pairs
+        return self.critic.vf_coef * value
 
     def gradient_phase(self, grads) -> float:
         rp, model = self.rp, self.model
@@ -301,6 +325,8 @@ def run_micro_batch(
     comm: Optional[Collectives] = None,
     failed: bool = False,
     router_normalizer: Optional[float] = None,
+    critic=None,
+    critic_only: bool = False,
 ) -> MicroBatchResult:
     """Forward and backward ``batch`` (accumulating ``.grad``) under ``budget_tokens`` tokens
     per chain of partitions (None: one pass). ``normalizer``: the step-global Z.
@@ -308,17 +334,25 @@ def run_micro_batch(
     empty passes only, keeping the collectives of the other ranks company).
     A mixture-of-experts model whose router loss is on adds it (``router_normalizer``: its
     step normaliser, see :mod:`treelit.loss.router`), folded per pass; a row cut into several
-    passes first takes every token's routing in a no-gradient pass (``extra_forwards``)."""
+    passes first takes every token's routing in a no-gradient pass (``extra_forwards``).
+    ``critic`` (a :class:`~treelit.models.critic.Critic`; the batch went through
+    :func:`~treelit.objectives.critic.set_tree_advantages`): its value loss is folded into each
+    pass, read from ``model``'s hidden states: the policy's (a shared critic) or, with
+    ``critic_only`` and ``model`` the critic's trunk, a separate critic's (``objective`` unused)."""
     stats = stats if stats is not None else PartitionStats()
     comm = comm if comm is not None else Collectives(1)
-    spec = fold_spec(objective)
+    spec = FoldSpec(True, False, False, False) if critic_only else fold_spec(objective)
     N = batch.num_tokens
     stats.tree_tokens += N
     stats.budget = budget_tokens
     plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
     stats.max_chain_tokens = max(stats.max_chain_tokens, plan.max_chain_tokens)
     run = _Run(model, objective, batch, plan, spec, aggregation, float(normalizer), attention, chunk_rows, stats, comm, failed)
-    if RouterTerms.enabled(model) and run.sel.numel():
+    if critic is not None:
+        if spec.fused_sft or not spec.token_separable:
+            raise ValueError("a critic's value loss folds into token-separable objectives only (objective=ppo)")
+        run.critic, run.value_terms, run.policy = critic, value_pairs(batch, aggregation, batch.device), not critic_only
+    if RouterTerms.enabled(model) and run.sel.numel() and not critic_only:
         run.router = RouterTerms(model, batch, router_normalizer)
     routing = run.router if run.router is not None and len(plan.partitions) > 1 else None
     if spec.reference_model:
@@ -355,9 +389,11 @@ def run_micro_batch(
         else:
             grads = (torch.zeros(N, dtype=torch.float64, device=batch.device), None)
     total = run.gradient_phase(grads)
+    recomputed = False
     if value is None:
         value = total
         if not spec.fused_sft and run.collected and not run.failed and run.sel.numel():
+            recomputed = True
             # the value and metrics from all targets at once (the same arithmetic as tree mode)
             tok = torch.cat([c[0] for c in run.collected])
             logp = torch.cat([c[1] for c in run.collected])
@@ -368,6 +404,13 @@ def run_micro_batch(
             value = float(loss) + _router_value(run)
     elif not spec.token_separable:
         value += _router_value(run)  # (the surrogate passes' router terms are in ``total`` only)
+    if run.critic is not None:
+        if not run.policy:
+            value, metrics = total, {}
+        elif recomputed:  # the policy's value was recomputed from all log-probs (``total`` had the value loss)
+            value += run.critic.vf_coef * run.value_sum
+        metrics = {**metrics, "critic/value_loss": run.value_sum,
+                   "critic/clip_fraction": run.n_clip / max(run.n_pairs, 1.0)}
     if run.router is not None:
         metrics = {**metrics, **run.router.metrics()}
     return MicroBatchResult(value, metrics, run.failed)
@@ -382,6 +425,24 @@ def _dtype(model) -> torch.dtype:
     p = next(model.parameters())
     dt = p.dtype
     return dt if dt in (torch.float32, torch.float64) else torch.float32
+
+
+@torch.no_grad()
+def partitioned_values(trunk, critic, batch: TreeBatch, *, budget_tokens: Optional[int] = None,
+                       attention: Any = "auto", comm: Optional[Collectives] = None,
+                       stats: Optional[PartitionStats] = None) -> torch.Tensor:
+    """``[N]`` float64 values of every target token's state (NaN elsewhere): ``critic``'s head on
+    ``trunk``'s hidden states, from a no-gradient pass over the partitions of ``budget_tokens``."""
+    comm = comm if comm is not None else Collectives(1)
+    stats = stats if stats is not None else PartitionStats()
+    N = batch.num_tokens
+    plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
+    run = _Run(trunk, None, batch, plan, FoldSpec(False, False, False, False), "sum", 1.0, attention, None, stats,
+               comm, False)
+    values, _ = run.collect(trunk, with_entropy=False, value_head=critic)
+    if comm.max(float(run.failed)) > 0:
+        raise torch.OutOfMemoryError(f"out of memory computing the critic's values (budget {budget_tokens} tokens)")
+    return values
 
 
 @torch.no_grad()
