@@ -36,6 +36,23 @@ def test_shared_critic_run_checks_itself_against_per_branch(tmp_path):
     assert "critic/value_loss" in s["rl"]["last"]
 
 
+@pytest.mark.slow
+def test_separate_critic_from_a_checkpoint_with_activation_checkpointing(tmp_path):
+    """critic.hf_checkpoint=DIR (a trained run's export) and activation checkpointing on both
+    models: the update equals the per-branch path's; the critic's own weights move."""
+    _, first = train(tmp_path, "first", "trainer.max_steps=1")
+    ckpt = first / "hf_checkpoint"
+    out = tmp_path / "sep"
+    s = run(compose([f"output_dir={out}", *[o for o in RUN if o != "callbacks.checkpoint=null"],
+                     "trainer.max_steps=2", "verify_every=1", "model.dtype=float64", "critic=separate",
+                     f"critic.hf_checkpoint={ckpt}", "model.activation_checkpointing=true"]))
+    m = s["metrics"]
+    assert m["verify/loss_rel_diff"] < 1e-9 and m["verify/grad_rel_diff"] < 1e-9, m
+    assert m["critic/grad_norm"] > 0
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert any(k.startswith("critic.trunk.") for k in state) and any(k.startswith("critic.head.") for k in state)
+
+
 @pytest.mark.parametrize("kind", ["shared", pytest.param("separate", marks=pytest.mark.slow)])
 def test_partitioned_critic_run_checks_itself_against_per_branch(tmp_path, kind):
     """Trees cut into partitions of 60 tokens (the values' pass and both losses folded per pass):
