@@ -52,11 +52,12 @@ def test_cp2_equals_one_process(data, single):  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,C", [(4, 2), (4, 4)])
-def test_cp_with_data_parallel_groups_equals_one_process(data, single, devices, C):  # noqa: F811
-    out = train(data, f"cp{C}_of_{devices}", "trainer=fsdp2_cpu",
-                f"trainer.devices={devices}", f"trainer.strategy.context_parallel_degree={C}")
-    close(weights(out), single, f"C={C} of {devices}")
+@pytest.mark.parametrize("devices,C,R", [(4, 2, 1), (4, 4, 1), (4, 2, 2)])
+def test_cp_with_data_parallel_groups_equals_one_process(data, single, devices, C, R):  # noqa: F811
+    """C ranks per tree row; with R = 2 under HSDP (2 replicas of 1 shard x 2 CP ranks)."""
+    out = train(data, f"cp{C}_of_{devices}_r{R}", "trainer=fsdp2_cpu", f"trainer.devices={devices}",
+                f"trainer.strategy.context_parallel_degree={C}", f"trainer.strategy.replicate_degree={R}")
+    close(weights(out), single, f"C={C} of {devices}, R={R}")
 
 
 @pytest.mark.parametrize("args,expected", [
