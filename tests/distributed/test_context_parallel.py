@@ -58,9 +58,11 @@ def _tree(forest, rl: bool):
     return treelit.TokenTree.from_branches(branches, masks, weights, advantages=adv, old_logprobs=old)
 
 
-def _model(name, window):
+def _model(name, window, checkpointing=False):
     kw = dict(sliding_window=3, sliding_window_layers=[0]) if window else {}
-    return tiny_model(name, torch.float64, **kw)
+    model = tiny_model(name, torch.float64, **kw)
+    model.activation_checkpointing = checkpointing  # recompute each layer (and its exchanges) in the backward
+    return model
 
 
 def _worker(rank, C, port, case, out):
@@ -68,8 +70,8 @@ def _worker(rank, C, port, case, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=C)
     try:
-        name, forest, objective, window = case
-        model = _model(name, window)
+        name, forest, objective, window, *ckpt = case
+        model = _model(name, window, *ckpt)
         batch = _tree(forest, objective != "sft").to_batch()
         obj = _objective(objective)
         Z = obj.norm_contribution(batch, "token-mean")
@@ -89,10 +91,10 @@ def _worker(rank, C, port, case, out):
 
 
 def one_process(case):
-    name, forest, objective, window = case
+    name, forest, objective, window, *ckpt = case
     from treelit.partition.engine import run_micro_batch
 
-    model = _model(name, window)
+    model = _model(name, window, *ckpt)
     batch = _tree(forest, objective != "sft").to_batch()
     obj = _objective(objective)
     res = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=obj.norm_contribution(batch, "token-mean"),
@@ -176,6 +178,13 @@ def test_hybrid_context_parallel_objectives_and_degrees(C, forest, objective, tm
     if forest in (TINY, CHAIN) and objective != "sft":
         pytest.skip("one branch: its clipped RL surrogate trains nothing")
     compare(("hybrid_tiny", forest, objective, False), C, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("C", [2, 4])
+def test_hybrid_context_parallel_with_activation_checkpointing(C, tmp_path):
+    """Each layer recomputed in the backward: its K/V, convolution rows and states are exchanged again."""
+    compare(("hybrid_tiny", ONE_TOKEN, "sft", False, True), C, tmp_path)
 
 
 @pytest.mark.slow
