@@ -162,12 +162,12 @@ def _recurrent_grads_nonzero(name, got):
         [n for n, g in mixers.items() if not g.abs().max() > 0]
 
 
-def test_hybrid_context_parallel_equals_one_process(tmp_path):
+@pytest.mark.parametrize("forest", [ONE_TOKEN, FORK], ids=["one-token", "fork"])
+def test_hybrid_context_parallel_equals_one_process(forest, tmp_path):
     """Gated DeltaNet, Mamba2 and their convolutions across a rank boundary: one-token segments
     (a rank whose roots continue several points of one path) and a branch point exactly at the
     boundary (both children start the second rank from the same state)."""
-    for forest in (ONE_TOKEN, FORK):
-        _recurrent_grads_nonzero("hybrid_tiny", compare(("hybrid_tiny", forest, "sft", False), 2, tmp_path))
+    _recurrent_grads_nonzero("hybrid_tiny", compare(("hybrid_tiny", forest, "sft", False), 2, tmp_path))
 
 
 @pytest.mark.slow
