@@ -1,6 +1,7 @@
 """``treelit-train trainer=fsdp2_cpu trainer.strategy.context_parallel_degree=C``: each tree
 row split over the C ranks of a group (FSDP2 shards the parameters over every rank), the
-update equal to one process's in float64; one run folder, one summary; bad options one line."""
+update equal to one process's in float64 (an attention model, and a hybrid with recurrent layers);
+one run folder, one summary; bad options one line."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from test_multiprocess import COMMON, data  # noqa: F401  (the module fixture: s
 F64 = ["model.dtype=float64"]
 
 
-def train(data: Path, name: str, *extra) -> Path:
+def train(data: Path, name: str, *extra, common=COMMON) -> Path:
     out = data / name
     log = data / f"{name}.log"
-    rc = run([*COMMON, *F64, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}", *extra], data, log)
+    rc = run([*common, *F64, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={out}", *extra], data, log)
     assert rc == 0, tail(log)
     return out
 
@@ -66,9 +67,7 @@ def test_cp_with_data_parallel_groups_equals_one_process(data, single, devices, 
                  marks=pytest.mark.slow),
     (["trainer=ddp_cpu", "trainer.strategy.context_parallel_degree=2"],
      "context parallelism runs on the FSDP2 strategies"),
-    pytest.param(["trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=2", "model=hybrid_tiny"],
-                 "this model has recurrent layers", marks=pytest.mark.slow),
-], ids=["not-dividing", "ddp", "recurrent"])
+], ids=["not-dividing", "ddp"])
 def test_bad_cp_options_fail_with_one_line(data, args, expected):  # noqa: F811
     log = data / "bad.log"
     common = [c for c in COMMON if not c.startswith("model.config")] if any(a.startswith("model=") for a in args) \
@@ -76,6 +75,16 @@ def test_bad_cp_options_fail_with_one_line(data, args, expected):  # noqa: F811
     rc = run([*common, f"data.train_path={data / 'trees.jsonl'}", f"output_dir={data / 'bad'}", *args], data, log)
     text = log.read_text()
     assert rc != 0 and expected in text, tail(log)
+
+
+@pytest.mark.slow
+def test_cp2_hybrid_equals_one_process(data):  # noqa: F811
+    """Attention + Gated DeltaNet + Mamba2 (``model=hybrid_tiny``): recurrent states and convolution
+    contexts cross the two ranks under FSDP2; the update equals one process's."""
+    hybrid = [c for c in COMMON if not c.startswith("model.config")] + ["model=hybrid_tiny"]
+    single = weights(train(data, "cp_hybrid_single", common=hybrid))
+    out = train(data, "cp2_hybrid", "trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=2", common=hybrid)
+    close(weights(out), single, "hybrid C=2")
 
 
 @pytest.mark.slow

@@ -179,3 +179,40 @@ def test_several_trees_in_one_row(name):
     assert_equivalent(
         model, lambda: treelit.tree_loss(model, packed), lambda: treelit.linear_loss(model, flat), torch.float64, "packed"
     )
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 64])
+def test_roots_continue_their_own_external_slot(chunk):
+    """external_layout (context parallelism): roots continuing different external slots start from
+    their own slot's state, a root without one from zero; the captured state is the one after its
+    token (its segment cut there)."""
+    import numpy as np
+
+    from treelit.ssm.layout import external_layout
+    from treelit.ssm.scan import chunked_scan, gdn_chunk, gdn_step
+
+    T = 7
+    gdn, _ = _scan_inputs(T=T)
+    H, K, V = gdn["q"].shape[1], gdn["q"].shape[2], gdn["v"].shape[2]
+    args = (gdn["q"], gdn["k"], gdn["v"], gdn["beta"], gdn["g"], K**-0.5)
+    parent = np.array([-1, 0, 1, -1, -1, 4, 5])   # 0 -> 1 -> 2 | 3 | 4 -> 5 -> 6
+    root_slot = np.array([1, -1, -1, 0, -1, -1, -1])  # token 0 continues slot 1, token 3 slot 0, token 4 none
+    lay = external_layout(parent, root_slot, np.zeros((T, 0), np.int64), 0, 1, np.array([1]), "cpu")
+    init = torch.randn(2, H, K, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out, cap = chunked_scan(gdn_chunk(*args), lay, (H, K, V), (H, V), gdn["q"], init, chunk)
+    step = gdn_step(*args)
+
+    def chain(tokens, S):
+        outs, states = [], []
+        for t in tokens:
+            S, o = step(S[None], torch.tensor([t]))
+            S = S[0]
+            outs.append(o[0])
+            states.append(S)
+        return outs, states
+
+    a, sa = chain([0, 1, 2], init[1])
+    b, _ = chain([3], init[0])
+    c, _ = chain([4, 5, 6], torch.zeros(H, K, V, dtype=torch.float64))
+    torch.testing.assert_close(out, torch.stack(a + b + c), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cap, sa[1][None], rtol=1e-12, atol=1e-12)

@@ -39,7 +39,29 @@ class _RouterRecord:
         self.router_logits[layer] = logits  # a recomputation (activation checkpointing) overwrites
 
 
-class CausalContext(_RouterRecord):
+class _RecurrentInputs:
+    """Where a recurrent layer's convolution contexts and initial states come from (by default
+    the external inputs of :meth:`recurrent_external`; context parallelism exchanges them)."""
+
+    def recurrent_external(self, layer: int):
+        return None
+
+    def recurrent_conv_inputs(self, layer: int, K: int, inputs: Dict[str, torch.Tensor]):
+        """``(inputs, contexts)`` for the kernel-``K`` convolutions of a recurrent layer: the
+        inputs ``name -> [T, C]`` to use (these, or the same values through a function that
+        routes their gradients) and each one's context ``[rows, C]`` outside the row, read
+        through the layout's ancestor table (None: zeros)."""
+        ext = self.recurrent_external(layer) or {}
+        return inputs, {name: ext.get(name) for name in inputs}
+
+    def recurrent_scan(self, layer: int, scan, state_shape, like: torch.Tensor):
+        """``scan(initial state) -> (outputs, captured states)`` run with this layer's initial
+        state (``state_shape``, in ``like``'s dtype and device; ``like`` is a tensor of the layer's graph)."""
+        ext = self.recurrent_external(layer) or {}
+        return scan(ext.get("state"))
+
+
+class CausalContext(_RouterRecord, _RecurrentInputs):
     """Independent causal sequences (the linearized baseline). Rows are right-padded."""
 
     kind = "causal"
@@ -56,9 +78,6 @@ class CausalContext(_RouterRecord):
         if key not in self._layouts:
             self._layouts[key] = causal_layout(B, L, self.lengths, K, device)
         return self._layouts[key]
-
-    def recurrent_external(self, layer: int):
-        return None
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   window: Optional[int] = None) -> torch.Tensor:
@@ -142,7 +161,7 @@ class TreeLayout:
         return mask
 
 
-class TreeContext(_RouterRecord):
+class TreeContext(_RouterRecord, _RecurrentInputs):
     """A DFS-serialized tree row attended through a tree attention backend.
 
     Args:

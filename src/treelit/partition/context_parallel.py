@@ -10,7 +10,7 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   and nothing else: never a sibling subtree. Each owner sends each later rank exactly the
   path rows it holds (point-to-point, one message per pair and layer, K and V together); the
   backward sends their gradients back to the owner, which adds them into its own K/V's
-  gradient (:class:`_PathKV`, an autograd function: the gradients flow as in one process).
+  gradient (:class:`_PathRows`, an autograd function: the gradients flow as in one process).
   The received rows are the external keys of the rank's row (:class:`~treelit.models.context.ExternalKV`):
   visible to every query of the range up to the end of their subtree, with their depths as
   positions (sliding windows), un-expanded (GQA).
@@ -22,10 +22,29 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   ``sum(dL/dlogp * logp)`` over its own targets. The parameter gradients of the ranks sum
   to the one-process gradient (the caller sums them over the group: FSDP2 does).
 
-Supported: attention-only models (native decoders and transformers families through the
-adapter), every objective, every attention backend that takes external keys. Refused, with
-one line: recurrent layers (their state would have to cross ranks in DFS order) and the
-router load-balancing loss of mixture-of-experts models (its statistics are per pass).
+* **Recurrent layers** (Gated DeltaNet, Mamba2: native decoders). A token of ``[s, e)`` whose
+  parent lies outside the range has that parent on the root-to-``s`` path, so the range's
+  roots continue that one path at several points: one external *slot* per distinct parent,
+  each with its own initial state (seg_parent ``-2 - slot``, see
+  :func:`~treelit.ssm.layout.external_layout`). Per recurrent layer:
+
+  - the short convolutions' inputs of the path tokens within ``K-1`` ancestors of a range
+    token travel like attention's K/V (:class:`_PathRows`: owners send, gradients return);
+  - the states after the slots' parent tokens travel in rank order: rank r receives its
+    slots' states from the earlier ranks that own the parents (:class:`_StateIn`), runs its
+    scan, then sends the later ranks the states they need (:class:`_StateOut`, each owner's
+    segments cut after those tokens so their states are segment ends). In the backward the
+    order reverses: the last rank returns its initial states' gradients first, and each
+    owner adds them to its sent states' gradients before back-propagating its own scan.
+
+  Every rank runs every layer, so the messages of a layer match up; a rank waits only for
+  earlier ranks in the forward and later ranks in the backward, never in a cycle.
+
+Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers, transformers
+attention-only families through the adapter, every objective, every attention backend that
+takes external keys. Refused, with one line: the transformers adapter's recurrent (hybrid)
+layers and the router load-balancing loss of mixture-of-experts models (its statistics are
+per pass).
 """
 
 from __future__ import annotations
@@ -43,21 +62,28 @@ from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
 from treelit.objectives.folding import fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.passes import empty_row
+from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
            "check_cp_degree"]
 
 
+_ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
+_NATIVE_RECURRENT = {"gdn", "mamba2"}
+
+
 def check_cp_model(model) -> None:
     """Refuse what context parallelism does not cover, naming it."""
     cfg = getattr(model, "config", None)
     kinds = set(getattr(cfg, "layer_types", None) or [])
-    recurrent = sorted(kinds - {"attention", "full_attention", "sliding_attention"})
-    if recurrent or any(hasattr(m, "_treelit_forward") for m in model.modules()):
-        raise ValueError("trainer.strategy.context_parallel_degree > 1: this model has recurrent layers "
-                         f"({', '.join(recurrent) or 'transformers hybrid layers'}); context parallelism covers "
-                         "attention-only models (use partitioning for long paths of hybrid models)")
+    hf_hybrid = any(hasattr(m, "_treelit_forward") for m in model.modules())
+    other = sorted(kinds - _ATTENTION_KINDS - (set() if hf_hybrid else _NATIVE_RECURRENT))
+    if hf_hybrid or other:
+        raise ValueError("trainer.strategy.context_parallel_degree > 1: context parallelism does not cover the "
+                         f"recurrent layers of transformers hybrid models ({', '.join(other) or 'hybrid layers'}) "
+                         "loaded through the adapter; it covers native decoders (attention, gdn, mamba2) "
+                         "(use partitioning, partition=redundancy_free, for long paths of this model)")
     moe = getattr(cfg, "moe", None) or {}
     if moe and float(moe.get("router_aux_loss_coef", 0.0) or 0.0) > 0:
         raise ValueError("trainer.strategy.context_parallel_degree > 1 with a router load-balancing loss "
@@ -68,7 +94,8 @@ def _shape(model) -> Tuple[int, int, int, int]:
     """(hidden size D, attention layers, vocabulary V, trunk parameters per token)."""
     out_w = output_weight(model)
     V, D = int(out_w.shape[0]), int(out_w.shape[1])
-    layers = len(getattr(model, "layers", [])) or 1
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    layers = (sum(t in _ATTENTION_KINDS for t in types) if types else len(getattr(model, "layers", []))) or 1
     trunk = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2) - 2 * V * D
     return D, layers, V, max(trunk, D * D)
 
@@ -173,45 +200,183 @@ def cp_plan(batch: TreeBatch, C: int, rank: int, costs: Optional[np.ndarray] = N
     return CPPlan(ranges, rank, own, recv, send, imbalance)
 
 
-class _PathKV(torch.autograd.Function):
-    """``[ext; own]`` keys and values of one attention layer: the path rows other ranks hold
-    (received), then this rank's own. Backward: the received rows' gradients go back to their
-    owners; what later ranks send back is added into the own rows' gradient."""
+@dataclass
+class _Route:
+    """Rows one rank receives from the others and sends them: ``path`` (full-row indices of
+    the received rows, in order), ``recv`` (src rank -> positions in ``path`` it fills),
+    ``send`` (dst rank -> this rank's rows it needs)."""
+
+    path: np.ndarray
+    recv: Dict[int, np.ndarray]
+    send: Dict[int, np.ndarray]
+
+
+class _PathRows(torch.autograd.Function):
+    """``[ext; own]`` along ``dim``: the path rows other ranks hold (received), then this rank's
+    own ``x`` (for attention, one layer's keys and values side by side; for a recurrent layer,
+    its convolution inputs). Backward: the received rows' gradients go back to their owners;
+    what later ranks send back is added into the own rows' gradient."""
 
     @staticmethod
-    def forward(ctx, kv: torch.Tensor, plan: CPPlan, group, tag: int) -> torch.Tensor:
-        # kv: [1, H, n, Dk + Dv] (this rank's keys and values side by side)
-        ctx.plan, ctx.group, ctx.tag = plan, group, tag
-        E = len(plan.path)
-        ext = kv.new_zeros(kv.shape[0], kv.shape[1], E, kv.shape[3])
+    def forward(ctx, x: torch.Tensor, route, group, tag: int, dim: int) -> torch.Tensor:
+        ctx.route, ctx.group, ctx.tag, ctx.dim = route, group, tag, dim
+        E = len(route.path)
+        shape = list(x.shape)
+        shape[dim] = E
+        ext = x.new_zeros(shape)
         ops, bufs = [], {}
-        for dst, rows in sorted(plan.send.items()):
-            out = kv[:, :, torch.from_numpy(rows).to(kv.device)].contiguous()
+        for dst, rows in sorted(route.send.items()):
+            out = x.index_select(dim, torch.from_numpy(rows).to(x.device)).contiguous()
             ops.append(dist.P2POp(dist.isend, out, _global(group, dst), group, tag))
-        for src, pos in sorted(plan.recv.items()):
-            bufs[src] = kv.new_empty(kv.shape[0], kv.shape[1], len(pos), kv.shape[3])
+        for src, pos in sorted(route.recv.items()):
+            shape[dim] = len(pos)
+            bufs[src] = x.new_empty(shape)
             ops.append(dist.P2POp(dist.irecv, bufs[src], _global(group, src), group, tag))
         _wait(ops)
-        for src, pos in plan.recv.items():
-            ext[:, :, torch.from_numpy(pos).to(kv.device)] = bufs[src]
-        return torch.cat([ext, kv], dim=2)
+        for src, pos in route.recv.items():
+            ext.index_copy_(dim, torch.from_numpy(pos).to(x.device), bufs[src])
+        return torch.cat([ext, x], dim=dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        plan, group = ctx.plan, ctx.group
-        E = len(plan.path)
-        g_ext, g_own = grad[:, :, :E], grad[:, :, E:].clone()
+        route, group, dim = ctx.route, ctx.group, ctx.dim
+        E = len(route.path)
+        g_ext = grad.narrow(dim, 0, E)
+        g_own = grad.narrow(dim, E, grad.shape[dim] - E).clone()
         ops, bufs = [], {}
-        for src, pos in sorted(plan.recv.items()):
-            out = g_ext[:, :, torch.from_numpy(pos).to(grad.device)].contiguous()
+        for src, pos in sorted(route.recv.items()):
+            out = g_ext.index_select(dim, torch.from_numpy(pos).to(grad.device)).contiguous()
             ops.append(dist.P2POp(dist.isend, out, _global(group, src), group, ctx.tag + 1))
-        for dst, rows in sorted(plan.send.items()):
-            bufs[dst] = grad.new_empty(grad.shape[0], grad.shape[1], len(rows), grad.shape[3])
+        shape = list(g_own.shape)
+        for dst, rows in sorted(route.send.items()):
+            shape[dim] = len(rows)
+            bufs[dst] = grad.new_empty(shape)
             ops.append(dist.P2POp(dist.irecv, bufs[dst], _global(group, dst), group, ctx.tag + 1))
         _wait(ops)
-        for dst, rows in plan.send.items():
-            g_own.index_add_(2, torch.from_numpy(rows).to(grad.device), bufs[dst])
-        return g_own, None, None, None
+        for dst, rows in route.send.items():
+            g_own.index_add_(dim, torch.from_numpy(rows).to(grad.device), bufs[dst])
+        return g_own, None, None, None, None
+
+
+class _StateIn(torch.autograd.Function):
+    """The initial states ``[slots, *shape]`` of a range's external slots, received from the
+    earlier ranks that own the slots' parent tokens. Backward: their gradients go back to the
+    owners. ``like`` (a tensor of the layer's graph, downstream of the layer's convolution
+    exchange) gives dtype and device and orders the backward: this function's gradients leave
+    before that exchange's backward runs."""
+
+    @staticmethod
+    def forward(ctx, like: torch.Tensor, route: _Route, group, tag: int, shape: Tuple[int, ...]) -> torch.Tensor:
+        ctx.route, ctx.group, ctx.tag = route, group, tag
+        init = like.new_zeros(len(route.path), *shape)
+        ops, bufs = [], {}
+        for src, pos in sorted(route.recv.items()):
+            bufs[src] = like.new_empty(len(pos), *shape)
+            ops.append(dist.P2POp(dist.irecv, bufs[src], _global(group, src), group, tag))
+        _wait(ops)
+        for src, pos in route.recv.items():
+            init[torch.from_numpy(pos).to(like.device)] = bufs[src]
+        return init
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        route, group = ctx.route, ctx.group
+        ops = []
+        for src, pos in sorted(route.recv.items()):
+            out = grad[torch.from_numpy(pos).to(grad.device)].contiguous()
+            ops.append(dist.P2POp(dist.isend, out, _global(group, src), group, ctx.tag + 1))
+        _wait(ops)
+        return None, None, None, None, None
+
+
+class _StateOut(torch.autograd.Function):
+    """The layer's scan output ``out`` unchanged, after sending the later ranks the captured
+    states ``cap [captures, ...]`` they start from. Backward: their gradients, received from
+    those ranks, are added into ``cap``'s (it runs once ``out``'s gradient is complete, before
+    this rank's scan is back-propagated)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, cap: torch.Tensor, route: _Route, group, tag: int) -> torch.Tensor:
+        ctx.route, ctx.group, ctx.tag = route, group, tag
+        ctx.cap_shape, ctx.cap_dtype = cap.shape, cap.dtype
+        ops = []
+        for dst, rows in sorted(route.send.items()):
+            sent = cap[torch.from_numpy(rows).to(cap.device)].contiguous()
+            ops.append(dist.P2POp(dist.isend, sent, _global(group, dst), group, tag))
+        _wait(ops)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        route, group = ctx.route, ctx.group
+        g_cap = grad.new_zeros(ctx.cap_shape, dtype=ctx.cap_dtype)
+        ops, bufs = [], {}
+        for dst, rows in sorted(route.send.items()):
+            bufs[dst] = g_cap.new_empty(len(rows), *ctx.cap_shape[1:])
+            ops.append(dist.P2POp(dist.irecv, bufs[dst], _global(group, dst), group, ctx.tag + 1))
+        _wait(ops)
+        for dst, rows in route.send.items():
+            g_cap.index_add_(0, torch.from_numpy(rows).to(grad.device), bufs[dst])
+        return grad, g_cap, None, None, None
+
+
+@dataclass
+class _Recurrent:
+    """One rank's recurrent routing for one convolution kernel size."""
+
+    layout: RecurrentLayout
+    conv: _Route    # convolution inputs of outside ancestors (path tokens within K-1 of a range token)
+    state: _Route   # path = the slots' parent tokens; send rows index ``layout.capture``
+
+
+def _owners(ranges, idx: np.ndarray) -> np.ndarray:
+    ends = np.array([e for _, e in ranges], dtype=np.int64)
+    return np.searchsorted(ends, idx, side="right")
+
+
+def _route(ranges, rank: int, wanted: List[np.ndarray], local: Optional[np.ndarray] = None) -> _Route:
+    """The route of ``wanted[r]`` (sorted full-row indices each rank r receives); this rank
+    sends its rows of them as local rows, or as positions in ``local`` (sorted local rows)."""
+    own = wanted[rank]
+    owner = _owners(ranges, own)
+    recv = {int(src): np.flatnonzero(owner == src) for src in np.unique(owner)}
+    s0 = ranges[rank][0]
+    send: Dict[int, np.ndarray] = {}
+    for dst, w in enumerate(wanted):
+        if dst == rank or not len(w):
+            continue
+        rows = w[_owners(ranges, w) == rank] - s0
+        if len(rows):
+            send[dst] = rows if local is None else np.searchsorted(local, rows)
+    return _Route(own, recv, send)
+
+
+def _recurrent_route(batch: TreeBatch, ranges, rank: int, K: int) -> _Recurrent:
+    parent = batch.parent.cpu().numpy()
+    slots, conv_need, table = [], [], None
+    for r, (s, e) in enumerate(ranges):
+        p = parent[s:e]
+        slots.append(np.unique(p[(p >= 0) & (p < s)]))
+        cols, cur = [], np.arange(s, e)
+        for _ in range(1, K):  # the j-th ancestor of each range token (-1: none)
+            cur = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
+            cols.append(cur)
+        anc = np.stack(cols, 1) if cols else np.zeros((e - s, 0), dtype=np.int64)
+        conv_need.append(np.unique(anc[(anc >= 0) & (anc < s)]))
+        if r == rank:
+            table = anc
+    s, e = ranges[rank]
+    T, M = e - s, len(conv_need[rank])
+    # the padded source of the convolution: [own tokens | outside ancestors (conv_need) | zero row]
+    src = np.where(table >= s, table - s,
+                   np.where(table >= 0, T + np.searchsorted(conv_need[rank], np.maximum(table, 0)), T + M))
+    p = parent[s:e]
+    local_parent = np.where(p >= s, p - s, -1)
+    root_slot = np.where((p >= 0) & (p < s), np.searchsorted(slots[rank], np.maximum(p, 0)), -1)
+    later = np.concatenate([slots[d] for d in range(len(ranges)) if d != rank] + [np.zeros(0, np.int64)])
+    capture = np.unique(later[_owners(ranges, later) == rank] - s).astype(np.int64)
+    layout = external_layout(local_parent, root_slot, src[:, ::-1], M, K, capture, batch.device)
+    return _Recurrent(layout, _route(ranges, rank, conv_need), _route(ranges, rank, slots, capture))
 
 
 def _global(group, r: int) -> int:
@@ -225,16 +390,51 @@ def _wait(ops) -> None:
 
 
 class _CPContext(TreeContext):
-    """The range's row with the path's K/V fetched per attention layer."""
+    """The range's row with the path's K/V fetched per attention layer, and the recurrent
+    layers' convolution contexts and slot states routed between ranks (tags: ``4 * layer``
+    for the path rows, ``4 * layer + 2`` for the states, each ``+ 1`` in the backward)."""
 
-    def __init__(self, sub: TreeBatch, backend, external: Optional[ExternalKV], plan: Optional[CPPlan], group):
+    def __init__(self, sub: TreeBatch, backend, external: Optional[ExternalKV], plan: Optional[CPPlan], group,
+                 full: TreeBatch):
         super().__init__(sub, backend, external=external)
-        self.cp_plan, self.group = plan, group
+        self.cp_plan, self.group, self.full = plan, group, full
+        self._recurrent: Dict[int, _Recurrent] = {}
+
+    def _route_for(self, K: int) -> _Recurrent:
+        if K not in self._recurrent:
+            self._recurrent[K] = _recurrent_route(self.full, self.cp_plan.ranges, self.cp_plan.rank, K)
+        return self._recurrent[K]
+
+    def recurrent_layout(self, K: int, B: int = 1, L: int = 0, device=None):
+        if self.cp_plan is None:
+            return super().recurrent_layout(K, B, L, device)
+        return self._route_for(K).layout
+
+    def recurrent_conv_inputs(self, layer: int, K: int, inputs: Dict[str, torch.Tensor]):
+        if self.cp_plan is None:
+            return super().recurrent_conv_inputs(layer, K, inputs)
+        route = self._route_for(K).conv
+        names = list(inputs)
+        widths = [inputs[n].shape[1] for n in names]
+        both = _PathRows.apply(torch.cat([inputs[n] for n in names], dim=1), route, self.group, 4 * layer, 0)
+        M = len(route.path)
+        ext, own = both[:M].split(widths, dim=1), both[M:].split(widths, dim=1)
+        return dict(zip(names, own)), dict(zip(names, ext))
+
+    def recurrent_scan(self, layer: int, scan, state_shape, like: torch.Tensor):
+        if self.cp_plan is None:
+            return super().recurrent_scan(layer, scan, state_shape, like)
+        route = self._route_for(next(iter(self._recurrent), 1)).state  # the same for every kernel size
+        init = _StateIn.apply(like, route, self.group, 4 * layer + 2, tuple(state_shape)) if len(route.path) else None
+        out, cap = scan(init)
+        if route.send:
+            out = _StateOut.apply(out, cap, route, self.group, 4 * layer + 2)
+        return out, cap
 
     def attention(self, layer, q, k, v, window=None):
         if self.cp_plan is not None:
             dk = k.shape[-1]
-            both = _PathKV.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 2 * layer)
+            both = _PathRows.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 4 * layer, 2)
             E = len(self.cp_plan.path)
             if E:
                 self.external.k[layer] = both[:, :, :E, :dk]
@@ -263,7 +463,7 @@ def _forward_range(model, batch: TreeBatch, plan: CPPlan, group, attention, chun
     backend = resolve_backend(attention, dev, sub)
 
     def run(m):
-        ctx = _CPContext(sub, backend, external, plan if plan.size else None, group)
+        ctx = _CPContext(sub, backend, external, plan if plan.size else None, group, batch)
         h = decoder_hidden(m, sub.input_ids[None], sub.position_ids[None], ctx)[0]
         if plan.size == 0:
             return tokens, h[:0, 0], None, h

@@ -34,6 +34,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from treelit.ssm.layout import root_state
+
 __all__ = ["cuda_kernel", "level_scan", "gdn_scan_fla", "kda_scan_fla", "ssd_scan_fla", "ssd_scan_mamba"]
 
 
@@ -73,7 +75,7 @@ def level_scan(kernel, inputs: List[torch.Tensor], layout, state_shape, init_sta
         tok = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])).to(dev)
         cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(dev, torch.long)
         h0 = torch.stack([
-            final[int(p)] if p >= 0 else (init_state.to(dtype) if p == -2 and init_state is not None else zero)
+            final[int(p)] if p >= 0 else root_state(int(p), init_state, zero).to(dtype)
             for p in layout.seg_parent[segs]
         ])
         o, hT = kernel([x[tok] for x in inputs], h0, cu)

@@ -156,11 +156,12 @@ class GatedDeltaNet(nn.Module):
         B, L, _ = x.shape
         xf = x.reshape(B * L, -1)
         layout = ctx.recurrent_layout(self.conv_size, B, L, x.device)
-        ext = ctx.recurrent_external(layer) or {}
         pre = {"q": self.q_proj(xf), "k": self.k_proj(xf), "v": self.v_proj(xf)}
         if self.use_short_conv:
             convs = {"q": self.q_conv1d, "k": self.k_conv1d, "v": self.v_conv1d}
-            post = {n: convs[n](pre[n], layout, ext.get(f"conv_{n}")) for n in "qkv"}
+            given, context = ctx.recurrent_conv_inputs(layer, self.conv_size, {f"conv_{n}": pre[n] for n in "qkv"})
+            pre = {n: given[f"conv_{n}"] for n in "qkv"}
+            post = {n: convs[n](pre[n], layout, context[f"conv_{n}"]) for n in "qkv"}
         else:
             post = {n: F.silu(pre[n]) for n in "qkv"}
         T = xf.shape[0]
@@ -174,13 +175,14 @@ class GatedDeltaNet(nn.Module):
         v = post["v"].view(T, self.HV, self.dv)
         beta = torch.sigmoid(self.b_proj(xf)) * (2.0 if self.allow_neg_eigval else 1.0)
         g = -torch.exp(self.A_log.to(xf.dtype)) * F.softplus(self.a_proj(xf) + self.dt_bias.to(xf.dtype))
-        o, cap = self._scan(q, k, v, beta, g, layout, ext.get("state"))
+        o, cap = ctx.recurrent_scan(layer, lambda init: self._scan(q, k, v, beta, g, layout, init),
+                                    (self.HV, self.dk, self.dv), q)
         if ctx.captures_recurrent:
             toks = torch.from_numpy(layout.capture).to(xf.device)
             out: Dict[str, Any] = {"state": cap}
             if self.use_short_conv:
                 for n in "qkv":
-                    out[f"conv_{n}"] = convs[n].context_at(pre[n], layout, ext.get(f"conv_{n}"), toks)
+                    out[f"conv_{n}"] = convs[n].context_at(pre[n], layout, context[f"conv_{n}"], toks)
             ctx.record_recurrent(layer, out)
         y = _rms(o, self.o_norm.weight, self.norm_eps)
         if self.use_gate:
@@ -258,9 +260,10 @@ class Mamba2(nn.Module):
         xf = x.reshape(B * L, -1)
         T = xf.shape[0]
         layout = ctx.recurrent_layout(self.K, B, L, x.device)
-        ext = ctx.recurrent_external(layer) or {}
         z, xBC_pre, dt = torch.split(self.in_proj(xf), [self.I, self.conv_dim, self.H], dim=-1)
-        xBC = self.conv1d(xBC_pre, layout, ext.get("conv_xBC"))
+        given, context = ctx.recurrent_conv_inputs(layer, self.K, {"conv_xBC": xBC_pre})
+        xBC_pre = given["conv_xBC"]
+        xBC = self.conv1d(xBC_pre, layout, context["conv_xBC"])
         xs, Bm, Cm = torch.split(xBC, [self.I, self.G * self.N, self.G * self.N], dim=-1)
         xs = xs.view(T, self.H, self.P)
         rep = self.H // self.G  # head h uses group h // (H/G)
@@ -269,10 +272,11 @@ class Mamba2(nn.Module):
         dt = F.softplus(dt + self.dt_bias.to(xf.dtype)).clamp(*self.dt_limit)
         A = -torch.exp(self.A_log.to(xf.dtype))
         D = self.D.to(xf.dtype).view(self.H, self.P) if self.D_has_hdim else self.D.to(xf.dtype)
-        y, cap = self._scan(xs, dt, A, Bh, Ch, D, layout, ext.get("state"))
+        y, cap = ctx.recurrent_scan(layer, lambda init: self._scan(xs, dt, A, Bh, Ch, D, layout, init),
+                                    (self.H, self.P, self.N), xs)
         if ctx.captures_recurrent:
             toks = torch.from_numpy(layout.capture).to(xf.device)
-            ctx.record_recurrent(layer, {"state": cap, "conv_xBC": self.conv1d.context_at(xBC_pre, layout, ext.get("conv_xBC"), toks)})
+            ctx.record_recurrent(layer, {"state": cap, "conv_xBC": self.conv1d.context_at(xBC_pre, layout, context["conv_xBC"], toks)})
         y = y.reshape(T, self.I)
         if self.rmsnorm:
             if not self.norm_before_gate:

@@ -26,7 +26,7 @@ import torch
 
 from treelit.tree.batch import segments_from_parents
 
-__all__ = ["RecurrentLayout", "tree_layout", "causal_layout"]
+__all__ = ["RecurrentLayout", "tree_layout", "causal_layout", "external_layout", "root_state"]
 
 
 @dataclass
@@ -37,8 +37,11 @@ class RecurrentLayout:
     j-th ancestor in the *padded source* ``[tokens (T) | external context (K-1) | zero row]``:
     an in-row ancestor ``< T``; ``T + K-1-e`` for the e-th ancestor beyond the row's root
     (external context row, oldest first); ``T + K - 1`` (the zero row) when none exists.
+    With ``context_rows`` set (:func:`external_layout`), the context has that many rows
+    instead of ``K-1`` and the zero row is ``T + context_rows``.
     ``seg_start, seg_len, seg_parent`` (long, host numpy): segments; ``seg_parent`` is -1 for
-    a root starting from zero and -2 for a root whose state comes from outside.
+    a root starting from zero, -2 for a root whose state comes from outside, and ``-2 - i``
+    for a root continuing external slot ``i`` (several external states, ``[slots, ...]``).
     ``levels``: segment ids grouped by depth (roots first).
     ``capture``: tokens whose state after them must be returned (partition boundaries).
     """
@@ -51,10 +54,22 @@ class RecurrentLayout:
     seg_parent: np.ndarray
     levels: List[np.ndarray]
     capture: np.ndarray
+    context_rows: Optional[int] = None
 
     @property
     def zero_row(self) -> int:
-        return self.T + self.K - 1
+        return self.T + (self.K - 1 if self.context_rows is None else self.context_rows)
+
+
+def root_state(p: int, init_state: Optional[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
+    """The state a root segment with ``seg_parent`` ``p < 0`` starts from: ``zero`` for -1 (or
+    without ``init_state``); ``init_state`` itself for -2 when it has the state's shape; its slot
+    ``-2 - p`` when it is ``[slots, *state]``."""
+    if p == -1 or init_state is None:
+        return zero
+    if init_state.dim() > zero.dim():
+        return init_state[-2 - p]
+    return init_state
 
 
 def _ancestor_table(parent: np.ndarray, root_external: np.ndarray, K: int) -> np.ndarray:
@@ -127,4 +142,30 @@ def causal_layout(B: int, L: int, lengths: Optional[torch.Tensor], K: int, devic
         seg_parent=np.full(B, -1, dtype=np.int64),
         levels=[np.arange(B)],
         capture=np.zeros(0, dtype=np.int64),
+    )
+
+
+def external_layout(parent: np.ndarray, root_slot: np.ndarray, conv_src: np.ndarray, context_rows: int, K: int,
+                    capture: np.ndarray, device) -> RecurrentLayout:
+    """Layout of a row whose roots continue outside paths at several points (context
+    parallelism: a contiguous range of a DFS row). ``parent [T]``: in-row parents (-1 for a
+    root); ``root_slot [T]``: for a root, the external state slot it continues (-1: starts from
+    zero); ``conv_src [T, K-1]``: the caller's ancestor table into the padded source
+    ``[tokens (T) | context (context_rows) | zero row]``. Segments are cut after every
+    ``capture`` token."""
+    capture = np.asarray(capture, dtype=np.int64)
+    seg_start, seg_len, seg_parent = segments_from_parents(parent, capture)
+    roots = seg_parent < 0
+    slot = root_slot[seg_start[roots]]
+    seg_parent[roots] = np.where(slot >= 0, -2 - slot, -1)
+    return RecurrentLayout(
+        T=len(parent),
+        K=K,
+        conv_src=torch.from_numpy(np.ascontiguousarray(conv_src, dtype=np.int64)).to(device),
+        seg_start=seg_start,
+        seg_len=seg_len,
+        seg_parent=seg_parent,
+        levels=_levels(seg_parent),
+        capture=capture,
+        context_rows=int(context_rows),
     )

@@ -44,7 +44,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from treelit.ssm.layout import RecurrentLayout
+from treelit.ssm.layout import RecurrentLayout, root_state
 
 __all__ = ["segment_scan", "chunked_scan", "gdn_step", "ssd_step", "kda_step", "gdn_chunk", "ssd_chunk", "kda_chunk"]
 
@@ -88,6 +88,8 @@ def segment_scan(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run ``step`` over every token, level by level, segments of a level in parallel.
 
+    ``init_state``: the state of roots continuing an outside path (``seg_parent`` -2), or
+    ``[slots, *state_shape]`` for roots continuing one of several (``seg_parent = -2 - slot``).
     Returns ``(outputs [T, *out_shape], captured [len(layout.capture), *state_shape] or None)``:
     the states right after each token of ``layout.capture`` (which the layout made segment ends).
     """
@@ -235,7 +237,7 @@ def chunked_scan(
         init = []
         for s in segs:
             p = seg_parent[s]
-            init.append(final[int(p)] if p >= 0 else (init_state if (p == -2 and init_state is not None) else zero))
+            init.append(final[int(p)] if p >= 0 else root_state(int(p), init_state, zero))
         S = torch.stack(init)
         for t0 in range(0, int(lens.max()), chunk_size):
             act = np.flatnonzero(lens > t0)
