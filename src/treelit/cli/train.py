@@ -293,8 +293,11 @@ def _collective_failure(exc: BaseException) -> bool:
     import torch.distributed as dist  # cli: treelit-train --help pays for Hydra only
 
     text = str(exc)
+    low = text.lower()
     return (isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
             or "Connection reset by peer" in text or "Connection closed by peer" in text
+            # gloo's timeout, e.g. in the checkpoint's all-gather: "Application timeout caused pair closure"
+            or (isinstance(exc, RuntimeError) and "timeout caused pair closure" in low)
             or (text.startswith("step ") and "a collective failed or timed out" in text))
 
 

@@ -93,9 +93,9 @@ class FSDP2(ModelParallelStrategy):
         if lora_of(self.lightning_module.model) is None or not path.is_dir():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         import torch.distributed.checkpoint as dcp  # heavy: sharded resumes only
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # as above get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (  # as above
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+            set_optimizer_state_dict)
 
         trained = StateDictOptions(ignore_frozen_params=True)
         state = {"state_dict": get_model_state_dict(self.model, options=trained)}
