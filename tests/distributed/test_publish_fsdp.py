@@ -43,7 +43,7 @@ def publish_sharded(rank: int, world: int, directory: str, family: str, dtype: s
 @pytest.mark.parametrize("family,dtype", [("qwen2_tiny", "float32"),
                                           pytest.param("hybrid_tiny", "bfloat16", marks=pytest.mark.slow)])
 def test_fsdp2_published_weights_equal_one_process(tmp_path, family, dtype):
-    res = launch(publish_sharded, 2, str(tmp_path), family, dtype, deadline=240)
+    res = launch(publish_sharded, 2, str(tmp_path), family, dtype, deadline=480)
     one, two = res["keys"]
     assert one == two and len(one) > 0
     assert res["equal"], "the gathered weights differ from the unsharded model's"
