@@ -148,7 +148,14 @@ def _check_budget(cfg: DictConfig, data_stats: Dict[str, Any]) -> None:
     budget = (cfg.get("partition") or {}).get("budget_tokens")
     longest = data_stats.get("longest_branch") or 0
     planner = (cfg.get("callbacks") or {}).get("memory_planner")  # chooses its own budget each step
-    if cfg.partition.name == "redundancy_free" and budget is not None and not planner and longest > int(budget):
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    C = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
+    C = C if isinstance(C, int) and C > 1 else 1  # (a bad value is reported where the strategy is built)
+    if cfg.partition.name == "redundancy_free" and budget is not None and not planner and longest > C * int(budget):
+        if C > 1:
+            raise ConfigError(f"partition.budget_tokens={budget} (per rank) x context_parallel_degree={C} cannot hold "
+                              f"the longest branch of the data ({longest} tokens): a partition chain holds at least one "
+                              f"root-to-leaf path; use at least {-(-longest // C)}")
         raise ConfigError(f"partition.budget_tokens={budget} cannot hold the longest branch of the data ({longest} "
                           f"tokens): a partition chain holds at least one root-to-leaf path; use at least {longest}")
 

@@ -52,8 +52,8 @@ from treelit.objectives.critic import (branch_values, check_critic_objective, cr
                                        set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
 from treelit.partition.context_parallel import check_cp_model, cp_logprobs, cp_micro_batch
-from treelit.partition.engine import (MicroBatchResult, PartitionStats, partitioned_values, policy_logprobs,
-                                     run_micro_batch)
+from treelit.partition.engine import (MicroBatchResult, PartitionStats, check_cp_partitioned, partitioned_values,
+                                     policy_logprobs, run_micro_batch)
 from treelit.partition.passes import empty_row
 from treelit.tree.batch import check_aggregation
 from treelit.rl.gae import explained_variance, value_sums, whiten
@@ -216,8 +216,7 @@ class TreeLitModule(pl.LightningModule):
                                  "use critic=none or context_parallel_degree=1")
             check_cp_model(self.model)
             if self.partition != "none":
-                raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: "
-                                 "combine context parallelism with partitioning is not supported; choose one")
+                check_cp_partitioned(self.model)
         if self.critic is not None and self.partition != "none":
             raise ValueError(f"critic={self.critic.kind} with partition={self.partition} under FSDP2: not supported "
                              "(a partitioned critic runs on one process or with trainer=ddp_cpu/ddp); use "
@@ -363,7 +362,10 @@ class TreeLitModule(pl.LightningModule):
                 old[mb.branch_tokens] = flat
                 mb.token_old_logp = old
                 continue
-            if self._cp_degree() > 1:
+            if self._cp_degree() > 1 and self.partition != "none":
+                old = policy_logprobs(self.model, mb, budget_tokens=self.budget_tokens, attention=self.attention,
+                                      chunk_rows=self.chunk_rows, comm=self._comm(), cp_group=self._cp_group)
+            elif self._cp_degree() > 1:
                 old = cp_logprobs(self.model, mb, self._cp_group, attention=self.attention, chunk_rows=self.chunk_rows)
             elif self.partition != "none":
                 old = policy_logprobs(self.model, mb, budget_tokens=self.budget_tokens, attention=self.attention,
@@ -652,7 +654,13 @@ class TreeLitModule(pl.LightningModule):
         self._micro_losses = []
         cp = self._cp_degree()
         for mb in micro_batches:
-            if cp > 1:
+            if cp > 1 and self.partition != "none" and self.mode == "tree":
+                res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
+                                      budget_tokens=self.budget_tokens, attention=self.attention,
+                                      chunk_rows=self.chunk_rows, stats=stats, comm=comm, router_normalizer=R,
+                                      cp_group=self._cp_group)
+                loss_value, m = res.loss / cp, res.metrics  # (every rank of the group holds the whole loss)
+            elif cp > 1:
                 loss_value, m, plan = cp_micro_batch(self.model, self.objective, mb, self._cp_group,
                                                      aggregation=self.aggregation, normalizer=Z,
                                                      attention=self.attention, chunk_rows=self.chunk_rows)

@@ -18,7 +18,9 @@ least as long as the ones measured is over-estimated, not under-estimated.
 ``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on each rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
 margin). Each rank's budget is ``available / (bytes_per_token * margin)``; the budget
 used is the **minimum over ranks**, so every rank plans with the same budget and (under
-FSDP2) runs aligned passes. On an out-of-memory error on any rank, every rank asks
+FSDP2) runs aligned passes. Under context parallelism (C ranks share each pass) the
+budget is per rank: a chain of partitions holds C x the budget, a path up to C x longer than
+one rank holds; the chain tokens a rank measures against are its own share, a chain's / C. On an out-of-memory error on any rank, every rank asks
 :meth:`shrink` for a smaller budget and retries the update. The chosen budget and the
 observed peak are logged.
 """
@@ -110,9 +112,11 @@ class MemoryPlanner(pl.Callback):
         local = int(avail / (self.bytes_per_token * self.margin))
         budget = int(comm.min(local))
         longest = int(comm.max(longest))
-        if budget < longest:
+        C = pl_module._cp_degree() if hasattr(pl_module, "_cp_degree") else 1
+        if budget * C < longest:
+            per = f" per rank x {C} context-parallel ranks" if C > 1 else ""
             raise MemoryBudgetError(
-                f"callbacks.memory_planner: the memory available holds {budget} tokens per chain of partitions "
+                f"callbacks.memory_planner: the memory available holds {budget} tokens{per} per chain of partitions "
                 f"(the smallest over ranks; this rank: {avail / 2**20:.0f} MiB at about {self.bytes_per_token * self.margin / 1024:.1f} KiB per "
                 f"token), less than the longest branch ({longest} tokens)"
             )

@@ -40,6 +40,13 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   Every rank runs every layer, so the messages of a layer match up; a rank waits only for
   earlier ranks in the forward and later ranks in the backward, never in a cycle.
 
+* **Partitioned passes** (:func:`cp_forward_pass`, used by :mod:`treelit.partition.engine`):
+  each pass of a partition plan is split the same way; the pass's ancestor K/V (rows of
+  earlier passes, the same on every rank: :func:`cp_captures` sums each rank's own rows over
+  the group) sit in front of the path rows and are visible to the whole range; their
+  gradients are summed over the group before they go into each owner's graph
+  (:func:`cp_relay`). Attention layers only.
+
 Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers, transformers
 attention-only families through the adapter, every objective, every attention backend that
 takes external keys. Refused, with one line: the transformers adapter's recurrent (hybrid)
@@ -395,9 +402,10 @@ class _CPContext(TreeContext):
     for the path rows, ``4 * layer + 2`` for the states, each ``+ 1`` in the backward)."""
 
     def __init__(self, sub: TreeBatch, backend, external: Optional[ExternalKV], plan: Optional[CPPlan], group,
-                 full: TreeBatch):
-        super().__init__(sub, backend, external=external)
+                 full: TreeBatch, pre: Optional[ExternalKV] = None, capture_kv: bool = False):
+        super().__init__(sub, backend, external=external, capture_kv=capture_kv)
         self.cp_plan, self.group, self.full = plan, group, full
+        self.pre = pre  # a partitioned pass's ancestor K/V (the same on every rank), in front of the path's
         self._recurrent: Dict[int, _Recurrent] = {}
 
     def _route_for(self, K: int) -> _Recurrent:
@@ -436,9 +444,11 @@ class _CPContext(TreeContext):
             dk = k.shape[-1]
             both = _PathRows.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 4 * layer, 2)
             E = len(self.cp_plan.path)
-            if E:
-                self.external.k[layer] = both[:, :, :E, :dk]
-                self.external.v[layer] = both[:, :, :E, dk:]
+            if self.external is not None:
+                ek, ev = both[:, :, :E, :dk], both[:, :, :E, dk:]
+                if self.pre is not None:
+                    ek, ev = torch.cat([self.pre.k[layer], ek], 2), torch.cat([self.pre.v[layer], ev], 2)
+                self.external.k[layer], self.external.v[layer] = ek, ev
             k, v = both[:, :, E:, :dk], both[:, :, E:, dk:]
         return super().attention(layer, q, k, v, window)
 
@@ -552,3 +562,83 @@ def check_cp_degree(degree: Any, world: int) -> int:
         raise ValueError(f"trainer.strategy.context_parallel_degree={degree} does not divide the {world} processes "
                          "(trainer.devices x trainer.num_nodes)")
     return degree
+
+
+# -- context parallelism within a partitioned pass (see :mod:`treelit.partition.engine`) -----------------
+def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: Optional[ExternalKV] = None,
+                    capture: bool = False):
+    """This rank's range of the partition row ``sub`` through ``model`` (call inside the model's
+    forward): ``(h [range, D], ctx)``. ``pre``: the K/V of the partition's ancestors (earlier
+    passes), the same on every rank and visible to every query of the range, in front of the
+    path rows fetched from the other ranks of this pass. ``capture``: keep the range's own K/V
+    (``ctx.captured``) for the passes below. A rank whose range is empty runs an empty row
+    (its captured K/V give the shapes of what it contributes: nothing)."""
+    dev = sub.device
+    if plan.size == 0:
+        row, external, pre, live = empty_row(dev), None, None, None
+    else:
+        live = plan
+        row = sub if plan.size == sub.num_tokens else sub.subset(torch.arange(plan.start, plan.end, device=dev))
+        path = torch.from_numpy(plan.path).to(dev)
+        P = pre.num_tokens if pre is not None else 0
+        E = len(plan.path) + P
+        external = None
+        if E:
+            hi = torch.clamp(sub.subtree_end[path], max=plan.end) - plan.start
+            if P:
+                hi = torch.cat([torch.full((P,), plan.size, dtype=torch.long, device=dev), hi])
+            pos = sub.position_ids[path]
+            if P:
+                pos = torch.cat([pre.pos.to(dev), pos])
+            external = ExternalKV({}, {}, torch.zeros(E, dtype=torch.long, device=dev), hi, pos=pos)
+    backend = resolve_backend(attention, dev, row)
+    ctx = _CPContext(row, backend, external, live, group, sub, pre=pre, capture_kv=capture)
+    h = decoder_hidden(model, row.input_ids[None], row.position_ids[None], ctx)[0]
+    return h, ctx
+
+
+def cp_captures(ctx, plan: CPPlan, need: np.ndarray, group, grad: bool):
+    """What a partition's pass hands the passes below, under context parallelism: per attention
+    layer the K/V ``[1, Hkv, len(need), D]`` of its rows ``need`` (the ancestors of its child
+    partitions' roots), assembled from the ranks that hold them and the same on every rank (a
+    sum over the group of each rank's own rows, zeros elsewhere). With ``grad``, leaf copies that
+    require grad, and each rank's own contribution (a tensor of its graph) to relay their
+    gradients into: see :func:`cp_relay`. Returns ``(kv, produced, leaves)``."""
+    lo, hi = (plan.start, plan.end) if plan.size else (0, 0)
+    at = np.flatnonzero((need >= lo) & (need < hi))
+    produced: List[torch.Tensor] = []
+    leaves: List[torch.Tensor] = []
+    kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in sorted(ctx.captured):
+        k, v = ctx.captured[layer]
+        both = torch.cat([k, v], dim=-1)
+        shape = (both.shape[0], both.shape[1], len(need), both.shape[3])
+        mine = both.new_zeros(shape)
+        if len(at):
+            dev = both.device
+            mine = mine.index_copy(2, torch.from_numpy(at).to(dev),
+                                   both.index_select(2, torch.from_numpy(need[at] - lo).to(dev)))
+        whole = mine.detach().clone()
+        dist.all_reduce(whole, group=group)
+        if grad:
+            whole.requires_grad_()
+            produced.append(mine)
+            leaves.append(whole)
+        dk = k.shape[-1]
+        kv[layer] = (whole[..., :dk], whole[..., dk:])
+    return kv, produced, leaves
+
+
+def cp_relay(produced: List[torch.Tensor], leaves: List[torch.Tensor], group) -> Tuple[list, list]:
+    """``(tensors, grads)`` to back-propagate for a partition's captures under context
+    parallelism: each leaf's gradient summed over the group (every rank of the group calls this
+    for the same pass, in the same order), into the rank's own contribution."""
+    tensors, grads = [], []
+    for t, leaf in zip(produced, leaves):
+        g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        g = g.contiguous()
+        dist.all_reduce(g, group=group)
+        if t.requires_grad:
+            tensors.append(t)
+            grads.append(g)
+    return tensors, grads

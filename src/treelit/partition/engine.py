@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
+from treelit.partition.context_parallel import cp_captures, cp_forward_pass, cp_plan, cp_relay, token_costs
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
 from treelit.partition.schedule import FORWARD, align, align_forwards, decode, dfs_word, encode
@@ -95,6 +97,39 @@ class _Run:
         self.value_terms = None
         self.policy = True  # False: the critic's own trunk (a separate critic), the value loss alone
         self.value_sum, self.n_clip, self.n_pairs = 0.0, 0.0, 0.0
+        self.cp_group = None  # context parallelism: each pass's row split over this group's ranks
+        self.cp_rows: Dict[int, Any] = {}  # partition -> the rows its captures hold (under CP)
+
+    # one pass -----------------------------------------------------------------------------
+    def forward_pass(self, m, i, sub, captured, emb_buf=None, guard=None):
+        """``(h, ctx, rows, tok)``: partition ``i``'s hidden states and its targets (hidden-state
+        rows, full-row tokens); under context parallelism this rank's range of the pass and the
+        targets it holds."""
+        rp = self.rp
+        tokens = rp.parts[i].tokens
+        tokens = torch.from_numpy(tokens).to(self.batch.device)
+        if self.cp_group is None:
+            h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
+                                       rp.boundary[i], embedding_grad_accumulator=emb_buf, oom_guard=guard)
+            rows, tok = rp.targets(i, sub, tokens)
+            return h, ctx, rows, tok
+        C, rank = self.cp_size
+        plan = cp_plan(sub, C, rank, token_costs(sub, m))
+        h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
+                                 rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]))
+        ctx.cp_pass = plan
+        rows, tok = rp.targets(i, sub, tokens)
+        keep = (rows >= plan.start) & (rows < plan.end)
+        return h, ctx, rows[keep] - plan.start, tok[keep]
+
+    def captures(self, i, ctx, grad: bool):
+        """Partition ``i``'s captures for the passes below: ``(Captures, produced, leaves)``."""
+        if self.cp_group is None:
+            return captures_of(ctx, grad=grad)
+        if i not in self.cp_rows:
+            self.cp_rows[i] = self.rp.needed(i)
+        kv, produced, leaves = cp_captures(ctx, ctx.cp_pass, self.cp_rows[i], self.cp_group, grad)
+        return Captures(kv, {}), produced, leaves
 
     def empty(self) -> TreeBatch:
         if self._empty is None:
@@ -129,13 +164,11 @@ class _Run:
                 guard = OOMGuard()
 
                 def run(m, i=i, sub=sub, tokens=tokens, guard=guard):
-                    h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
-                                               rp.boundary[i], oom_guard=guard)
+                    h, ctx, rows, tok = self.forward_pass(m, i, sub, captured, guard=guard)
                     if routing is not None:
                         routing.add_counts(ctx, tokens)
                     if not logprobs:
                         return tokens[:0], h[:0, 0], None, ctx
-                    rows, tok = rp.targets(i, sub, tokens)
                     keep = self.batch.target_count[tok] > 0
                     if value_head is not None:
                         return tok[keep], value_head.values(h[rows[keep]]), None, ctx
@@ -156,9 +189,12 @@ class _Run:
                 lp[tok] = logp.double()
                 if en is not None:
                     en[tok] = ent.double()
-                captured[i] = captures_of(ctx, grad=False)[0]
+                if self.cp_group is None or rp.children[i]:
+                    captured[i] = self.captures(i, ctx, grad=False)[0]
                 chain.append(i)
-                self.stats.extra_forwards += rp.parts[i].size
+                self.stats.extra_forwards += rp.parts[i].size if self.cp_group is None else ctx.cp_pass.size
+        if self.cp_group is not None:  # each rank filled the targets of its ranges
+            lp, en = _group_sum(lp, self.cp_group), (_group_sum(en, self.cp_group) if en is not None else None)
         return lp, en
 
     def _empty_forward(self, model):
@@ -266,12 +302,12 @@ class _Run:
         guard = OOMGuard()
 
         def run(m):
-            h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
-                                       rp.boundary[i], embedding_grad_accumulator=emb_buf, oom_guard=guard)
+            h, ctx, rows, tok = self.forward_pass(m, i, sub, captured, emb_buf, guard)
             if guard.failed:
                 return (h.sum() + output_weight(m).sum()) * 0, None, ctx
-            rows, tok = rp.targets(i, sub, tokens)
             loss, got = self.head_loss(m, h, rows, tok, emb_buf, out_buf, grads)
+            if self.cp_group is not None:  # every layer's backward runs (the path rows travel in it)
+                loss = loss + 0.0 * h.sum()
             if self.router is not None:  # this pass's tokens' share of the router loss
                 loss = loss + self.router.pass_loss(ctx, tokens, whole_row=len(rp.parts) == 1)
             return loss, got, ctx
@@ -288,9 +324,9 @@ class _Run:
             return _Live(i, loss, [], []), 0.0
         if got is not None:
             self.collected.append(got)
-        cap, produced, leaves = captures_of(ctx, grad=True) if rp.children[i] else (Captures({}, {}), [], [])
+        cap, produced, leaves = self.captures(i, ctx, grad=True) if rp.children[i] else (Captures({}, {}), [], [])
         captured[i] = cap
-        size = rp.parts[i].size
+        size = rp.parts[i].size if self.cp_group is None else ctx.cp_pass.size
         self.stats.partitions += 1
         self.stats.token_forwards += size
         self.stats.per_partition.append(size)
@@ -298,6 +334,10 @@ class _Run:
 
     def _finish(self, live: _Live) -> None:
         tensors, grads = [live.loss], [torch.ones_like(live.loss)]
+        if self.cp_group is not None:
+            more, g = cp_relay(live.produced, live.leaves, self.cp_group)
+            torch.autograd.backward(tensors + more, grads + g)
+            return
         for t, leaf in zip(live.produced, live.leaves):
             # (a tensor computed from frozen parameters only, e.g. layer 0's keys under LoRA on q/v, has no graph)
             if leaf.grad is not None and t.requires_grad:
@@ -327,6 +367,7 @@ def run_micro_batch(
     router_normalizer: Optional[float] = None,
     critic=None,
     critic_only: bool = False,
+    cp_group=None,
 ) -> MicroBatchResult:
     """Forward and backward ``batch`` (accumulating ``.grad``) under ``budget_tokens`` tokens
     per chain of partitions (None: one pass). ``normalizer``: the step-global Z.
@@ -338,16 +379,28 @@ def run_micro_batch(
     ``critic`` (a :class:`~treelit.models.critic.Critic`; the batch went through
     :func:`~treelit.objectives.critic.set_tree_advantages`): its value loss is folded into each
     pass, read from ``model``'s hidden states: the policy's (a shared critic) or, with
-    ``critic_only`` and ``model`` the critic's trunk, a separate critic's (``objective`` unused)."""
+    ``critic_only`` and ``model`` the critic's trunk, a separate critic's (``objective`` unused).
+    ``cp_group`` (context parallelism, attention models): every pass's row is split over the
+    group's C ranks (:mod:`treelit.partition.context_parallel`), which hold the same ``batch``;
+    ``budget_tokens`` is then per rank, so a chain of partitions may hold ``C x budget_tokens``
+    tokens. The ranks' gradients sum to the one-process gradient; the loss and metrics returned
+    are the whole micro-batch's on every rank."""
     stats = stats if stats is not None else PartitionStats()
     comm = comm if comm is not None else Collectives(1)
     spec = FoldSpec(True, False, False, False) if critic_only else fold_spec(objective)
     N = batch.num_tokens
     stats.tree_tokens += N
     stats.budget = budget_tokens
-    plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
-    stats.max_chain_tokens = max(stats.max_chain_tokens, plan.max_chain_tokens)
+    C = dist.get_world_size(cp_group) if cp_group is not None else 1
+    if C > 1:
+        check_cp_partitioned(model, critic)
+    chain_budget = None if budget_tokens is None else budget_tokens * C
+    plan = (whole_row_plan(batch) if chain_budget is None or chain_budget >= N
+            else plan_partitions(batch, chain_budget, per_rank=C))
+    stats.max_chain_tokens = max(stats.max_chain_tokens, -(-plan.max_chain_tokens // C))  # per rank (about)
     run = _Run(model, objective, batch, plan, spec, aggregation, float(normalizer), attention, chunk_rows, stats, comm, failed)
+    if C > 1:
+        run.cp_group, run.cp_size = cp_group, (C, dist.get_rank(cp_group))
     if critic is not None:
         if spec.fused_sft or not spec.token_separable:
             raise ValueError("a critic's value loss folds into token-separable objectives only (objective=ppo)")
@@ -390,7 +443,16 @@ def run_micro_batch(
             grads = (torch.zeros(N, dtype=torch.float64, device=batch.device), None)
     total = run.gradient_phase(grads)
     recomputed = False
-    if value is None:
+    if value is None and run.cp_group is not None:
+        value = _group_sum(torch.tensor([total], dtype=torch.float64, device=batch.device), run.cp_group).item()
+        if not spec.fused_sft and run.sel.numel():  # every rank's log-probs, for the metrics
+            recomputed = True
+            tok, logp, ent = _gather_collected(run, spec.needs_entropy)
+            with torch.no_grad():
+                loss, metrics = loss_from_logprobs(objective, batch, tok, logp, ent, aggregation=aggregation,
+                                                   normalizer=normalizer, ref=run.ref)
+            value = float(loss)
+    elif value is None:
         value = total
         if not spec.fused_sft and run.collected and not run.failed and run.sel.numel():
             recomputed = True
@@ -414,6 +476,48 @@ def run_micro_batch(
     if run.router is not None:
         metrics = {**metrics, **run.router.metrics()}
     return MicroBatchResult(value, metrics, run.failed)
+
+
+def check_cp_partitioned(model, critic=None) -> None:
+    """Refuse, naming it, what a partitioned pass split over ranks does not cover."""
+    from_layers = set(getattr(getattr(model, "config", None), "layer_types", None) or [])
+    recurrent = sorted(from_layers - {"attention", "full_attention", "sliding_attention"})
+    if recurrent or any(hasattr(m, "_treelit_forward") for m in model.modules()):
+        raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: partitioned "
+                         f"passes split over ranks cover attention layers only, not {', '.join(recurrent) or 'recurrent layers'} "
+                         "(use one of the two for this model)")
+    if RouterTerms.enabled(model):
+        raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free and a router "
+                         "load-balancing loss (model.router_aux_loss_coef > 0): not supported; set it to 0 or use one of "
+                         "the two")
+    if critic is not None:
+        raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; use critic=none")
+
+
+def _group_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ``group`` of ``x``'s values where set (NaN: unset; NaN where no rank set it)."""
+    have = ~torch.isnan(x)
+    val = torch.where(have, x, torch.zeros_like(x))
+    cnt = have.to(torch.float64)
+    dist.all_reduce(val, group=group)
+    dist.all_reduce(cnt, group=group)
+    return torch.where(cnt > 0, val, torch.full_like(val, float("nan")))
+
+
+def _gather_collected(run: "_Run", with_entropy: bool):
+    """Every target's detached log-prob (and entropy) from the ranks of the group that computed it."""
+    N, dev = run.N, run.batch.device
+    lp = torch.full((N,), float("nan"), dtype=torch.float64, device=dev)
+    en = torch.full((N,), float("nan"), dtype=torch.float64, device=dev) if with_entropy else None
+    for tok, logp, ent in run.collected:
+        lp[tok] = logp.double()
+        if en is not None:
+            en[tok] = ent.double()
+    lp = _group_sum(lp, run.cp_group)
+    en = _group_sum(en, run.cp_group) if en is not None else None
+    tok = torch.nonzero(~torch.isnan(lp)).squeeze(1)
+    dtype = _dtype(run.model)
+    return tok, lp[tok].to(dtype), (en[tok].to(dtype) if en is not None else None)
 
 
 def _router_value(run: "_Run") -> float:
@@ -448,15 +552,21 @@ def partitioned_values(trunk, critic, batch: TreeBatch, *, budget_tokens: Option
 @torch.no_grad()
 def policy_logprobs(model, batch: TreeBatch, *, budget_tokens: Optional[int] = None, attention: Any = "auto",
                     chunk_rows: Optional[int] = None, comm: Optional[Collectives] = None,
-                    stats: Optional[PartitionStats] = None) -> torch.Tensor:
+                    stats: Optional[PartitionStats] = None, cp_group=None) -> torch.Tensor:
     """``[N]`` float64 log-probs of every target token under ``model`` (NaN elsewhere), from a
-    no-gradient pass over the partitions of ``budget_tokens`` (rollout log-probs)."""
+    no-gradient pass over the partitions of ``budget_tokens`` (rollout log-probs; ``cp_group``:
+    each pass split over its ranks, ``budget_tokens`` per rank, as in :func:`run_micro_batch`)."""
     comm = comm if comm is not None else Collectives(1)
     stats = stats if stats is not None else PartitionStats()
     N = batch.num_tokens
-    plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
+    C = dist.get_world_size(cp_group) if cp_group is not None else 1
+    chain_budget = None if budget_tokens is None else budget_tokens * C
+    plan = (whole_row_plan(batch) if chain_budget is None or chain_budget >= N
+            else plan_partitions(batch, chain_budget, per_rank=C))
     spec = FoldSpec(False, False, False, False)
     run = _Run(model, None, batch, plan, spec, "sum", 1.0, attention, chunk_rows, stats, comm, False)
+    if C > 1:
+        run.cp_group, run.cp_size = cp_group, (C, dist.get_rank(cp_group))
     lp, _ = run.collect(model, with_entropy=False)
     if comm.max(float(run.failed)) > 0:
         raise torch.OutOfMemoryError(f"out of memory computing rollout log-probs (budget {budget_tokens} tokens)")

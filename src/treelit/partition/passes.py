@@ -115,8 +115,21 @@ class RowPlan:
         rows = torch.cat([sub.parent[own], torch.from_numpy(self.local[self.parent[roots]]).to(dev)])
         return rows, tok
 
-    def external(self, i: int, captured: Dict[int, Captures]) -> Optional[ExternalKV]:
-        """Partition ``i``'s ancestors' K/V and states from their captures (None for a root)."""
+    def needed(self, q: int) -> np.ndarray:
+        """Partition ``q``'s rows (sorted local indices) on the paths to its child partitions'
+        roots: the only ones its descendants attend to."""
+        rows = set()
+        for c in self.children[q]:
+            a = self.parent[self.root_token[c]]
+            while a >= 0 and self.owner[a] == q:
+                rows.add(int(self.local[a]))
+                a = self.parent[a]
+        return np.array(sorted(rows), dtype=np.int64)
+
+    def external(self, i: int, captured: Dict[int, Captures],
+                 rows: Optional[Dict[int, np.ndarray]] = None) -> Optional[ExternalKV]:
+        """Partition ``i``'s ancestors' K/V and states from their captures (None for a root).
+        ``rows``: partition -> the rows its captures hold (:meth:`needed`; None: all its rows)."""
         anc = self.ancestors(i)
         if not len(anc):
             return None
@@ -124,7 +137,8 @@ class RowPlan:
         ks: Dict[int, List[torch.Tensor]] = {}
         vs: Dict[int, List[torch.Tensor]] = {}
         for q in np.unique(self.owner[anc]):  # ancestor partitions in chain (= index) order
-            idx = torch.from_numpy(self.local[anc[self.owner[anc] == q]]).to(dev)
+            local = self.local[anc[self.owner[anc] == q]]
+            idx = torch.from_numpy(local if rows is None else np.searchsorted(rows[int(q)], local)).to(dev)
             for layer, (kl, vl) in captured[int(q)].kv.items():
                 ks.setdefault(layer, []).append(kl.index_select(2, idx))
                 vs.setdefault(layer, []).append(vl.index_select(2, idx))

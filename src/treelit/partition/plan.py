@@ -63,8 +63,9 @@ class PartitionPlan:
         return len(self.partitions)
 
 
-def plan_partitions(batch, budget: int) -> PartitionPlan:
-    """Partition ``batch``'s row under ``budget`` tokens per chain of partitions."""
+def plan_partitions(batch, budget: int, per_rank: int = 1) -> PartitionPlan:
+    """Partition ``batch``'s row under ``budget`` tokens per chain of partitions (``per_rank``:
+    the C ranks of context parallelism share each pass, ``budget`` is C x a rank's)."""
     budget = int(budget)
     seg_start = batch.seg_start.cpu().numpy()
     seg_len = batch.seg_len.cpu().numpy()
@@ -80,6 +81,12 @@ def plan_partitions(batch, budget: int) -> PartitionPlan:
             need[s] += max(need[c] for c in children[s])
     roots = [s for s in range(S) if seg_parent[s] < 0]
     longest = int(max(need[r] for r in roots)) if roots else 0
+    if budget < longest and per_rank > 1:
+        raise BudgetError(
+            f"partition budget of {budget // per_rank} tokens per rank x {per_rank} context-parallel ranks cannot "
+            f"hold one root-to-leaf path: the longest branch has {longest} tokens; use a budget of at least "
+            f"{-(-longest // per_rank)} tokens per rank"
+        )
     if budget < longest:
         raise BudgetError(
             f"partition budget of {budget} tokens cannot hold one root-to-leaf path: the longest branch "

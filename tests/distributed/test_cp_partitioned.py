@@ -1,0 +1,193 @@
+"""Context parallelism within partitioned passes (``partition=redundancy_free`` with
+``context_parallel_degree=C``): each pass's row split over C gloo processes, the partitions'
+ancestor K/V assembled from the ranks that hold them and their gradients relayed back, equal
+to one unpartitioned process in float64 (loss and every parameter gradient, the ranks'
+gradients summed). A chain of partitions holds C x the per-rank budget."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import treelit
+from helpers import grad_floor, max_rel_grad_diff, negligible_grad, tiny_model
+from test_context_parallel import ONE_TOKEN, _objective, _port, _tree
+from treelit.partition.engine import run_micro_batch
+from treelit.partition.plan import BudgetError
+
+# a deeper forest: shared prefixes several levels down, a branch that is a prefix of another,
+# a duplicate branch and one-token segments (so that passes have children at several depths)
+DEEP = ([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 9, 10, 0, 3], [1, 2, 3, 4, 5, 9, 10, 2], [1, 2, 3, 7],
+         [1, 2, 3, 7, 8, 9, 1, 4, 6], [1, 2, 3, 7, 8, 9, 1, 4, 6], [1, 2, 0], [5, 6, 7, 8, 9, 10], [5, 6, 7, 2]],
+        [[0, 1, 1, 1, 1, 1, 1, 1], [1] * 9, [0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1],
+         [0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1]],
+        [1.0, 0.5, 2.0, 1.0, 1.5, 1.0, 1.0, 0.7, 1.2])
+
+
+def _case(case):
+    name, forest, objective, budget, *window = case
+    kw = dict(sliding_window=3, sliding_window_layers=[0]) if window and window[0] else {}
+    model = tiny_model(name, torch.float64, **kw)
+    batch = _tree(forest, objective != "sft").to_batch()
+    obj = _objective(objective)
+    return model, batch, obj, budget
+
+
+def _worker(rank, C, port, case, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=C)
+    try:
+        model, batch, obj, budget = _case(case)
+        Z = obj.norm_contribution(batch, "token-mean")
+        from treelit.partition.engine import PartitionStats
+
+        stats = PartitionStats()
+        res = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z, budget_tokens=budget,
+                              attention="sdpa_dense", cp_group=dist.group.WORLD, stats=stats)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        for g in grads:
+            dist.all_reduce(g)
+        forwards = torch.tensor([float(stats.token_forwards)])
+        dist.all_reduce(forwards)
+        if rank == 0:
+            torch.save({"value": res.loss, "metrics": res.metrics, "grads": [g.clone() for g in grads],
+                        "partitions": stats.partitions, "forwards": float(forwards)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def compare(case, C, tmp_path):
+    out = tmp_path / f"cpp{C}.pt"
+    mp.spawn(_worker, args=(C, _port(), case, str(out)), nprocs=C, join=True)
+    got = torch.load(out, weights_only=True)
+    model, batch, obj, _ = _case(case)
+    Z = obj.norm_contribution(batch, "token-mean")
+    want = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z, attention="sdpa_dense")
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    assert abs(got["value"] - want.loss) <= 1e-9 * abs(want.loss), (got["value"], want.loss)
+    for k, v in want.metrics.items():
+        assert abs(got["metrics"][k] - v) <= 1e-9 * max(abs(v), 1e-12), (k, got["metrics"][k], v)
+    assert any(g.abs().max() > 0 for g in grads), "the case must train something"
+    names = [str(i) for i in range(len(grads))]
+    err = max_rel_grad_diff(dict(zip(names, got["grads"])), dict(zip(names, grads)), grad_floor(torch.float64),
+                            negligible_grad(torch.float64))
+    assert err <= 1e-9, f"max relative gradient difference {err:.2e}"
+    assert got["partitions"] > 1, "the budget must cut the row into several passes"
+    assert got["forwards"] == batch.num_tokens, "every token through the model once, on one rank"
+    return got
+
+
+def test_cp_partitioned_equals_one_process(tmp_path):
+    compare(("qwen2_5_tiny", DEEP, "sft", 5), 2, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["sft", "grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("C,budget", [(2, 5), (2, 9), (4, 3)])
+def test_cp_partitioned_objectives_and_degrees(C, budget, objective, tmp_path):
+    """Token-separable objectives fold per pass; GSPO takes every target's log-prob in a
+    no-gradient partitioned pass first; GRPO's reference model runs partitioned too."""
+    compare(("qwen2_5_tiny", DEEP, objective, budget), C, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,window", [("qwen2_5_tiny", True), ("qwen3_moe_tiny", False), ("llama3_2_tiny", False)])
+def test_cp_partitioned_windows_moe_families(name, window, tmp_path):
+    compare((name, DEEP, "sft", 5, window), 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_cp_partitioned_one_token_forest(tmp_path):
+    compare(("qwen2_5_tiny", ONE_TOKEN, "sft", 3), 2, tmp_path)
+
+
+def test_budget_is_per_rank():
+    """A chain of partitions holds C x the per-rank budget; a path longer than that is one line."""
+    from treelit.partition.plan import plan_partitions
+
+    batch = treelit.TokenTree.from_branches(*DEEP).to_batch()
+    assert plan_partitions(batch, 5 * 2, per_rank=2).max_chain_tokens <= 10
+    with pytest.raises(BudgetError, match=r"budget of 4 tokens per rank x 2 context-parallel ranks .* at least 5 "
+                                          r"tokens per rank"):
+        plan_partitions(batch, 4 * 2, per_rank=2)
+
+
+def test_recurrent_layers_and_router_loss_are_refused():
+    from treelit.models.factory import set_router_aux_loss
+    from treelit.partition.engine import check_cp_partitioned
+
+    with pytest.raises(ValueError, match="cover attention layers only, not gdn, mamba2"):
+        check_cp_partitioned(tiny_model("hybrid_tiny", torch.float64))
+    moe = tiny_model("qwen3_moe_tiny", torch.float64)
+    check_cp_partitioned(moe)
+    set_router_aux_loss(moe, 0.1)
+    with pytest.raises(ValueError, match="router load-balancing loss"):
+        check_cp_partitioned(moe)
+
+
+@pytest.mark.slow
+def test_treelit_train_cp_partitioned_equals_one_process(tmp_path_factory):
+    """``treelit-train trainer=fsdp2_cpu trainer.strategy.context_parallel_degree=2
+    partition=redundancy_free partition.budget_tokens=40``: a budget per rank, chains of up to
+    80 tokens (the longest branch has 70), the update equal to one unpartitioned process's."""
+    import json
+
+    from cli import run, tail
+    from test_cp_train import F64, close, weights
+    from test_multiprocess import COMMON
+
+    d = tmp_path_factory.mktemp("cpp_cli")
+    prefix = list(range(1, 30))
+    with (d / "trees.jsonl").open("w") as f:
+        for t in range(6):
+            branches = [{"input_ids": prefix[: 10 + 3 * t] + [(7 * b + t) % 300 + 50] * (10 + 5 * b)} for b in range(3 + t)]
+            f.write(json.dumps({"id": f"t{t}", "branches": branches}) + "\n")
+
+    def train(name, *extra):
+        log = d / f"{name}.log"
+        rc = run([*COMMON, *F64, f"data.train_path={d / 'trees.jsonl'}", f"output_dir={d / name}", *extra], d, log)
+        assert rc == 0, tail(log)
+        return d / name
+
+    single = weights(train("single"))
+    out = train("cpp", "trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=2",
+                "partition=redundancy_free", "partition.budget_tokens=40")
+    close(weights(out), single, "C=2 partitioned")
+    metrics = json.loads((out / "summary.json").read_text())["metrics"]
+    assert metrics["partitions"] > 1
+
+
+def test_planner_budget_is_per_rank_under_cp():
+    """The planner's budget is what one rank holds; under context parallelism a chain holds C x
+    that, so a branch longer than one rank's memory is planned, and one longer than C ranks'
+    is one line naming both."""
+    from types import SimpleNamespace
+
+    from treelit.lightning.planner import MemoryBudgetError, MemoryPlanner
+
+    class Rank:
+        device = torch.device("cpu")
+
+        def __init__(self, C):
+            self.C = C
+
+        def _comm(self):
+            return SimpleNamespace(rank=0, min=lambda v: v, max=lambda v: v)
+
+        def _cp_degree(self):
+            return self.C
+
+    planner = MemoryPlanner(memory_limit_bytes=40 * 1024, fraction=1.0, margin=1.0, initial_bytes_per_token=1024)
+    batch = [SimpleNamespace(position_ids=torch.arange(70))]  # a 70-token branch; memory for 40 tokens per rank
+    assert planner.budget_for(Rank(2), batch) == 40
+    with pytest.raises(MemoryBudgetError, match="holds 40 tokens per rank x 1|holds 40 tokens per chain"):
+        planner.budget_for(Rank(1), batch)
+    batch = [SimpleNamespace(position_ids=torch.arange(90))]
+    with pytest.raises(MemoryBudgetError, match="holds 40 tokens per rank x 2 context-parallel ranks per chain"):
+        planner.budget_for(Rank(2), batch)
