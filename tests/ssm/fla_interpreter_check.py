@@ -2,12 +2,13 @@
 and every parameter gradient, unpartitioned and partitioned. Run as its own process (the
 interpreter must be chosen before fla is imported; tests/ssm/test_fla_interpreter.py does):
 
-    python tests/ssm/fla_interpreter_check.py gdn_tiny [--mutate]
+    python tests/ssm/fla_interpreter_check.py gdn_tiny [--mutate] [--cp C]
 
 prints one JSON line per run: ``{"case", "budget", "loss_rel_diff", "max_rel_grad_diff"}``.
 ``--mutate`` hands one segment a zero initial state instead of its parent's final state in the fla
 path, ``--mutate-padding`` leaves dt of mamba-ssm's padded slots non-zero: routing defects the
-comparison must catch.
+comparison must catch. ``--cp C``: the fla run split over C gloo processes (context parallelism,
+the unpartitioned row only).
 """
 
 from __future__ import annotations
@@ -82,8 +83,65 @@ def mutate_padding() -> None:
     fla_backend._padded_dt = lambda dt, valid: dt
 
 
+def _cp_worker(rank: int, C: int, port: int, case: str, out: str, mutated: bool) -> None:
+    """One rank of context parallelism with ``ssm=fla``: its range's scans start from the states
+    the earlier ranks send (several initial states per range), run through fla's kernels."""
+    import torch.distributed as dist
+
+    from treelit.objectives import make_objective
+    from treelit.partition.context_parallel import cp_micro_batch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=C)
+    if mutated:
+        mutate()
+    calls = []
+    scan = fla_backend.level_scan
+    fla_backend.level_scan = lambda *a, **k: calls.append(1) or scan(*a, **k)
+    try:
+        model = model_for(case)
+        with mock.patch.object(torch.cuda, "is_available", lambda: True):
+            set_ssm_backend(model, "fla")
+        batch = treelit.TokenTree.from_branches(BRANCHES, MASKS).to_batch()
+        obj = make_objective("sft")
+        value, _, _ = cp_micro_batch(model, obj, batch, None, aggregation="token-mean",
+                                     normalizer=obj.norm_contribution(batch, "token-mean"), attention="sdpa_dense")
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g)
+        assert calls, "fla's level scan did not run"
+        if rank == 0:
+            torch.save({"value": value, "grads": grads}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def main_cp(case: str, C: int, mutated: bool) -> None:
+    """``ssm=fla`` split over C gloo processes against ``ssm=torch`` on one process."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "cp.pt")
+    mp.spawn(_cp_worker, args=(C, port, case, out, mutated), nprocs=C, join=True)
+    got = torch.load(out, weights_only=True)
+    model = model_for(case)
+    ref, g_ref = run(model, "torch", treelit.TokenTree.from_branches(BRANCHES, MASKS), None)
+    assert ref != 0
+    worst = max(((got["grads"][n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in g_ref.items())
+    print(json.dumps({"case": case, "cp": C, "budget": None, "loss_rel_diff": abs(got["value"] - ref) / abs(ref),
+                      "max_rel_grad_diff": worst, "min_grad_norm": min(g.norm().item() for g in g_ref.values())}),
+          flush=True)
+
+
 def main() -> None:
     case = sys.argv[1]
+    if "--cp" in sys.argv:
+        return main_cp(case, int(sys.argv[sys.argv.index("--cp") + 1]), "--mutate" in sys.argv)
     if "--mutate" in sys.argv:
         mutate()
     if "--mutate-padding" in sys.argv:

@@ -82,3 +82,27 @@ def test_a_segment_started_from_zero_instead_of_its_parent_fails_the_comparison(
 def test_a_padded_mamba_row_with_dt_left_non_zero_fails_the_comparison(mamba_path):
     rows = run("nemotron_h", "--mutate-padding", path=mamba_path)  # (the unpartitioned run has a padded row)
     assert max(row["max_rel_grad_diff"] for row in rows) > 1e-2, rows
+
+
+def run_cp(case: str, *flags: str):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, str(SCRIPT), case, "--cp", "2", *flags], capture_output=True, text=True,
+                         timeout=900, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gdn_tiny", "mamba2_tiny"])
+def test_fla_kernels_under_context_parallelism_equal_the_torch_scans(case):
+    """``ssm=fla`` with the row split over 2 gloo processes (the second rank's segments start from
+    the states the first sends: several initial states in one call) against ``ssm=torch`` on one."""
+    rows = run_cp(case)
+    assert len(rows) == 1
+    _check(rows)
+
+
+@pytest.mark.slow
+def test_a_dropped_state_under_context_parallelism_fails_the_comparison():
+    rows = run_cp("gdn_tiny", "--mutate")
+    assert rows[0]["max_rel_grad_diff"] > 1e-2, rows
