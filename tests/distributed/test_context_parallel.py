@@ -2,7 +2,8 @@
 gloo processes equals one process, float64, loss and every parameter gradient (the ranks'
 gradients summed). Cases: a one-token-segment forest, a tree with fewer tokens than C, a
 single-segment tree, a branch point exactly at a rank boundary, sliding windows with GQA,
-the RL objectives (a reference model included), and hybrid / recurrent-only models (Gated
+the RL objectives (a reference model included), the router load-balancing loss of a
+mixture-of-experts model (both definitions), and hybrid / recurrent-only models (Gated
 DeltaNet and Mamba2 states and convolution contexts crossing ranks)."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch.multiprocessing as mp
 
 import treelit
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad, tiny_model
+from treelit.loss.router import router_normalizer_contribution
+from treelit.models.factory import set_router_aux_loss
 from treelit.partition.context_parallel import cp_micro_batch, cp_plan, cp_ranges, token_costs
 
 ONE_TOKEN = ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7], [1, 2, 3, 4, 8, 9], [1, 2, 3, 4, 8, 10], [3, 5]],
@@ -27,6 +30,7 @@ TINY = ([[1, 2]], [[1, 1]], [1.0])                     # fewer tokens than C = 4
 CHAIN = ([[(3 * i) % 10 + 1 for i in range(13)]], [[1] * 13], [1.0])      # one segment
 # a branch point (token index 5) exactly at the rank boundary of C = 2 (unit costs, see _worker)
 FORK = ([[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 10, 9, 3]], [[1] * 9, [1] * 9], [1.0, 1.0])
+ROUTER_COEF = 0.3  # the MoE router loss's coefficient in the router cases (large: its gradient is plain to see)
 
 
 def _port() -> int:
@@ -58,11 +62,18 @@ def _tree(forest, rl: bool):
     return treelit.TokenTree.from_branches(branches, masks, weights, advantages=adv, old_logprobs=old)
 
 
-def _model(name, window, checkpointing=False):
+def _model(name, window, checkpointing=False, router=None):
     kw = dict(sliding_window=3, sliding_window_layers=[0]) if window else {}
     model = tiny_model(name, torch.float64, **kw)
     model.activation_checkpointing = checkpointing  # recompute each layer (and its exchanges) in the backward
+    if router is not None:  # an MoE model's router load-balancing loss: its definition
+        set_router_aux_loss(model, ROUTER_COEF, router)
     return model
+
+
+def _router_normalizer(model, batch):
+    """One micro-batch's step: its own router-loss normaliser (None without the loss)."""
+    return router_normalizer_contribution(model, batch) or None
 
 
 def _worker(rank, C, port, case, out):
@@ -77,20 +88,27 @@ def _worker(rank, C, port, case, out):
         Z = obj.norm_contribution(batch, "token-mean")
         # FORK: unit costs put the cut right after the branch token (index 5): both children start rank 1
         costs = np.ones(batch.num_tokens) if forest is FORK else None
-        value, _, plan = cp_micro_batch(model, obj, batch, None, aggregation="token-mean", normalizer=Z,
-                                        attention="sdpa_dense", costs=costs)
+        value, metrics, plan = cp_micro_batch(model, obj, batch, None, aggregation="token-mean", normalizer=Z,
+                                              attention="sdpa_dense", costs=costs,
+                                              router_normalizer=_router_normalizer(model, batch))
         if forest is FORK and C == 2:
             assert plan.ranges == [(0, 6), (6, 12)] and int(batch.parent[6]) == int(batch.parent[9]) == 5
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
         for g in grads:
             dist.all_reduce(g)
+        # every rank reports the whole loss and the same metrics
+        everyone = [None] * C
+        dist.all_gather_object(everyone, (value, metrics))
+        assert all(e == everyone[0] for e in everyone), everyone
         if rank == 0:
-            torch.save({"value": value, "grads": [g.clone() for g in grads], "imbalance": plan.imbalance}, out)
+            torch.save({"value": value, "grads": [g.clone() for g in grads], "imbalance": plan.imbalance,
+                        "metrics": metrics}, out)
     finally:
         dist.destroy_process_group()
 
 
-def one_process(case):
+def one_process_result(case):
+    """``run_micro_batch`` on one process: its result and every parameter's gradient."""
     name, forest, objective, window, *ckpt = case
     from treelit.partition.engine import run_micro_batch
 
@@ -98,21 +116,30 @@ def one_process(case):
     batch = _tree(forest, objective != "sft").to_batch()
     obj = _objective(objective)
     res = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=obj.norm_contribution(batch, "token-mean"),
-                          attention="sdpa_dense")
-    return res.loss, [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+                          attention="sdpa_dense", router_normalizer=_router_normalizer(model, batch))
+    return res, [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def one_process(case):
+    res, grads = one_process_result(case)
+    return res.loss, grads
 
 
 def compare(case, C, tmp_path):
     out = tmp_path / f"cp{C}.pt"
     mp.spawn(_worker, args=(C, _port(), case, str(out)), nprocs=C, join=True)
     got = torch.load(out, weights_only=True)
-    value, grads = one_process(case)
+    res, grads = one_process_result(case)
+    value = res.loss
     assert abs(got["value"] - value) <= 1e-9 * abs(value), (got["value"], value)
     assert any(g.abs().max() > 0 for g in grads), "the case must train something"
     names = [str(i) for i in range(len(grads))]
     err = max_rel_grad_diff(dict(zip(names, got["grads"])), dict(zip(names, grads)), grad_floor(torch.float64),
                             negligible_grad(torch.float64))
     assert err <= 1e-9, f"max relative gradient difference {err:.2e}"
+    for k, v in res.metrics.items():  # an MoE model's router loss and expert loads
+        if k.startswith(("router_", "moe/")):
+            assert got["metrics"][k] == pytest.approx(v, rel=1e-9), (k, got["metrics"][k], v)
     return got
 
 
@@ -153,6 +180,36 @@ def test_context_parallel_objectives_and_degrees(C, forest, objective, tmp_path)
 @pytest.mark.slow
 def test_context_parallel_moe_without_router_loss(tmp_path):
     compare(("qwen3_moe_tiny", ONE_TOKEN, "sft", False), 2, tmp_path)
+
+
+def _gate_grads(got):
+    names = [n for n, _ in tiny_model("qwen3_moe_tiny", torch.float64).named_parameters()]
+    return {n: g for n, g in zip(names, got) if n.endswith("mlp.gate.weight")}
+
+
+def test_context_parallel_moe_router_loss(tmp_path):
+    """The router load-balancing loss (micro_batch) under C = 2: the routing counts of the two
+    ranges summed over the group, each rank adding its own tokens' share; loss, gradients and
+    the router metrics equal one process's, and the routers' gradients are not those without it."""
+    got = compare(("qwen3_moe_tiny", ONE_TOKEN, "sft", False, False, "micro_batch"), 2, tmp_path)
+    assert got["metrics"]["router_aux_loss"] > 0 and got["metrics"]["moe/load_max_over_mean"] >= 1.0
+    with_loss = _gate_grads(got["grads"])
+    _, plain = one_process(("qwen3_moe_tiny", ONE_TOKEN, "sft", False))
+    without = _gate_grads(plain)
+    assert with_loss and with_loss.keys() == without.keys()
+    for n in with_loss:
+        d = (with_loss[n] - without[n]).norm() / without[n].norm()
+        assert d > 1e-3, (n, float(d))  # the router term is there
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forest,objective", [(ONE_TOKEN, "sft"), (ONE_TOKEN, "grpo"), (TINY, "sft")],
+                         ids=["one-token-sft", "one-token-grpo", "tiny-sft"])
+def test_context_parallel_moe_router_loss_sequence(forest, objective, tmp_path):
+    """The per-branch (``sequence``) definition under C = 4, grpo with its reference model, and
+    a tree with fewer tokens than C (ranks with empty ranges add nothing but take part)."""
+    got = compare(("qwen3_moe_tiny", forest, objective, False, False, "sequence"), 4, tmp_path)
+    assert got["metrics"]["router_aux_loss"] > 0
 
 
 def _recurrent_grads_nonzero(name, got):

@@ -1,6 +1,7 @@
 """``treelit-train trainer=fsdp2_cpu trainer.strategy.context_parallel_degree=C``: each tree
 row split over the C ranks of a group (FSDP2 shards the parameters over every rank), the
-update equal to one process's in float64 (an attention model, and a hybrid with recurrent layers);
+update equal to one process's in float64 (an attention model, a hybrid with recurrent layers, and a
+mixture-of-experts model with its router load-balancing loss);
 one run folder, one summary; bad options one line."""
 
 from __future__ import annotations
@@ -85,6 +86,23 @@ def test_cp2_hybrid_equals_one_process(data):  # noqa: F811
     single = weights(train(data, "cp_hybrid_single", common=hybrid))
     out = train(data, "cp2_hybrid", "trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=2", common=hybrid)
     close(weights(out), single, "hybrid C=2")
+
+
+@pytest.mark.slow
+def test_cp2_moe_router_loss_equals_one_process(data):  # noqa: F811
+    """Qwen3-MoE with its router load-balancing loss on (``model=qwen3_moe_tiny``, coefficient 0.1):
+    the routing counts summed over the group, the router normaliser counting the group's trees
+    once; the update, the loss and the router metrics equal one process's."""
+    moe = [c for c in COMMON if not c.startswith("model.config")] + [
+        "model=qwen3_moe_tiny", "model.router_aux_loss_coef=0.1", "model.config.num_layers=2",
+        "model.config.embed_dim=32"]
+    single = weights(train(data, "cp_moe_single", common=moe))
+    out = train(data, "cp2_moe", "trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=2", common=moe)
+    close(weights(out), single, "moe C=2")
+    got = json.loads((out / "summary.json").read_text())["metrics"]
+    one = json.loads((data / "cp_moe_single" / "summary.json").read_text())["metrics"]
+    for key in ("loss", "router_aux_loss", "moe/load_max_over_mean"):
+        assert got[key] == pytest.approx(one[key], rel=1e-9), (key, got[key], one[key])
 
 
 @pytest.mark.slow

@@ -311,9 +311,10 @@ class TreeLitModule(pl.LightningModule):
     def router_normalizer(self, micro_batches) -> float:
         """The step's router-loss normaliser for a mixture-of-experts model (see
         :mod:`treelit.loss.router`): micro-batches (``micro_batch``) or branches (``sequence``)
-        over the step's micro-batches with targets, summed over ranks."""
+        over the step's micro-batches with targets, summed over ranks (a context-parallel group's
+        ranks hold the same trees: counted once)."""
         R = float(sum(router_normalizer_contribution(self.model, b) for b in micro_batches if b.num_targets))
-        return self._comm().sum(R)
+        return self._comm().sum(R) / self._cp_degree()
 
     def micro_loss(self, mb, Z: float, mode: Optional[str] = None, R: Optional[float] = None):
         kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
@@ -663,7 +664,8 @@ class TreeLitModule(pl.LightningModule):
             elif cp > 1:
                 loss_value, m, plan = cp_micro_batch(self.model, self.objective, mb, self._cp_group,
                                                      aggregation=self.aggregation, normalizer=Z,
-                                                     attention=self.attention, chunk_rows=self.chunk_rows)
+                                                     attention=self.attention, chunk_rows=self.chunk_rows,
+                                                     router_normalizer=R)
                 loss_value /= cp  # every rank of the group holds the whole loss; the step sums over ranks
                 m = {**m, "cp/imbalance": plan.imbalance}
                 stats.partitions += 1

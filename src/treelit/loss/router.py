@@ -20,8 +20,8 @@ probabilities: ``aux = sum_t sum_e G(t, e) sum_layers p_e(t)`` with a per-token 
 (micro_batch: ``E F_e c(t) / C^2``; sequence: ``sum over branches b through t of
 E F_{b,e} / (B (L n_b)^2)``). That is how it is computed here: F and G without gradient,
 then one weighted sum of the probabilities, so no branch-sized copy of the router output
-is ever formed, and a partitioned pass can add its own tokens' share once the counts are
-known.
+is ever formed, and a partitioned pass (or a context-parallel rank, its range's counts summed
+over the group) can add its own tokens' share once the counts are known.
 
 Usage: :func:`router_aux` opens a collection around a micro-batch's forward passes of
 ``model``; every pass's router logits (recorded by the MoE layers in the sequence
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from treelit.models.moe import collecting, is_collecting, router_dtype
 
@@ -244,10 +245,11 @@ class RouterTerms:
     def enabled(model) -> bool:
         return moe_options(model) is not None
 
-    def add_counts(self, ctx, tokens: torch.Tensor) -> None:
-        """Routing of a pass over row tokens ``tokens`` (no gradient needed)."""
+    def add_counts(self, ctx, tokens: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+        """Routing of a pass over row tokens ``tokens`` (no gradient needed), read from the pass's
+        rows ``rows`` (None: all of them)."""
         c = torch.bincount(self.batch.branch_tokens, minlength=self.batch.num_tokens).to(torch.float64)[tokens]
-        self.layer_ids, _, counts, per_layer = _routing(ctx, self.top_k)
+        self.layer_ids, _, counts, per_layer = _routing(ctx, self.top_k, rows)
         self.counts[tokens] = counts
         load = torch.stack([(m * c[:, None]).sum(0) for m in per_layer])
         self.layer_load = load if self.layer_load is None else self.layer_load + load
@@ -262,15 +264,35 @@ class RouterTerms:
             self._G = token_weights([row], self.definition, self.E, max(len(self.layer_ids), 1), b.num_branches)[0]
         return self._G
 
-    def pass_loss(self, ctx, tokens: torch.Tensor, whole_row: bool = False) -> torch.Tensor:
+    def pass_loss(self, ctx, tokens: torch.Tensor, whole_row: bool = False,
+                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``coef * scale * (G * probs).sum()`` over the pass's tokens (a tensor with gradient).
-        ``whole_row``: the pass is the entire row, so its own routing gives the counts."""
+        ``whole_row``: the pass is the entire row, so its own routing gives the counts.
+        ``rows``: the pass's rows that hold ``tokens`` (None: all of them)."""
         if whole_row:
-            self.add_counts(ctx, tokens)
-        _, probs, _, _ = _routing(ctx, self.top_k)
+            self.add_counts(ctx, tokens, rows)
+        _, probs, _, _ = _routing(ctx, self.top_k, rows)
         term = (self._weights()[tokens].to(probs.dtype) * probs).sum()
         self.value += float(term.detach())
         return (self.coef * self.scale) * term
+
+    def split_row_loss(self, ctx, tokens: torch.Tensor, group) -> torch.Tensor:
+        """Context parallelism: the row is split over the ranks of ``group``, this rank's pass
+        ``ctx`` holding the contiguous range ``tokens`` of it (possibly none: the pass's rows
+        then stand for no token of the row). The ranges' routing counts are summed over the
+        group (the ranges are disjoint, so the sum is the whole row's), then this rank's share
+        ``coef * scale * (G * probs).sum()`` over its own tokens is returned (a tensor with
+        gradient: the ranks' gradients sum to the one-process gradient). :attr:`value` and
+        :meth:`metrics` are then the whole row's on every rank."""
+        rows = None if tokens.numel() else tokens  # an empty range: none of the pass's rows
+        self.add_counts(ctx, tokens, rows)
+        dist.all_reduce(self.counts, group=group)
+        dist.all_reduce(self.layer_load, group=group)
+        term = self.pass_loss(ctx, tokens, rows=rows)
+        value = torch.tensor([self.value], dtype=torch.float64, device=self.counts.device)
+        dist.all_reduce(value, group=group)
+        self.value = float(value[0])
+        return term
 
     def metrics(self) -> Dict[str, float]:
         if self.layer_load is None:

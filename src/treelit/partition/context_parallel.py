@@ -40,18 +40,25 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   Every rank runs every layer, so the messages of a layer match up; a rank waits only for
   earlier ranks in the forward and later ranks in the backward, never in a cycle.
 
+* **Router load-balancing loss** (mixture-of-experts models, :mod:`treelit.loss.router`). It is
+  ``sum over tokens of G * probs`` with a weight G (no gradient) computed from every token's
+  routing counts. Each rank records its range's counts, the counts and expert loads are summed
+  over the group (the ranges are disjoint: the sum is the row's), and each rank adds its own
+  tokens' ``G * probs`` to what it back-propagates; the loss value and metrics are the row's on
+  every rank.
+
 * **Partitioned passes** (:func:`cp_forward_pass`, used by :mod:`treelit.partition.engine`):
   each pass of a partition plan is split the same way; the pass's ancestor K/V (rows of
   earlier passes, the same on every rank: :func:`cp_captures` sums each rank's own rows over
   the group) sit in front of the path rows and are visible to the whole range; their
   gradients are summed over the group before they go into each owner's graph
-  (:func:`cp_relay`). Attention layers only.
+  (:func:`cp_relay`). Attention layers only, without the router loss.
 
 Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers, transformers
-attention-only families through the adapter, every objective, every attention backend that
-takes external keys. Refused, with one line: the transformers adapter's recurrent (hybrid)
-layers and the router load-balancing loss of mixture-of-experts models (its statistics are
-per pass).
+attention-only families through the adapter, every objective, the router loss, every attention
+backend that takes external keys. Refused, with one line: the transformers adapter's recurrent
+(hybrid) layers, and recurrent layers or the router loss in partitioned passes split over ranks
+(:func:`~treelit.partition.engine.check_cp_partitioned`).
 """
 
 from __future__ import annotations
@@ -65,8 +72,10 @@ import torch.distributed as dist
 
 from treelit.attention.base import resolve_backend
 from treelit.loss.logprobs import token_logprobs
+from treelit.loss.router import RouterTerms
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
+from treelit.models.moe import collecting
 from treelit.objectives.folding import fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.passes import empty_row
 from treelit.ssm.layout import RecurrentLayout, external_layout
@@ -91,10 +100,6 @@ def check_cp_model(model) -> None:
                          f"recurrent layers of transformers hybrid models ({', '.join(other) or 'hybrid layers'}) "
                          "loaded through the adapter; it covers native decoders (attention, gdn, mamba2) "
                          "(use partitioning, partition=redundancy_free, for long paths of this model)")
-    moe = getattr(cfg, "moe", None) or {}
-    if moe and float(moe.get("router_aux_loss_coef", 0.0) or 0.0) > 0:
-        raise ValueError("trainer.strategy.context_parallel_degree > 1 with a router load-balancing loss "
-                         f"(model.router_aux_loss_coef={moe.get('router_aux_loss_coef')}): set it to 0")
 
 
 def _shape(model) -> Tuple[int, int, int, int]:
@@ -511,12 +516,25 @@ def cp_logprobs(model, batch: TreeBatch, group, *, attention: Any = "auto", chun
     return out
 
 
+class _LastPass:
+    """A router-loss collector (:func:`~treelit.models.moe.collecting`) that keeps the context
+    of the forward pass, whose MoE layers recorded their router logits in it."""
+
+    ctx = None
+
+    def record(self, ctx) -> None:
+        self.ctx = ctx
+
+
 def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: str, normalizer: float,
                    attention: Any = "auto", chunk_rows: Optional[int] = None,
-                   costs: Optional[np.ndarray] = None) -> Tuple[float, Dict[str, float], CPPlan]:
+                   costs: Optional[np.ndarray] = None,
+                   router_normalizer: Optional[float] = None) -> Tuple[float, Dict[str, float], CPPlan]:
     """Forward and backward ``batch`` split over the ranks of ``group`` (accumulating ``.grad``:
     the ranks' gradients sum to the one-process gradient). Returns the loss (every rank the
-    same), the objective's metrics and this rank's plan."""
+    same), the objective's metrics and this rank's plan. A mixture-of-experts model whose router
+    loss is on adds it (``router_normalizer``: its step normaliser, see :mod:`treelit.loss.router`;
+    the ranges' routing counts are summed over the group, each rank adds its own tokens' share)."""
     check_cp_model(model)
     C, rank = dist.get_world_size(group), dist.get_rank(group)
     if costs is None:
@@ -527,7 +545,8 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
     if spec.reference_model:
         with objective.as_reference(model) as reference:
             ref = cp_logprobs(reference, batch, group, attention=attention, chunk_rows=chunk_rows, costs=costs)
-    tok, logp, ent, h = _forward_range(model, batch, plan, group, attention, chunk_rows, spec.needs_entropy)
+    with collecting(model, _LastPass()) as last:  # the pass's router logits (MoE layers)
+        tok, logp, ent, h = _forward_range(model, batch, plan, group, attention, chunk_rows, spec.needs_entropy)
     N = batch.num_tokens
     sel = target_selection(batch)
     full_lp = _full(logp, tok, N, group)
@@ -548,10 +567,17 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
         g_en = torch.zeros(N, dtype=torch.float64, device=batch.device)
         g_en[sel] = g[1].double()
         surrogate = surrogate + (g_en[tok].to(ent.dtype) * ent).sum()
+    value = float(loss.detach())
+    if RouterTerms.enabled(model) and sel.numel():  # + this rank's tokens' share of the router loss
+        router = RouterTerms(model, batch, router_normalizer)
+        own = torch.arange(plan.start, plan.end, device=batch.device)
+        surrogate = surrogate + router.split_row_loss(last.ctx, own, group)
+        value += router.coef * router.scale * router.value
+        metrics = {**metrics, **router.metrics()}
     # every rank back-propagates through every layer (the path K/V gradients it owes the
     # other ranks travel in that backward), whether or not it holds targets
     (surrogate + 0.0 * h.sum()).backward()
-    return float(loss.detach()), {k: float(v) for k, v in metrics.items()}, plan
+    return value, {k: float(v) for k, v in metrics.items()}, plan
 
 
 def check_cp_degree(degree: Any, world: int) -> int:
