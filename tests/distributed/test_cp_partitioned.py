@@ -30,9 +30,15 @@ DEEP = ([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 9, 10, 0, 3], [1, 2, 3, 4, 5,
 
 
 def _case(case):
-    name, forest, objective, budget, *window = case
-    kw = dict(sliding_window=3, sliding_window_layers=[0]) if window and window[0] else {}
+    name, forest, objective, budget, *extra = case
+    window = bool(extra) and extra[0] is True
+    router = extra[0] if extra and isinstance(extra[0], str) else None
+    kw = dict(sliding_window=3, sliding_window_layers=[0]) if window else {}
     model = tiny_model(name, torch.float64, **kw)
+    if router is not None:  # the router load-balancing loss on (micro_batch | sequence)
+        from treelit.models.factory import set_router_aux_loss
+
+        set_router_aux_loss(model, 0.3, router)
     batch = _tree(forest, objective != "sft").to_batch()
     obj = _objective(objective)
     return model, batch, obj, budget
@@ -118,17 +124,22 @@ def test_budget_is_per_rank():
         plan_partitions(batch, 4 * 2, per_rank=2)
 
 
-def test_recurrent_layers_and_router_loss_are_refused():
-    from treelit.models.factory import set_router_aux_loss
+def test_recurrent_layers_are_refused():
     from treelit.partition.engine import check_cp_partitioned
 
     with pytest.raises(ValueError, match="cover attention layers only, not gdn, mamba2"):
         check_cp_partitioned(tiny_model("hybrid_tiny", torch.float64))
-    moe = tiny_model("qwen3_moe_tiny", torch.float64)
-    check_cp_partitioned(moe)
-    set_router_aux_loss(moe, 0.1)
-    with pytest.raises(ValueError, match="router load-balancing loss"):
-        check_cp_partitioned(moe)
+    check_cp_partitioned(tiny_model("qwen3_moe_tiny", torch.float64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("definition,objective,C", [("micro_batch", "sft", 2), ("sequence", "grpo", 2),
+                                                    ("micro_batch", "gspo", 4)])
+def test_cp_partitioned_router_loss(definition, objective, C, tmp_path):
+    """The routing counts of every rank's ranges of every pass are taken in a no-gradient pass and
+    summed over the group; each rank folds its own tokens' share into its passes."""
+    got = compare(("qwen3_moe_tiny", DEEP, objective, 5 if C == 2 else 3, definition), C, tmp_path)
+    assert got["metrics"]["router_aux_loss"] > 0
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ class _Run:
         plan = cp_plan(sub, C, rank, token_costs(sub, m))
         h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
                                  rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]))
-        ctx.cp_pass = plan
+        ctx.cp_pass, ctx.cp_tokens = plan, tokens[plan.start:plan.end]
         rows, tok = rp.targets(i, sub, tokens)
         keep = (rows >= plan.start) & (rows < plan.end)
         return h, ctx, rows[keep] - plan.start, tok[keep]
@@ -165,7 +165,9 @@ class _Run:
 
                 def run(m, i=i, sub=sub, tokens=tokens, guard=guard):
                     h, ctx, rows, tok = self.forward_pass(m, i, sub, captured, guard=guard)
-                    if routing is not None:
+                    if routing is not None and self.cp_group is not None:  # this rank's range of the pass
+                        routing.add_counts(ctx, ctx.cp_tokens, ctx.cp_tokens if not ctx.cp_pass.size else None)
+                    elif routing is not None:
                         routing.add_counts(ctx, tokens)
                     if not logprobs:
                         return tokens[:0], h[:0, 0], None, ctx
@@ -193,8 +195,11 @@ class _Run:
                     captured[i] = self.captures(i, ctx, grad=False)[0]
                 chain.append(i)
                 self.stats.extra_forwards += rp.parts[i].size if self.cp_group is None else ctx.cp_pass.size
-        if self.cp_group is not None:  # each rank filled the targets of its ranges
+        if self.cp_group is not None:  # each rank filled the targets (and routing counts) of its ranges
             lp, en = _group_sum(lp, self.cp_group), (_group_sum(en, self.cp_group) if en is not None else None)
+            if routing is not None:
+                dist.all_reduce(routing.counts, group=self.cp_group)
+                dist.all_reduce(routing.layer_load, group=self.cp_group)
         return lp, en
 
     def _empty_forward(self, model):
@@ -308,7 +313,10 @@ class _Run:
             loss, got = self.head_loss(m, h, rows, tok, emb_buf, out_buf, grads)
             if self.cp_group is not None:  # every layer's backward runs (the path rows travel in it)
                 loss = loss + 0.0 * h.sum()
-            if self.router is not None:  # this pass's tokens' share of the router loss
+            if self.router is not None and self.cp_group is not None:  # (the counts: from the routing pass)
+                loss = loss + self.router.pass_loss(ctx, ctx.cp_tokens,
+                                                    rows=ctx.cp_tokens if not ctx.cp_pass.size else None)
+            elif self.router is not None:  # this pass's tokens' share of the router loss
                 loss = loss + self.router.pass_loss(ctx, tokens, whole_row=len(rp.parts) == 1)
             return loss, got, ctx
 
@@ -407,7 +415,8 @@ def run_micro_batch(
         run.critic, run.value_terms, run.policy = critic, value_pairs(batch, aggregation, batch.device), not critic_only
     if RouterTerms.enabled(model) and run.sel.numel() and not critic_only:
         run.router = RouterTerms(model, batch, router_normalizer)
-    routing = run.router if run.router is not None and len(plan.partitions) > 1 else None
+    # (under context parallelism the routing of every rank's ranges is taken first, then summed)
+    routing = run.router if run.router is not None and (len(plan.partitions) > 1 or C > 1) else None
     if spec.reference_model:
         with objective.as_reference(model) as reference:
             run.ref, _ = run.collect(reference, with_entropy=False)
@@ -443,6 +452,9 @@ def run_micro_batch(
             grads = (torch.zeros(N, dtype=torch.float64, device=batch.device), None)
     total = run.gradient_phase(grads)
     recomputed = False
+    if run.cp_group is not None and run.router is not None:  # each rank's passes' router terms: the row's
+        run.router.value = _group_sum(torch.tensor([run.router.value], dtype=torch.float64, device=batch.device),
+                                      run.cp_group).item()
     if value is None and run.cp_group is not None:
         value = _group_sum(torch.tensor([total], dtype=torch.float64, device=batch.device), run.cp_group).item()
         if not spec.fused_sft and run.sel.numel():  # every rank's log-probs, for the metrics
@@ -451,7 +463,7 @@ def run_micro_batch(
             with torch.no_grad():
                 loss, metrics = loss_from_logprobs(objective, batch, tok, logp, ent, aggregation=aggregation,
                                                    normalizer=normalizer, ref=run.ref)
-            value = float(loss)
+            value = float(loss) + _router_value(run)
     elif value is None:
         value = total
         if not spec.fused_sft and run.collected and not run.failed and run.sel.numel():
@@ -486,10 +498,6 @@ def check_cp_partitioned(model, critic=None) -> None:
         raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: partitioned "
                          f"passes split over ranks cover attention layers only, not {', '.join(recurrent) or 'recurrent layers'} "
                          "(use one of the two for this model)")
-    if RouterTerms.enabled(model):
-        raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free and a router "
-                         "load-balancing loss (model.router_aux_loss_coef > 0): not supported; set it to 0 or use one of "
-                         "the two")
     if critic is not None:
         raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; use critic=none")
 
