@@ -124,12 +124,14 @@ def test_budget_is_per_rank():
         plan_partitions(batch, 4 * 2, per_rank=2)
 
 
-def test_recurrent_layers_are_refused():
-    from treelit.partition.engine import check_cp_partitioned
-
-    with pytest.raises(ValueError, match="cover attention layers only, not gdn, mamba2"):
-        check_cp_partitioned(tiny_model("hybrid_tiny", torch.float64))
-    check_cp_partitioned(tiny_model("qwen3_moe_tiny", torch.float64))
+def test_hybrid_cp_partitioned_equals_one_process(tmp_path):
+    """Gated DeltaNet, Mamba2 and their convolutions: a pass's root continues its partition's
+    outside state and convolution context, its boundary states are assembled from the ranks that
+    hold them, and ranges within a pass pass states in rank order."""
+    got = compare(("hybrid_tiny", DEEP, "sft", 5), 2, tmp_path)
+    names = [n for n, _ in tiny_model("hybrid_tiny", torch.float64).named_parameters()]
+    mixers = {n: g for n, g in zip(names, got["grads"]) if ".mixer." in n}
+    assert mixers and all(g.abs().max() > 0 for g in mixers.values())
 
 
 @pytest.mark.slow
@@ -202,3 +204,15 @@ def test_planner_budget_is_per_rank_under_cp():
     batch = [SimpleNamespace(position_ids=torch.arange(90))]
     with pytest.raises(MemoryBudgetError, match="holds 40 tokens per rank x 2 context-parallel ranks per chain"):
         planner.budget_for(Rank(2), batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,forest,objective,C,budget", [
+    ("hybrid_tiny", DEEP, "grpo", 2, 9), ("hybrid_tiny", DEEP, "gspo", 4, 3), ("hybrid_tiny", DEEP, "sft", 4, 3),
+    ("hybrid_tiny", ONE_TOKEN, "sft", 2, 3), ("hybrid_tiny", ONE_TOKEN, "sft", 4, 2),
+    ("gdn_tiny", DEEP, "sft", 3, 3), ("mamba2_tiny", DEEP, "ppo", 2, 5)])
+def test_recurrent_cp_partitioned(name, forest, objective, C, budget, tmp_path):
+    """Small ranges (one-token segments at C = 4 with 2 tokens per rank: tokens whose convolution
+    reaches beyond the pass's root sit on later ranks too), several levels of passes, every
+    objective kind, recurrent-only models."""
+    compare((name, forest, objective, budget), C, tmp_path)

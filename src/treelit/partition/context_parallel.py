@@ -364,31 +364,52 @@ def _route(ranges, rank: int, wanted: List[np.ndarray], local: Optional[np.ndarr
     return _Route(own, recv, send)
 
 
-def _recurrent_route(batch: TreeBatch, ranges, rank: int, K: int) -> _Recurrent:
+def _recurrent_route(batch: TreeBatch, ranges, rank: int, K: int, external_root: bool = False,
+                     boundary: Optional[np.ndarray] = None) -> _Recurrent:
+    """This rank's recurrent routing. ``external_root`` (a partitioned pass below another): the
+    row's root continues the partition's outside path, from the pass's external state (one more
+    slot, after the received ones) and its ``K-1`` external convolution inputs (context rows
+    after the received ones). ``boundary``: row tokens whose state and convolution context the
+    passes below need (captured too)."""
     parent = batch.parent.cpu().numpy()
-    slots, conv_need, table = [], [], None
+    slots, conv_need, table, depth = [], [], None, None
     for r, (s, e) in enumerate(ranges):
         p = parent[s:e]
         slots.append(np.unique(p[(p >= 0) & (p < s)]))
-        cols, cur = [], np.arange(s, e)
-        for _ in range(1, K):  # the j-th ancestor of each range token (-1: none)
-            cur = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
+        cols, ext_cols, cur = [], [], np.arange(s, e)
+        ext = np.zeros(e - s, dtype=np.int64)  # > 0: that many steps beyond the row's root (external context)
+        for _ in range(1, K):  # the j-th ancestor of each range token (-1: none or external)
+            nxt = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
+            leaving = (cur >= 0) & (nxt < 0) & external_root
+            ext = np.where(leaving, 1, np.where(ext > 0, ext + 1, 0))
+            cur = nxt
             cols.append(cur)
+            ext_cols.append(ext)
         anc = np.stack(cols, 1) if cols else np.zeros((e - s, 0), dtype=np.int64)
         conv_need.append(np.unique(anc[(anc >= 0) & (anc < s)]))
         if r == rank:
             table = anc
+            depth = np.stack(ext_cols, 1) if ext_cols else np.zeros((e - s, 0), dtype=np.int64)
     s, e = ranges[rank]
     T, M = e - s, len(conv_need[rank])
-    # the padded source of the convolution: [own tokens | outside ancestors (conv_need) | zero row]
+    X = K - 1 if external_root else 0
+    # the padded source of the convolution: [own tokens | outside ancestors (conv_need) | external context | zero]
     src = np.where(table >= s, table - s,
-                   np.where(table >= 0, T + np.searchsorted(conv_need[rank], np.maximum(table, 0)), T + M))
+                   np.where(table >= 0, T + np.searchsorted(conv_need[rank], np.maximum(table, 0)),
+                            np.where((depth > 0) & (depth <= X), T + M + X - depth, T + M + X)))
     p = parent[s:e]
     local_parent = np.where(p >= s, p - s, -1)
-    root_slot = np.where((p >= 0) & (p < s), np.searchsorted(slots[rank], np.maximum(p, 0)), -1)
+    n_slots = len(slots[rank])
+    root_slot = np.where((p >= 0) & (p < s), np.searchsorted(slots[rank], np.maximum(p, 0)),
+                         n_slots if external_root else -1)
+    root_slot = np.where(p >= s, -1, root_slot)
     later = np.concatenate([slots[d] for d in range(len(ranges)) if d != rank] + [np.zeros(0, np.int64)])
-    capture = np.unique(later[_owners(ranges, later) == rank] - s).astype(np.int64)
-    layout = external_layout(local_parent, root_slot, src[:, ::-1], M, K, capture, batch.device)
+    capture = later[_owners(ranges, later) == rank] - s
+    if boundary is not None and len(boundary):
+        b = np.asarray(boundary, dtype=np.int64)
+        capture = np.concatenate([capture, b[(b >= s) & (b < e)] - s])
+    capture = np.unique(capture).astype(np.int64)
+    layout = external_layout(local_parent, root_slot, src[:, ::-1], M + X, K, capture, batch.device)
     return _Recurrent(layout, _route(ranges, rank, conv_need), _route(ranges, rank, slots, capture))
 
 
@@ -408,16 +429,30 @@ class _CPContext(TreeContext):
     for the path rows, ``4 * layer + 2`` for the states, each ``+ 1`` in the backward)."""
 
     def __init__(self, sub: TreeBatch, backend, external: Optional[ExternalKV], plan: Optional[CPPlan], group,
-                 full: TreeBatch, pre: Optional[ExternalKV] = None, capture_kv: bool = False):
-        super().__init__(sub, backend, external=external, capture_kv=capture_kv)
+                 full: TreeBatch, pre: Optional[ExternalKV] = None, capture_kv: bool = False,
+                 boundary: Optional[np.ndarray] = None):
+        in_range = None
+        if boundary is not None and plan is not None:
+            in_range = boundary[(boundary >= plan.start) & (boundary < plan.end)] - plan.start
+        super().__init__(sub, backend, external=external, capture_kv=capture_kv, capture_tokens=in_range)
         self.cp_plan, self.group, self.full = plan, group, full
-        self.pre = pre  # a partitioned pass's ancestor K/V (the same on every rank), in front of the path's
+        # a partitioned pass below another: its ancestors' K/V, and its root's state and convolution
+        # context (the same on every rank)
+        self.pre = pre
+        self.external_root = pre is not None and bool(pre.state)
+        self.boundary = boundary  # row tokens whose states the passes below start from (captured)
         self._recurrent: Dict[int, _Recurrent] = {}
 
     def _route_for(self, K: int) -> _Recurrent:
         if K not in self._recurrent:
-            self._recurrent[K] = _recurrent_route(self.full, self.cp_plan.ranges, self.cp_plan.rank, K)
+            self._recurrent[K] = _recurrent_route(self.full, self.cp_plan.ranges, self.cp_plan.rank, K,
+                                                  self.external_root, self.boundary)
         return self._recurrent[K]
+
+    @property
+    def captured_rows(self) -> np.ndarray:
+        """The range's rows whose states the layers return (``layout.capture``)."""
+        return self._route_for(next(iter(self._recurrent), 1)).layout.capture
 
     def recurrent_layout(self, K: int, B: int = 1, L: int = 0, device=None):
         if self.cp_plan is None:
@@ -433,13 +468,20 @@ class _CPContext(TreeContext):
         both = _PathRows.apply(torch.cat([inputs[n] for n in names], dim=1), route, self.group, 4 * layer, 0)
         M = len(route.path)
         ext, own = both[:M].split(widths, dim=1), both[M:].split(widths, dim=1)
-        return dict(zip(names, own)), dict(zip(names, ext))
+        ext = dict(zip(names, ext))
+        if self.external_root:  # then the K-1 inputs before the pass's root (context rows after the received)
+            outside = self.pre.state[layer]
+            ext = {n: torch.cat([ext[n], outside[n].to(ext[n].dtype)]) for n in names}
+        return dict(zip(names, own)), ext
 
-    def recurrent_scan(self, layer: int, scan, state_shape, like: torch.Tensor):
+    def recurrent_scan(self, layer: int, scan, state_shape, like: torch.Tensor, name: str = "state"):
         if self.cp_plan is None:
             return super().recurrent_scan(layer, scan, state_shape, like)
         route = self._route_for(next(iter(self._recurrent), 1)).state  # the same for every kernel size
         init = _StateIn.apply(like, route, self.group, 4 * layer + 2, tuple(state_shape)) if len(route.path) else None
+        if self.external_root and self.cp_plan.start == 0:  # the pass's root: one more slot, its outside state
+            outside = self.pre.state[layer][name][None]
+            init = outside if init is None else torch.cat([init, outside.to(init.dtype)])
         out, cap = scan(init)
         if route.send:
             out = _StateOut.apply(out, cap, route, self.group, 4 * layer + 2)
@@ -593,13 +635,16 @@ def check_cp_degree(degree: Any, world: int) -> int:
 
 # -- context parallelism within a partitioned pass (see :mod:`treelit.partition.engine`) -----------------
 def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: Optional[ExternalKV] = None,
-                    capture: bool = False):
+                    capture: bool = False, boundary: Optional[np.ndarray] = None):
     """This rank's range of the partition row ``sub`` through ``model`` (call inside the model's
     forward): ``(h [range, D], ctx)``. ``pre``: the K/V of the partition's ancestors (earlier
     passes), the same on every rank and visible to every query of the range, in front of the
-    path rows fetched from the other ranks of this pass. ``capture``: keep the range's own K/V
-    (``ctx.captured``) for the passes below. A rank whose range is empty runs an empty row
-    (its captured K/V give the shapes of what it contributes: nothing)."""
+    path rows fetched from the other ranks of this pass, and (recurrent layers) the state and
+    convolution context the pass's root continues. ``capture``: keep the range's own K/V
+    (``ctx.captured``) and the recurrent states and convolution contexts at the ``boundary``
+    tokens it holds (the parents of child partitions' roots) for the passes below. A rank whose
+    range is empty runs an empty row (its captured K/V give the shapes of what it contributes:
+    nothing)."""
     dev = sub.device
     if plan.size == 0:
         row, external, pre, live = empty_row(dev), None, None, None
@@ -619,7 +664,8 @@ def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: 
                 pos = torch.cat([pre.pos.to(dev), pos])
             external = ExternalKV({}, {}, torch.zeros(E, dtype=torch.long, device=dev), hi, pos=pos)
     backend = resolve_backend(attention, dev, row)
-    ctx = _CPContext(row, backend, external, live, group, sub, pre=pre, capture_kv=capture)
+    ctx = _CPContext(row, backend, external, live, group, sub, pre=pre, capture_kv=capture,
+                     boundary=boundary if capture else None)
     h = decoder_hidden(model, row.input_ids[None], row.position_ids[None], ctx)[0]
     return h, ctx
 
@@ -654,6 +700,41 @@ def cp_captures(ctx, plan: CPPlan, need: np.ndarray, group, grad: bool):
         dk = k.shape[-1]
         kv[layer] = (whole[..., :dk], whole[..., dk:])
     return kv, produced, leaves
+
+
+def cp_state_captures(ctx, plan: CPPlan, boundary: np.ndarray, group, grad: bool):
+    """The recurrent layers' part of :func:`cp_captures`: per layer and name, the states and
+    convolution contexts ``[len(boundary), ...]`` at a pass's ``boundary`` tokens (the parents
+    of its child partitions' roots, sorted), each from the rank that holds the token, the same on
+    every rank. The ranks agree first on the names, shapes and dtypes (a rank whose range holds
+    no captured token, or no token at all, has none of its own). Returns ``(states, produced,
+    leaves)``."""
+    states: Dict[int, Dict[str, torch.Tensor]] = {}
+    produced: List[torch.Tensor] = []
+    leaves: List[torch.Tensor] = []
+    own = {(layer, n): (tuple(t.shape[1:]), t.dtype) for layer, named in ctx.recurrent_out.items()
+           for n, t in named.items() if t is not None} if plan.size else {}
+    every: List[Any] = [None] * len(plan.ranges)
+    dist.all_gather_object(every, own, group=group)
+    meta = {k: v for m in every for k, v in m.items()}
+    lo, hi = (plan.start, plan.end) if plan.size else (0, 0)
+    at = np.flatnonzero((boundary >= lo) & (boundary < hi))
+    rows = np.searchsorted(ctx.captured_rows, boundary[at] - lo) if len(at) else at
+    dev = ctx.batch.device
+    for layer, n in sorted(meta):
+        shape, dtype = meta[(layer, n)]
+        mine = torch.zeros((len(boundary), *shape), dtype=dtype, device=dev)
+        if len(at):
+            t = ctx.recurrent_out[layer][n]
+            mine = mine.index_copy(0, torch.from_numpy(at).to(dev), t[torch.from_numpy(rows).to(dev)].to(dtype))
+        whole = mine.detach().clone()
+        dist.all_reduce(whole, group=group)
+        if grad:
+            whole.requires_grad_()
+            produced.append(mine)
+            leaves.append(whole)
+        states.setdefault(layer, {})[n] = whole
+    return states, produced, leaves
 
 
 def cp_relay(produced: List[torch.Tensor], leaves: List[torch.Tensor], group) -> Tuple[list, list]:

@@ -37,7 +37,8 @@ from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
-from treelit.partition.context_parallel import cp_captures, cp_forward_pass, cp_plan, cp_relay, token_costs
+from treelit.partition.context_parallel import (cp_captures, cp_forward_pass, cp_plan, cp_relay, cp_state_captures,
+                                                token_costs)
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
 from treelit.partition.schedule import FORWARD, align, align_forwards, decode, dfs_word, encode
@@ -116,7 +117,8 @@ class _Run:
         C, rank = self.cp_size
         plan = cp_plan(sub, C, rank, token_costs(sub, m))
         h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
-                                 rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]))
+                                 rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]),
+                                 boundary=rp.boundary[i])
         ctx.cp_pass, ctx.cp_tokens = plan, tokens[plan.start:plan.end]
         rows, tok = rp.targets(i, sub, tokens)
         keep = (rows >= plan.start) & (rows < plan.end)
@@ -129,7 +131,11 @@ class _Run:
         if i not in self.cp_rows:
             self.cp_rows[i] = self.rp.needed(i)
         kv, produced, leaves = cp_captures(ctx, ctx.cp_pass, self.cp_rows[i], self.cp_group, grad)
-        return Captures(kv, {}), produced, leaves
+        states: Dict[int, Dict[str, torch.Tensor]] = {}
+        if _recurrent_kinds(self.model):
+            states, more, more_leaves = cp_state_captures(ctx, ctx.cp_pass, self.rp.boundary[i], self.cp_group, grad)
+            produced, leaves = produced + more, leaves + more_leaves
+        return Captures(kv, states), produced, leaves
 
     def empty(self) -> TreeBatch:
         if self._empty is None:
@@ -490,14 +496,19 @@ def run_micro_batch(
     return MicroBatchResult(value, metrics, run.failed)
 
 
+def _recurrent_kinds(model) -> List[str]:
+    """The model's layer kinds other than attention (native recurrent layers, or a transformers
+    hybrid's)."""
+    kinds = set(getattr(getattr(model, "config", None), "layer_types", None) or [])
+    return sorted(kinds - {"attention", "full_attention", "sliding_attention"})
+
+
 def check_cp_partitioned(model, critic=None) -> None:
     """Refuse, naming it, what a partitioned pass split over ranks does not cover."""
-    from_layers = set(getattr(getattr(model, "config", None), "layer_types", None) or [])
-    recurrent = sorted(from_layers - {"attention", "full_attention", "sliding_attention"})
-    if recurrent or any(hasattr(m, "_treelit_forward") for m in model.modules()):
+    if any(hasattr(m, "_treelit_forward") for m in model.modules()):
         raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: partitioned "
-                         f"passes split over ranks cover attention layers only, not {', '.join(recurrent) or 'recurrent layers'} "
-                         "(use one of the two for this model)")
+                         "passes split over ranks do not cover the recurrent layers of transformers hybrid models "
+                         f"({', '.join(_recurrent_kinds(model)) or 'hybrid layers'}) (use one of the two for this model)")
     if critic is not None:
         raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; use critic=none")
 
