@@ -145,7 +145,8 @@ def test_cp_partitioned_router_loss(definition, objective, C, tmp_path):
 
 
 @pytest.mark.slow
-def test_treelit_train_cp_partitioned_equals_one_process(tmp_path_factory):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
+def test_treelit_train_cp_partitioned_equals_one_process(tmp_path_factory, hybrid):
     """``treelit-train trainer=fsdp2_cpu trainer.strategy.context_parallel_degree=2
     partition=redundancy_free partition.budget_tokens=40``: a budget per rank, chains of up to
     80 tokens (the longest branch has 70), the update equal to one unpartitioned process's."""
@@ -162,9 +163,11 @@ def test_treelit_train_cp_partitioned_equals_one_process(tmp_path_factory):
             branches = [{"input_ids": prefix[: 10 + 3 * t] + [(7 * b + t) % 300 + 50] * (10 + 5 * b)} for b in range(3 + t)]
             f.write(json.dumps({"id": f"t{t}", "branches": branches}) + "\n")
 
+    common = [c for c in COMMON if not c.startswith("model.config")] + ["model=hybrid_tiny"] if hybrid else COMMON
+
     def train(name, *extra):
         log = d / f"{name}.log"
-        rc = run([*COMMON, *F64, f"data.train_path={d / 'trees.jsonl'}", f"output_dir={d / name}", *extra], d, log)
+        rc = run([*common, *F64, f"data.train_path={d / 'trees.jsonl'}", f"output_dir={d / name}", *extra], d, log)
         assert rc == 0, tail(log)
         return d / name
 

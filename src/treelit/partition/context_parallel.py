@@ -52,14 +52,16 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   earlier passes, the same on every rank: :func:`cp_captures` sums each rank's own rows over
   the group) sit in front of the path rows and are visible to the whole range; their
   gradients are summed over the group before they go into each owner's graph
-  (:func:`cp_relay`). Attention layers only; a router loss takes every rank's routing counts
-  in a no-gradient pass first and sums them over the group.
+  (:func:`cp_relay`). Recurrent layers: the pass's root continues its partition's outside
+  state (one more slot, after the received ones) and convolution context (context rows after
+  the received ones); the states and contexts at the pass's boundary tokens are assembled and
+  relayed like its K/V (:func:`cp_state_captures`). A router loss takes every rank's routing
+  counts in a no-gradient pass first and sums them over the group.
 
 Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers, transformers
 attention-only families through the adapter, every objective, the router loss, every attention
 backend that takes external keys. Refused, with one line: the transformers adapter's recurrent
-(hybrid) layers, and recurrent layers in partitioned passes split over ranks
-(:func:`~treelit.partition.engine.check_cp_partitioned`).
+(hybrid) layers.
 """
 
 from __future__ import annotations
