@@ -54,11 +54,12 @@ class _RecurrentInputs:
         ext = self.recurrent_external(layer) or {}
         return inputs, {name: ext.get(name) for name in inputs}
 
-    def recurrent_scan(self, layer: int, scan, state_shape, like: torch.Tensor):
+    def recurrent_scan(self, layer: int, scan, state_shape, like: torch.Tensor, name: str = "state"):
         """``scan(initial state) -> (outputs, captured states)`` run with this layer's initial
-        state (``state_shape``, in ``like``'s dtype and device; ``like`` is a tensor of the layer's graph)."""
+        state ``name`` (``state_shape``, in ``like``'s dtype and device; ``like`` is a tensor of the
+        layer's graph downstream of its convolutions, requiring grad when the scan's inputs do)."""
         ext = self.recurrent_external(layer) or {}
-        return scan(ext.get("state"))
+        return scan(ext.get(name))
 
 
 class CausalContext(_RouterRecord, _RecurrentInputs):

@@ -46,7 +46,10 @@ treelit's tree version: the convolution reads each token's ancestors across segm
 segment's final state (:func:`treelit.ssm.scan.chunked_scan`, exact in the input precision, float32 for
 bf16 / fp16 inputs as transformers' torch functions compute them), and
 with partitioning the states and convolution contexts at partition boundaries are captured and
-read back (named ``conv0``, ``state0``, ... per layer, in call order). Without a treelit context
+read back (named ``conv0``, ``state0``, ... per layer, in call order). They are read through the
+context's hooks (``ctx.recurrent_conv_inputs``, ``ctx.recurrent_scan``), as treelit's native recurrent
+layers read theirs, so context parallelism routes them between ranks the same way
+(:mod:`treelit.partition.context_parallel`). Without a treelit context
 (the model called directly) the dispatcher runs transformers' own torch function, never fla.
 
 **Backends** (``ssm=torch|fla``, :func:`treelit.ssm.set_ssm_backend`, per layer
@@ -110,10 +113,6 @@ class _Call:
         self.counts[kind] = i + 1
         return f"{kind}{i}"
 
-    def external(self, name: str):
-        ext = self.ctx.recurrent_external(self.layer) if self.ctx is not None else None
-        return None if not ext else ext.get(name)
-
     def record(self, name: str, value: torch.Tensor) -> None:
         if self.ctx.captures_recurrent:
             self.ctx.recurrent_out.setdefault(self.layer, {})[name] = value
@@ -137,7 +136,9 @@ def _conv(call: _Call, hidden_states, weight, bias=None, activation=None, **kwar
     layout = call.ctx.recurrent_layout(K, B, L, hidden_states.device)
     x = hidden_states.transpose(1, 2).reshape(B * L, C).to(weight.dtype)
     name = call.name("conv")
-    context = call.external(name)
+    # the context's hook: its external input (partitioning), or the path's rows (context parallelism)
+    given, contexts = call.ctx.recurrent_conv_inputs(call.layer, K, {name: x})
+    x, context = given[name], contexts[name]
     y = causal_conv(x, weight, layout, context, bias)
     if call.ctx.captures_recurrent:
         toks = torch.from_numpy(layout.capture).to(x.device)
@@ -152,19 +153,32 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scan(call: _Call, torch_chunk: Callable, fla_scan: Callable, K: int, B: int, L: int, state_shape, out_shape,
-          like):
+          like, graph):
     """Run the recurrence over the context's segments - ``ssm=torch``: the blocks of ``torch_chunk()``;
-    ``ssm=fla``: ``fla_scan(layout, initial state)`` - and capture / read the boundary state."""
+    ``ssm=fla``: ``fla_scan(layout, initial state)`` - and capture / read the boundary state. The
+    initial state comes through the context's hook (``ctx.recurrent_scan``: the external state under
+    this scan's name, or the states context parallelism routes between ranks); ``graph`` (see
+    :func:`_graph`) is what the hook's exchange hangs on in the layer's autograd graph."""
     layout = call.ctx.recurrent_layout(K, B, L, like.device)
     name = call.name("state")
-    init = call.external(name)
-    if call.backend == "fla":
-        out, cap = fla_scan(layout, init)
-    else:
-        out, cap = chunked_scan(torch_chunk(), layout, state_shape, out_shape, like, init, call.chunk_size)
+
+    def scan(init):
+        if call.backend == "fla":
+            return fla_scan(layout, init)
+        return chunked_scan(torch_chunk(), layout, state_shape, out_shape, like, init, call.chunk_size)
+
+    out, cap = call.ctx.recurrent_scan(call.layer, scan, state_shape, graph, name=name)
     if cap is not None:
         call.record(name, cap)
     return out
+
+
+def _graph(dtype: torch.dtype, *inputs: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of the state's ``dtype`` downstream of every one of a scan's ``inputs`` (and so
+    of the layer's convolutions), requiring grad when they do: the ``like`` of ``ctx.recurrent_scan``.
+    Context parallelism receives the initial states in its dtype and sends their gradients back in
+    a backward that must run before the backward of the convolutions' exchanges."""
+    return torch.cat([x.reshape(-1)[:0].to(dtype) for x in inputs])
 
 
 def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -197,7 +211,7 @@ def _gdn(call: _Call, query, key, value, g, beta, chunk_size=64, initial_state=N
 
     out = _scan(call, lambda: gdn_chunk(heads(q.to(wd)), heads(k.to(wd)), v.to(wd), b.to(wd), gg, Dk**-0.5),
                 lambda layout, init: gdn_scan_fla(q, k, v, b, gg, layout, init, Dk**-0.5),
-                1, B, L, (HV, Dk, Dv), (HV, Dv), q.new_empty(0, dtype=wd))
+                1, B, L, (HV, Dk, Dv), (HV, Dv), q.new_empty(0, dtype=wd), _graph(wd, q, k, v))
     return out.view(B, L, HV, Dv).to(query.dtype), None
 
 
@@ -218,7 +232,7 @@ def _kda(call: _Call, query, key, value, g, beta, chunk_size=64, initial_state=N
     v, b, gg = value.reshape(B * L, H, Dv).to(q.dtype), beta.reshape(B * L, H).to(q.dtype), g.reshape(B * L, H, Dk).to(wd)
     out = _scan(call, lambda: kda_chunk(q.to(wd), k.to(wd), v.to(wd), b.to(wd), gg, Dk**-0.5),
                 lambda layout, init: kda_scan_fla(q, k, v, b, gg, layout, init, Dk**-0.5),
-                1, B, L, (H, Dk, Dv), (H, Dv), q.new_empty(0, dtype=wd))
+                1, B, L, (H, Dk, Dv), (H, Dv), q.new_empty(0, dtype=wd), _graph(wd, q, k, v))
     return out.view(B, L, H, Dv).to(query.dtype), None
 
 
@@ -250,7 +264,7 @@ def _ssd(call: _Call, hidden_states, dt, A, B, C, chunk_size=256, D=None, dt_bia
 
     y = _scan(call, lambda: ssd_chunk(x.to(gd), d, Aw, heads(Bg).to(gd), heads(Cg).to(gd), Dv),
               lambda layout, init: ssd_scan_mamba(x, d, Aw, Bg, Cg, Dv, layout, init, chunk_size),
-              1, b, L, (H, P, N), (H, P), x.new_empty(0, dtype=gd)).view(b, L, H, P)
+              1, b, L, (H, P, N), (H, P), x.new_empty(0, dtype=gd), _graph(gd, x, Bg, Cg)).view(b, L, H, P)
     if z is not None:
         y = y * F.silu(z.to(y.dtype))
     return y.to(out_dtype)

@@ -22,7 +22,11 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   ``sum(dL/dlogp * logp)`` over its own targets. The parameter gradients of the ranks sum
   to the one-process gradient (the caller sums them over the group: FSDP2 does).
 
-* **Recurrent layers** (Gated DeltaNet, Mamba2: native decoders). A token of ``[s, e)`` whose
+* **Recurrent layers** (native Gated DeltaNet and Mamba2 layers; through the transformers
+  adapter, the tree kernels of its hybrid families: Gated DeltaNet, Kimi Delta Attention, Mamba2
+  and short convolutions, :mod:`treelit.models.hf_kernels`). Both read their convolution contexts
+  and initial states through the context's hooks (``recurrent_conv_inputs``, ``recurrent_scan``),
+  which this module's context overrides. A token of ``[s, e)`` whose
   parent lies outside the range has that parent on the root-to-``s`` path, so the range's
   roots continue that one path at several points: one external *slot* per distinct parent,
   each with its own initial state (seg_parent ``-2 - slot``, see
@@ -38,7 +42,9 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
     owner adds them to its sent states' gradients before back-propagating its own scan.
 
   Every rank runs every layer, so the messages of a layer match up; a rank waits only for
-  earlier ranks in the forward and later ranks in the backward, never in a cycle.
+  earlier ranks in the forward and later ranks in the backward, never in a cycle. Each
+  convolution exchange and each state of a layer has its own message tag (a transformers layer
+  may run several, or share its index with an attention layer: Falcon-H1).
 
 * **Router load-balancing loss** (mixture-of-experts models, :mod:`treelit.loss.router`). It is
   ``sum over tokens of G * probs`` with a weight G (no gradient) computed from every token's
@@ -58,10 +64,15 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   relayed like its K/V (:func:`cp_state_captures`). A router loss takes every rank's routing
   counts in a no-gradient pass first and sums them over the group.
 
-Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers, transformers
-attention-only families through the adapter, every objective, the router loss, every attention
-backend that takes external keys. Refused, with one line: the transformers adapter's recurrent
-(hybrid) layers.
+Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers; transformers
+families through the adapter, attention-only and hybrid (Qwen3.5 / Qwen3-Next / OLMo-hybrid
+Gated DeltaNet, Kimi-Linear KDA, Nemotron-H / Bamba / Granite-4 / Falcon-H1 Mamba2, LFM2 short
+convolutions); every objective; the router loss; every attention backend that takes external
+keys; partitioned passes (native and adapter layers alike). The recurrent exchange has run with
+the torch scans (``ssm=torch``) and, for native layers, with fla's kernels under Triton's
+interpreter. Refused, with one line: native layer types other than attention, gdn and mamba2,
+and an adapter layer calling a kernel that does not read its boundary inputs through the hooks
+(none today).
 """
 
 from __future__ import annotations
@@ -78,6 +89,7 @@ from treelit.loss.logprobs import token_logprobs
 from treelit.loss.router import RouterTerms
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
+from treelit.models.hf_kernels import TREE_KERNELS, WRAPPER_KERNELS
 from treelit.models.moe import collecting
 from treelit.objectives.folding import fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.passes import empty_row
@@ -96,12 +108,18 @@ def check_cp_model(model) -> None:
     """Refuse what context parallelism does not cover, naming it."""
     cfg = getattr(model, "config", None)
     kinds = set(getattr(cfg, "layer_types", None) or [])
-    hf_hybrid = any(hasattr(m, "_treelit_forward") for m in model.modules())
-    other = sorted(kinds - _ATTENTION_KINDS - (set() if hf_hybrid else _NATIVE_RECURRENT))
-    if hf_hybrid or other:
+    other = sorted(kinds - _ATTENTION_KINDS - _NATIVE_RECURRENT)
+    if other:
         raise ValueError("trainer.strategy.context_parallel_degree > 1: context parallelism does not cover the "
-                         f"recurrent layers of transformers hybrid models ({', '.join(other) or 'hybrid layers'}) "
-                         "loaded through the adapter; it covers native decoders (attention, gdn, mamba2) "
+                         f"layer types {', '.join(other)}; it covers attention, gdn and mamba2 layers "
+                         "(use partitioning, partition=redundancy_free, for long paths of this model)")
+    # the adapter's hybrid layers: their tree kernels read convolution contexts and initial states
+    # through the context's hooks, as native layers do (hf_kernels); anything else is refused
+    kernels = {k for m in model.modules() for k in getattr(m, "_treelit_kernels", ())}
+    unrouted = sorted(kernels - set(TREE_KERNELS) - WRAPPER_KERNELS)
+    if unrouted:
+        raise ValueError("trainer.strategy.context_parallel_degree > 1: context parallelism does not cover the "
+                         f"kernels {', '.join(unrouted)} of this transformers model's recurrent layers "
                          "(use partitioning, partition=redundancy_free, for long paths of this model)")
 
 
@@ -425,10 +443,18 @@ def _wait(ops) -> None:
             w.wait()
 
 
+_RECURRENT_TAGS = 1 << 24  # the recurrent exchanges' tags start above every attention layer's
+
+
 class _CPContext(TreeContext):
     """The range's row with the path's K/V fetched per attention layer, and the recurrent
-    layers' convolution contexts and slot states routed between ranks (tags: ``4 * layer``
-    for the path rows, ``4 * layer + 2`` for the states, each ``+ 1`` in the backward)."""
+    layers' convolution contexts and slot states routed between ranks. Message tags:
+    ``4 * layer`` for an attention layer's path rows; ``_RECURRENT_TAGS + 2 * i`` for the i-th
+    distinct recurrent exchange of the pass (a layer's convolution inputs, or one of its
+    states, by name: a layer may make several, and a transformers layer may share its index
+    with an attention layer); each ``+ 1`` in the backward. Every rank with tokens runs the
+    same layers in the same order, so the numbering agrees; a recomputation (activation
+    checkpointing) finds the tags of the first pass."""
 
     def __init__(self, sub: TreeBatch, backend, external: Optional[ExternalKV], plan: Optional[CPPlan], group,
                  full: TreeBatch, pre: Optional[ExternalKV] = None, capture_kv: bool = False,
@@ -444,6 +470,10 @@ class _CPContext(TreeContext):
         self.external_root = pre is not None and bool(pre.state)
         self.boundary = boundary  # row tokens whose states the passes below start from (captured)
         self._recurrent: Dict[int, _Recurrent] = {}
+        self._tags: Dict[Tuple[int, str], int] = {}
+
+    def _tag(self, layer: int, key: str) -> int:
+        return self._tags.setdefault((layer, key), _RECURRENT_TAGS + 2 * len(self._tags))
 
     def _route_for(self, K: int) -> _Recurrent:
         if K not in self._recurrent:
@@ -467,7 +497,8 @@ class _CPContext(TreeContext):
         route = self._route_for(K).conv
         names = list(inputs)
         widths = [inputs[n].shape[1] for n in names]
-        both = _PathRows.apply(torch.cat([inputs[n] for n in names], dim=1), route, self.group, 4 * layer, 0)
+        tag = self._tag(layer, ",".join(names))
+        both = _PathRows.apply(torch.cat([inputs[n] for n in names], dim=1), route, self.group, tag, 0)
         M = len(route.path)
         ext, own = both[:M].split(widths, dim=1), both[M:].split(widths, dim=1)
         ext = dict(zip(names, ext))
@@ -478,15 +509,16 @@ class _CPContext(TreeContext):
 
     def recurrent_scan(self, layer: int, scan, state_shape, like: torch.Tensor, name: str = "state"):
         if self.cp_plan is None:
-            return super().recurrent_scan(layer, scan, state_shape, like)
+            return super().recurrent_scan(layer, scan, state_shape, like, name)
         route = self._route_for(next(iter(self._recurrent), 1)).state  # the same for every kernel size
-        init = _StateIn.apply(like, route, self.group, 4 * layer + 2, tuple(state_shape)) if len(route.path) else None
+        tag = self._tag(layer, name)
+        init = _StateIn.apply(like, route, self.group, tag, tuple(state_shape)) if len(route.path) else None
         if self.external_root and self.cp_plan.start == 0:  # the pass's root: one more slot, its outside state
             outside = self.pre.state[layer][name][None]
             init = outside if init is None else torch.cat([init, outside.to(init.dtype)])
         out, cap = scan(init)
         if route.send:
-            out = _StateOut.apply(out, cap, route, self.group, 4 * layer + 2)
+            out = _StateOut.apply(out, cap, route, self.group, tag)
         return out, cap
 
     def attention(self, layer, q, k, v, window=None):
