@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import treelit
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad, tiny_model
-from test_context_parallel import ONE_TOKEN, _objective, _port, _tree
+from test_context_parallel import ONE_TOKEN, _exact, _objective, _port, _tree, hf_case
 from treelit.partition.engine import run_micro_batch
 from treelit.partition.plan import BudgetError
 
@@ -34,7 +34,8 @@ def _case(case):
     window = bool(extra) and extra[0] is True
     router = extra[0] if extra and isinstance(extra[0], str) else None
     kw = dict(sliding_window=3, sliding_window_layers=[0]) if window else {}
-    model = tiny_model(name, torch.float64, **kw)
+    model = treelit.load_hf_model(name[3:], dtype=torch.float64) if name.startswith("hf:") else \
+        tiny_model(name, torch.float64, **kw)
     if router is not None:  # the router load-balancing loss on (micro_batch | sequence)
         from treelit.models.factory import set_router_aux_loss
 
@@ -54,8 +55,9 @@ def _worker(rank, C, port, case, out):
         from treelit.partition.engine import PartitionStats
 
         stats = PartitionStats()
-        res = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z, budget_tokens=budget,
-                              attention="sdpa_dense", cp_group=dist.group.WORLD, stats=stats)
+        with _exact(case[0]):  # (transformers' float32 upcasts kept in float64 for the adapter's hybrids)
+            res = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z, budget_tokens=budget,
+                                  attention="sdpa_dense", cp_group=dist.group.WORLD, stats=stats)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
         for g in grads:
             dist.all_reduce(g)
@@ -74,7 +76,8 @@ def compare(case, C, tmp_path):
     got = torch.load(out, weights_only=True)
     model, batch, obj, _ = _case(case)
     Z = obj.norm_contribution(batch, "token-mean")
-    want = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z, attention="sdpa_dense")
+    with _exact(case[0]):
+        want = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z, attention="sdpa_dense")
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     assert abs(got["value"] - want.loss) <= 1e-9 * abs(want.loss), (got["value"], want.loss)
     for k, v in want.metrics.items():
@@ -219,3 +222,11 @@ def test_recurrent_cp_partitioned(name, forest, objective, C, budget, tmp_path):
     reaches beyond the pass's root sit on later ranks too), several levels of passes, every
     objective kind, recurrent-only models."""
     compare((name, forest, objective, budget), C, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "kimi_linear", "lfm2", "falcon_h1"])
+def test_transformers_hybrid_cp_partitioned(family, tmp_path):
+    """The adapter's tree kernels (Gated DeltaNet, KDA, Mamba2, short convolutions): a pass's root
+    continues its partition's outside state and convolution context through the same hooks."""
+    compare((hf_case(family, tmp_path), DEEP, "sft", 5), 2, tmp_path)

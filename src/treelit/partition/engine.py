@@ -100,6 +100,8 @@ class _Run:
         self.value_sum, self.n_clip, self.n_pairs = 0.0, 0.0, 0.0
         self.cp_group = None  # context parallelism: each pass's row split over this group's ranks
         self.cp_rows: Dict[int, Any] = {}  # partition -> the rows its captures hold (under CP)
+        # recurrent layers (native, or a transformers hybrid's tree kernels): their boundary states travel too
+        self.cp_recurrent = bool(_recurrent_kinds(model)) or any(hasattr(m, "_treelit_forward") for m in model.modules())
 
     # one pass -----------------------------------------------------------------------------
     def forward_pass(self, m, i, sub, captured, emb_buf=None, guard=None):
@@ -132,7 +134,7 @@ class _Run:
             self.cp_rows[i] = self.rp.needed(i)
         kv, produced, leaves = cp_captures(ctx, ctx.cp_pass, self.cp_rows[i], self.cp_group, grad)
         states: Dict[int, Dict[str, torch.Tensor]] = {}
-        if _recurrent_kinds(self.model):
+        if self.cp_recurrent:
             states, more, more_leaves = cp_state_captures(ctx, ctx.cp_pass, self.rp.boundary[i], self.cp_group, grad)
             produced, leaves = produced + more, leaves + more_leaves
         return Captures(kv, states), produced, leaves
@@ -505,10 +507,6 @@ def _recurrent_kinds(model) -> List[str]:
 
 def check_cp_partitioned(model, critic=None) -> None:
     """Refuse, naming it, what a partitioned pass split over ranks does not cover."""
-    if any(hasattr(m, "_treelit_forward") for m in model.modules()):
-        raise ValueError("trainer.strategy.context_parallel_degree > 1 with partition=redundancy_free: partitioned "
-                         "passes split over ranks do not cover the recurrent layers of transformers hybrid models "
-                         f"({', '.join(_recurrent_kinds(model)) or 'hybrid layers'}) (use one of the two for this model)")
     if critic is not None:
         raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; use critic=none")
 
