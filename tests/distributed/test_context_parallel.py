@@ -56,10 +56,18 @@ def _objective(name):
     return {"sft": lambda: make_objective("sft"),
             "grpo": lambda: make_objective("grpo", kl_coef=0.1, reference="initial"),
             "gspo": lambda: make_objective("gspo"),
-            "ppo": lambda: make_objective("ppo", entropy_coef=0.01)}[name]()
+            "ppo": lambda: make_objective("ppo", entropy_coef=0.01),
+            "dpo": lambda: make_objective("dpo", beta=0.5)}[name]()
 
 
-def _tree(forest, rl: bool):
+def _rl(objective):
+    return "dpo" if objective == "dpo" else objective != "sft"
+
+
+def _tree(forest, rl):
+    """The forest as a tree: plain (``rl`` false), with advantages and old log-probs, or (``rl ==
+    "dpo"``) as preference pairs of consecutive branches (an odd last branch dropped) with
+    reference log-probs."""
     branches, masks, weights = forest
     if not rl:
         return treelit.TokenTree.from_branches(branches, masks, weights)
@@ -69,6 +77,11 @@ def _tree(forest, rl: bool):
         for t in range(1, len(ids)):
             per.setdefault(tuple(ids[: t + 1]), -0.2 - gen.random())
     old = [[None] + [per[tuple(ids[: t + 1])] for t in range(1, len(ids))] for ids in branches]
+    if rl == "dpo":
+        n = len(branches) - len(branches) % 2
+        fields = {"pair": [b // 2 for b in range(n)], "chosen": [b % 2 == 0 for b in range(n)]}
+        return treelit.TokenTree.from_branches(branches[:n], masks[:n], weights[:n], ref_logprobs=old[:n],
+                                               branch_fields=fields)
     adv = [float(a) for a in gen.standard_normal(len(branches))]
     return treelit.TokenTree.from_branches(branches, masks, weights, advantages=adv, old_logprobs=old)
 
@@ -165,7 +178,7 @@ def _worker(rank, C, port, case, out, wrong=()):
     try:
         name, forest, objective, window, *ckpt = case
         model = _model(name, window, *ckpt)
-        batch = _tree(forest, objective != "sft").to_batch()
+        batch = _tree(forest, _rl(objective)).to_batch()
         obj = _objective(objective)
         Z = obj.norm_contribution(batch, "token-mean")
         # FORK: unit costs put the cut right after the branch token (index 5): both children start rank 1;
@@ -205,7 +218,7 @@ def one_process_result(case):
     from treelit.partition.engine import run_micro_batch
 
     model = _model(name, window, *ckpt)
-    batch = _tree(forest, objective != "sft").to_batch()
+    batch = _tree(forest, _rl(objective)).to_batch()
     obj = _objective(objective)
     with _exact(name):
         res = run_micro_batch(model, obj, batch, aggregation="token-mean",
@@ -272,12 +285,12 @@ def test_context_parallel_equals_one_process(C, forest, window, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["sft", "grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("objective", ["sft", "grpo", "gspo", "ppo", "dpo"])
 @pytest.mark.parametrize("C", [2, 4])
 @pytest.mark.parametrize("forest", [ONE_TOKEN, TINY, CHAIN, FORK], ids=["one-token", "tiny", "chain", "fork"])
 def test_context_parallel_objectives_and_degrees(C, forest, objective, tmp_path):
     if forest in (TINY, CHAIN) and objective != "sft":
-        pytest.skip("one branch: its clipped RL surrogate trains nothing")
+        pytest.skip("one branch: its clipped RL surrogate trains nothing, and it makes no preference pair")
     compare(("qwen2_5_tiny", forest, objective, False), C, tmp_path)
 
 

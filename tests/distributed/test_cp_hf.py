@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import treelit
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad
 from hf_oracle import make_exact, random_hf_checkpoint
-from test_context_parallel import FORK, ONE_TOKEN, _objective, _port, _tree
+from test_context_parallel import FORK, ONE_TOKEN, _objective, _port, _rl, _tree
 from test_cp_partitioned import DEEP
 from treelit.partition.context_parallel import cp_micro_batch
 from treelit.partition.engine import run_micro_batch
@@ -49,7 +49,7 @@ def checkpoints(tmp_path_factory):
 def _run(path, forest, objective, budget, group):
     model = treelit.load_hf_model(path, dtype=torch.float64)
     make_exact(model.hf)  # transformers' float32 norms / RoPE / router kept in float64 (on both sides)
-    batch = _tree(forest, objective != "sft").to_batch()
+    batch = _tree(forest, _rl(objective)).to_batch()
     obj = _objective(objective)
     Z = obj.norm_contribution(batch, "token-mean")
     if group is None:

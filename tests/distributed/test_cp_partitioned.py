@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import treelit
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad, tiny_model
-from test_context_parallel import ONE_TOKEN, _exact, _objective, _port, _tree, hf_case
+from test_context_parallel import ONE_TOKEN, _exact, _objective, _port, _rl, _tree, hf_case
 from treelit.partition.engine import run_micro_batch
 from treelit.partition.plan import BudgetError
 
@@ -40,7 +40,7 @@ def _case(case):
         from treelit.models.factory import set_router_aux_loss
 
         set_router_aux_loss(model, 0.3, router)
-    batch = _tree(forest, objective != "sft").to_batch()
+    batch = _tree(forest, _rl(objective)).to_batch()
     obj = _objective(objective)
     return model, batch, obj, budget
 
@@ -97,7 +97,7 @@ def test_cp_partitioned_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["sft", "grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("objective", ["sft", "grpo", "gspo", "ppo", "dpo"])
 @pytest.mark.parametrize("C,budget", [(2, 5), (2, 9), (4, 3)])
 def test_cp_partitioned_objectives_and_degrees(C, budget, objective, tmp_path):
     """Token-separable objectives fold per pass; GSPO takes every target's log-prob in a
