@@ -33,11 +33,20 @@ layer's ``W.t()``); FSDP2 shards them over every rank (see ``sharding``). The pe
 pass itself allocates: activations, the received K/V and their gradient buffers, logits
 chunks and transient weight gradients. The ranks' summed gradients are compared with C = 1.
 
+``cp-partitioned``: context parallelism inside partitioned passes
+(:func:`treelit.partition.engine.run_micro_batch` with ``cp_group``) on the same tree. With L
+the longest branch, C ranks each get the budget ``ceil(L / C)``, so chains of partitions hold
+up to C x that = L tokens and every pass is split over the C ranks; C = 1 at budget L is the
+smallest budget one process accepts, and C = 1 at ``ceil(L / 2)`` is recorded as refused
+(``BudgetError``). Per rank: the step peak (counted as in ``cp``), the tokens it forwards and
+the partitions; the ranks' summed gradients are compared with C = 1.
+
     python benchmarks/bench_scale.py sharding --json benchmarks/results/bench_scale_sharding.json
     python benchmarks/bench_scale.py sharding --worlds 4 --modes ddp fsdp2 hsdp --checkpointing on \
         --json benchmarks/results/bench_scale_hsdp.json
     python benchmarks/bench_scale.py grpo --json benchmarks/results/bench_scale_grpo.json
     python benchmarks/bench_scale.py cp --json benchmarks/results/bench_scale_cp.json
+    python benchmarks/bench_scale.py cp-partitioned --json benchmarks/results/bench_scale_cp_partitioned.json
     python benchmarks/bench_scale.py table benchmarks/results/bench_scale_*.json    # the README tables
 """
 
@@ -399,6 +408,114 @@ def cp(args):
                      f"MLP {a.intermediate}, vocab {a.vocab}, float32", "attention": a.attention, "threads_per_rank": 1}
 
 
+# ---------------------------------------------------------------------------------------
+# cp-partitioned: context parallelism inside partitioned passes, per rank
+
+
+def _cpp_worker(rank: int, world: int, port: int, args, out_dir: str):
+    """One SFT forward + backward through ``run_micro_batch`` at ``ceil(L / C)`` tokens per rank
+    (L: the longest branch), each pass split over the ``world`` ranks; C = 1 is one process."""
+    import torch.distributed as dist
+
+    from treelit.objectives import make_objective
+    from treelit.partition.engine import PartitionStats, run_micro_batch
+    from treelit.partition.plan import BudgetError, plan_partitions
+    from treelit.utils.memory import LiveBytes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    try:
+        model = _model(args)
+        batch = _tree(0, args)  # the same tree on every rank
+        plan_l = plan_partitions(batch, batch.num_tokens)
+        L = plan_l.longest_branch
+        budget = -(-L // world)  # per rank: the smallest that holds the longest branch over C ranks
+        plan = plan_partitions(batch, budget * world, per_rank=world)
+        obj = make_objective("sft")
+        Z = obj.norm_contribution(batch, "token-mean")
+        out = []
+        for ckpt in args.checkpointing:
+            model.activation_checkpointing = ckpt
+            for p in model.parameters():  # gradient buffers exist before the region (FSDP2 shards them)
+                p.grad = torch.zeros_like(p)
+            live = LiveBytes()
+            _existing(live, [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())])
+            stats = PartitionStats()
+            t0, c0 = time.perf_counter(), time.process_time()
+            with live:
+                res = run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z, budget_tokens=budget,
+                                      attention=args.attention, stats=stats, cp_group=dist.group.WORLD)
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+            m = {"rank": rank, "step_peak_bytes": live.peak, "seconds": seconds, "cpu_seconds": cpu,
+                 "passes": stats.partitions, "token_forwards": stats.token_forwards}
+            ranks = [None] * world
+            dist.all_gather_object(ranks, m)
+            grads = [p.grad for p in model.parameters()]
+            for g in grads:
+                dist.all_reduce(g)  # the ranks' gradients sum to the one-process gradient
+            diff = None
+            if rank == 0:
+                ref = os.path.join(out_dir, f"grads_ckpt{int(ckpt)}.pt")
+                if world == 1:
+                    torch.save(grads, ref)
+                else:
+                    one = torch.load(ref)
+                    diff = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads, one))
+            out.append({"world": world, "checkpointing": ckpt, "budget_per_rank": budget, "chain_budget": budget * world,
+                        "longest_branch": L, "tree_tokens": batch.num_tokens, "partitions": len(plan.partitions),
+                        "partition_tokens": [int(p.size) for p in plan.partitions],
+                        "max_chain_tokens": plan.max_chain_tokens, "loss": res.loss, "ranks": ranks,
+                        "max_rel_grad_diff_vs_one": diff})
+        if world == 1:  # one process below the longest branch: refused before any pass runs
+            try:
+                run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=Z,
+                                budget_tokens=-(-L // 2), attention=args.attention)
+                refused = None
+            except BudgetError as e:
+                refused = str(e)
+            out.append({"world": 1, "budget_per_rank": -(-L // 2), "refused": refused})
+        if rank == 0:
+            torch.save(out, os.path.join(out_dir, "rows.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def cp_partitioned(args):
+    import torch.multiprocessing as mp
+
+    rows, refused = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in sorted(set(args.worlds) | {1}):  # C = 1 first: the reference
+            mp.spawn(_cpp_worker, args=(world, _free_port(), args, tmp), nprocs=world, join=True)
+            new = torch.load(os.path.join(tmp, "rows.pt"), weights_only=False)
+            for r in new:
+                if "refused" in r:
+                    assert r["refused"] is not None, "one process ran below its longest branch"
+                    refused.append(r)
+                    print(f"C=1 budget {r['budget_per_rank']}: refused ({r['refused']})", flush=True)
+                    continue
+                rows.append(r)
+                assert r["max_chain_tokens"] <= r["chain_budget"], r
+                if r["max_rel_grad_diff_vs_one"] is not None:  # float32: the same gradients up to rounding
+                    assert r["max_rel_grad_diff_vs_one"] < 1e-4, r["max_rel_grad_diff_vs_one"]
+                for x in r["ranks"]:
+                    print(f"C={world} ckpt={'on' if r['checkpointing'] else 'off':3s} budget {r['budget_per_rank']}/rank "
+                          f"rank {x['rank']}: {r['partitions']} partitions, chains up to {r['max_chain_tokens']} tokens, "
+                          f"peak {x['step_peak_bytes'] / MIB:.0f} MiB ({x['seconds']:.1f}s)", flush=True)
+    for r in rows:
+        one = next(x for x in rows if x["world"] == 1 and x["checkpointing"] == r["checkpointing"])["ranks"][0]
+        for x in r["ranks"]:
+            x["step_peak_over_one"] = x["step_peak_bytes"] / one["step_peak_bytes"]
+        r["step_peak_bytes_max"] = max(x["step_peak_bytes"] for x in r["ranks"])
+        r["step_peak_max_over_one"] = r["step_peak_bytes_max"] / one["step_peak_bytes"]
+    a = args
+    return {"cp_partitioned": rows, "refused": refused,
+            "tree": f"{a.branches} branches of {a.branch_len} tokens under a {a.prefix}-token prefix",
+            "model": f"qwen2-style, {a.layers} layers, dim {a.dim}, {a.heads} heads ({a.kv_heads} kv) x {a.dim // a.heads}, "
+                     f"MLP {a.intermediate}, vocab {a.vocab}, float32", "attention": a.attention, "threads_per_rank": 1}
+
+
 def table(paths) -> str:
     """The README tables from result files."""
     lines = []
@@ -406,6 +523,23 @@ def table(paths) -> str:
         with open(path) as f:
             d = json.load(f)
         lines.append(f"$ {d['command']}")
+        if "cp_partitioned" in d:
+            rows = d["cp_partitioned"]
+            lines.append(f"# {d['tree']} ({rows[0]['tree_tokens']} tokens, longest branch L = {rows[0]['longest_branch']}); "
+                         f"{d['model']}; attention={d['attention']}, {d['threads_per_rank']} thread per rank, SFT forward + "
+                         f"backward through run_micro_batch; fwd tok = tokens the rank forwards, cpu = CPU seconds of the step")
+            lines.append(f"{'C':>2s}{'ckpt':>5s}{'budget/rank':>12s}{'partitions':>11s}{'max chain':>10s}{'rank':>5s}"
+                         f"{'fwd tok':>8s}{'step peak':>11s}{'vs C=1':>7s}{'cpu':>6s}{'grad diff':>10s}")
+            for r in rows:
+                for x in r["ranks"]:
+                    diff = r["max_rel_grad_diff_vs_one"]
+                    lines.append(f"{r['world']:>2d}{('on' if r['checkpointing'] else 'off'):>5s}{r['budget_per_rank']:>12d}"
+                                 f"{r['partitions']:>11d}{r['max_chain_tokens']:>10d}{x['rank']:>5d}"
+                                 f"{x['token_forwards']:>8d}{x['step_peak_bytes'] / MIB:>7.0f} MiB{x['step_peak_over_one']:>6.2f}x"
+                                 f"{x['cpu_seconds']:>5.0f}s{('-' if diff is None else f'{diff:.1e}'):>10s}")
+            for r in d["refused"]:
+                lines.append(f"# C=1 at budget {r['budget_per_rank']}: refused (BudgetError: {r['refused']})")
+            continue
         if "cp" in d:
             lines.append(f"# {d['tree']} ({d['cp'][0]['tree_tokens']} tokens); {d['model']}; attention={d['attention']}, "
                          f"{d['threads_per_rank']} thread per rank, cpu = CPU seconds of the step")
@@ -505,6 +639,22 @@ def main(argv=None):
     c.add_argument("--checkpointing", type=lambda v: v == "on", nargs="+", default=[False, True],
                    help="activation checkpointing: off, on or both")
     c.add_argument("--json")
+    q = sub.add_parser("cp-partitioned")
+    q.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
+                   help="context-parallel degrees C (1: one process); budget per rank ceil(L / C)")
+    q.add_argument("--layers", type=int, default=8)
+    q.add_argument("--dim", type=int, default=512)
+    q.add_argument("--heads", type=int, default=8)
+    q.add_argument("--kv-heads", type=int, default=2)
+    q.add_argument("--intermediate", type=int, default=2816)
+    q.add_argument("--vocab", type=int, default=32768)
+    q.add_argument("--prefix", type=int, default=2048)
+    q.add_argument("--branches", type=int, default=4)
+    q.add_argument("--branch-len", type=int, default=1024)
+    q.add_argument("--attention", default="segment")
+    q.add_argument("--checkpointing", type=lambda v: v == "on", nargs="+", default=[False],
+                   help="activation checkpointing: off, on or both")
+    q.add_argument("--json")
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
@@ -512,7 +662,7 @@ def main(argv=None):
         print(table(args.results))
         return
     t0 = time.perf_counter()
-    result = {"sharding": sharding, "grpo": grpo, "cp": cp}[args.what](args)
+    result = {"sharding": sharding, "grpo": grpo, "cp": cp, "cp-partitioned": cp_partitioned}[args.what](args)
     result["command"] = " ".join(["python", "benchmarks/bench_scale.py", *(argv if argv is not None else sys.argv[1:])])
     result["torch"] = torch.__version__
     result["seconds"] = time.perf_counter() - t0
