@@ -1,5 +1,6 @@
 """Context parallelism on transformers families through the adapter (``model=hf_auto``):
-attention-only checkpoints (Llama; Gemma-3 with sliding and global layers; Qwen3-MoE), the
+attention-only checkpoints (Llama; Gemma-3 with sliding and global layers; Qwen3-MoE, with and
+without its router loss), the
 row split over C gloo processes, unpartitioned and with partitioned passes, equal to one
 unpartitioned process in float64 (loss and every parameter gradient, the ranks' gradients
 summed; transformers' float32 rounding of norms and RoPE rebound to float64 on both sides, else
@@ -33,6 +34,9 @@ FAMILIES = {
                                    layer_types=["sliding_attention", "full_attention"], **IDS)),
     "qwen3_moe": ("qwen3_moe", dict(moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
                                     output_router_logits=False)),
+    # the router load-balancing loss on (config.json's coefficient, read by the adapter)
+    "qwen3_moe_router": ("qwen3_moe", dict(moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                                           output_router_logits=True, router_aux_loss_coef=0.3)),
 }
 
 
