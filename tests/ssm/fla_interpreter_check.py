@@ -93,6 +93,7 @@ def _cp_worker(rank: int, C: int, port: int, case: str, out: str, mutated: bool)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    model = model_for(case)  # (before the group: transformers writes a checkpoint on the first rank only)
     dist.init_process_group("gloo", rank=rank, world_size=C)
     if mutated:
         mutate()
@@ -100,7 +101,6 @@ def _cp_worker(rank: int, C: int, port: int, case: str, out: str, mutated: bool)
     scan = fla_backend.level_scan
     fla_backend.level_scan = lambda *a, **k: calls.append(1) or scan(*a, **k)
     try:
-        model = model_for(case)
         with mock.patch.object(torch.cuda, "is_available", lambda: True):
             set_ssm_backend(model, "fla")
         batch = treelit.TokenTree.from_branches(BRANCHES, MASKS).to_batch()

@@ -93,10 +93,11 @@ def run_cp(case: str, *flags: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gdn_tiny", "mamba2_tiny"])
+@pytest.mark.parametrize("case", ["gdn_tiny", "mamba2_tiny", "qwen3_5", "kimi_linear"])
 def test_fla_kernels_under_context_parallelism_equal_the_torch_scans(case):
     """``ssm=fla`` with the row split over 2 gloo processes (the second rank's segments start from
-    the states the first sends: several initial states in one call) against ``ssm=torch`` on one."""
+    the states the first sends: several initial states in one call) against ``ssm=torch`` on one;
+    native layers, and Qwen3.5 (Gated DeltaNet) and Kimi-Linear (KDA) through the adapter."""
     rows = run_cp(case)
     assert len(rows) == 1
     _check(rows)

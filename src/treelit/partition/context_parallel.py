@@ -69,8 +69,8 @@ families through the adapter, attention-only and hybrid (Qwen3.5 / Qwen3-Next / 
 Gated DeltaNet, Kimi-Linear KDA, Nemotron-H / Bamba / Granite-4 / Falcon-H1 Mamba2, LFM2 short
 convolutions); every objective; the router loss; every attention backend that takes external
 keys; partitioned passes (native and adapter layers alike). The recurrent exchange has run with
-the torch scans (``ssm=torch``) and, for native layers, with fla's kernels under Triton's
-interpreter. Refused, with one line: native layer types other than attention, gdn and mamba2,
+the torch scans (``ssm=torch``) and with fla's kernels under Triton's interpreter (native
+layers, Qwen3.5 and Kimi-Linear through the adapter). Refused, with one line: native layer types other than attention, gdn and mamba2,
 and an adapter layer calling a kernel that does not read its boundary inputs through the hooks
 (none today).
 """
