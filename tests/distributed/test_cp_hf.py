@@ -78,6 +78,7 @@ def _worker(rank, C, port, case, out):
             dist.all_reduce(g)
         if rank == 0:
             torch.save({"value": value, "grads": [g.clone() for g in grads]}, out)
+        dist.barrier()  # every rank done with its messages before the group goes
     finally:
         dist.destroy_process_group()
 
