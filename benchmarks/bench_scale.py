@@ -342,6 +342,23 @@ def _cp_step(model, batch, ckpt: bool, args):
             "loss": loss, "kv_row_bytes_all_layers": row_bytes}
 
 
+def _grad_diff_vs_one(model, rank: int, world: int, ref: str):
+    """The ranks' gradients summed (the one-process gradient); on rank 0 their largest relative
+    difference from the C = 1 run's, saved at ``ref`` by that run (None there, and on other ranks)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+    if rank != 0:
+        return None
+    if world == 1:
+        torch.save(grads, ref)
+        return None
+    one = torch.load(ref)
+    return max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads, one))
+
+
 def _cp_worker(rank: int, world: int, port: int, args, out_dir: str):
     import torch.distributed as dist
 
@@ -356,17 +373,7 @@ def _cp_worker(rank: int, world: int, port: int, args, out_dir: str):
             m = _cp_step(model, batch, ckpt, args)
             ranks = [None] * world
             dist.all_gather_object(ranks, m)
-            grads = [p.grad for p in model.parameters()]
-            for g in grads:
-                dist.all_reduce(g)  # the ranks' gradients sum to the one-process gradient
-            diff = None
-            if rank == 0:
-                ref = os.path.join(out_dir, f"grads_ckpt{int(ckpt)}.pt")
-                if world == 1:
-                    torch.save(grads, ref)
-                else:
-                    one = torch.load(ref)
-                    diff = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads, one))
+            diff = _grad_diff_vs_one(model, rank, world, os.path.join(out_dir, f"grads_ckpt{int(ckpt)}.pt"))
             out.append({"world": world, "checkpointing": ckpt, "ranks": ranks, "max_rel_grad_diff_vs_one": diff,
                         "tree_tokens": batch.num_tokens, "logprob_allreduce_bytes": 8 * batch.num_tokens})
         if rank == 0:
@@ -451,17 +458,7 @@ def _cpp_worker(rank: int, world: int, port: int, args, out_dir: str):
                  "passes": stats.partitions, "token_forwards": stats.token_forwards}
             ranks = [None] * world
             dist.all_gather_object(ranks, m)
-            grads = [p.grad for p in model.parameters()]
-            for g in grads:
-                dist.all_reduce(g)  # the ranks' gradients sum to the one-process gradient
-            diff = None
-            if rank == 0:
-                ref = os.path.join(out_dir, f"grads_ckpt{int(ckpt)}.pt")
-                if world == 1:
-                    torch.save(grads, ref)
-                else:
-                    one = torch.load(ref)
-                    diff = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads, one))
+            diff = _grad_diff_vs_one(model, rank, world, os.path.join(out_dir, f"grads_ckpt{int(ckpt)}.pt"))
             out.append({"world": world, "checkpointing": ckpt, "budget_per_rank": budget, "chain_budget": budget * world,
                         "longest_branch": L, "tree_tokens": batch.num_tokens, "partitions": len(plan.partitions),
                         "partition_tokens": [int(p.size) for p in plan.partitions],

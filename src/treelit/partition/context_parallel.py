@@ -725,15 +725,23 @@ def cp_captures(ctx, plan: CPPlan, need: np.ndarray, group, grad: bool):
             dev = both.device
             mine = mine.index_copy(2, torch.from_numpy(at).to(dev),
                                    both.index_select(2, torch.from_numpy(need[at] - lo).to(dev)))
-        whole = mine.detach().clone()
-        dist.all_reduce(whole, group=group)
-        if grad:
-            whole.requires_grad_()
-            produced.append(mine)
-            leaves.append(whole)
+        whole = _assembled(mine, group, grad, produced, leaves)
         dk = k.shape[-1]
         kv[layer] = (whole[..., :dk], whole[..., dk:])
     return kv, produced, leaves
+
+
+def _assembled(mine: torch.Tensor, group, grad: bool, produced: List[torch.Tensor],
+               leaves: List[torch.Tensor]) -> torch.Tensor:
+    """The sum over ``group`` of every rank's ``mine`` (its own rows, zeros elsewhere); with
+    ``grad`` a leaf that requires grad, noted with ``mine`` for :func:`cp_relay`."""
+    whole = mine.detach().clone()
+    dist.all_reduce(whole, group=group)
+    if grad:
+        whole.requires_grad_()
+        produced.append(mine)
+        leaves.append(whole)
+    return whole
 
 
 def cp_state_captures(ctx, plan: CPPlan, boundary: np.ndarray, group, grad: bool):
@@ -761,13 +769,7 @@ def cp_state_captures(ctx, plan: CPPlan, boundary: np.ndarray, group, grad: bool
         if len(at):
             t = ctx.recurrent_out[layer][n]
             mine = mine.index_copy(0, torch.from_numpy(at).to(dev), t[torch.from_numpy(rows).to(dev)].to(dtype))
-        whole = mine.detach().clone()
-        dist.all_reduce(whole, group=group)
-        if grad:
-            whole.requires_grad_()
-            produced.append(mine)
-            leaves.append(whole)
-        states.setdefault(layer, {})[n] = whole
+        states.setdefault(layer, {})[n] = _assembled(mine, group, grad, produced, leaves)
     return states, produced, leaves
 
 
