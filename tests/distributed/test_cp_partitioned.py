@@ -247,3 +247,25 @@ def test_cp_segment_backend(budget, tmp_path):
     external keys are visible to part of a chain only (irregular externals), with and without
     a partition's ancestor keys in front (the one-process reference runs ``sdpa_dense``)."""
     compare(("qwen2_5_tiny", DEEP, "grpo", budget if budget else 10_000, True), 2, tmp_path, attention="segment")
+
+
+def test_a_backend_without_external_keys_is_refused_by_name():
+    """A plugin backend that handles a row's own keys only (``external_keys = False``) cannot take
+    a range's ancestors from other ranks: one line naming it and the backends that can."""
+    from treelit.attention.dense import DenseAttention
+    from treelit.partition.context_parallel import check_cp_backend
+
+    class OwnKeysOnly(DenseAttention):
+        name = "own_keys_only"
+        external_keys = False
+
+    with pytest.raises(ValueError, match=r"attention=own_keys_only: this backend does not take external keys.*"
+                                         r"sdpa_dense"):
+        check_cp_backend(OwnKeysOnly())
+    for ok in ("auto", "sdpa_dense", "segment", "flex", DenseAttention()):
+        check_cp_backend(ok)
+    from treelit.lightning.module import TreeLitModule  # (partitioning needs them too)
+
+    with pytest.raises(ValueError, match=r"partition=redundancy_free with attention=own_keys_only"):
+        TreeLitModule(tiny_model("qwen2_5_tiny", torch.float64), _objective("sft"), torch.optim.SGD,
+                      attention=OwnKeysOnly(), partition="redundancy_free")

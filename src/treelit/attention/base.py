@@ -33,10 +33,15 @@ class AttentionBackend:
     * returns ``[1, Hq, N, D]``.
 
     Query ``q`` attends to key ``j`` iff ``layout.kv_lo[j] <= q < layout.kv_hi[j]``.
+
+    ``external_keys``: whether the backend takes E > 0 external keys (ancestors that live
+    outside the row). Partitioned passes and context parallelism need them; a plugin backend
+    that handles the row's own keys only sets it to False and is refused there by name.
     """
 
     name: str = "?"
     requires_cuda: bool = False
+    external_keys: bool = True
 
     def plan(self, layout) -> Any:
         raise NotImplementedError

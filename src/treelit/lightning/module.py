@@ -51,7 +51,7 @@ from treelit.objectives.critic import (branch_values, check_critic_objective, cr
                                        critic_tree_loss, prepare_branches, prepare_tree, set_branch_advantages,
                                        set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
-from treelit.partition.context_parallel import check_cp_model, cp_logprobs, cp_micro_batch
+from treelit.partition.context_parallel import check_cp_backend, check_cp_model, cp_logprobs, cp_micro_batch
 from treelit.partition.engine import (MicroBatchResult, PartitionStats, check_cp_partitioned, partitioned_values,
                                      policy_logprobs, run_micro_batch)
 from treelit.partition.passes import empty_row
@@ -179,6 +179,7 @@ class TreeLitModule(pl.LightningModule):
             raise ValueError(f"partition must be 'none' or 'redundancy_free', got {partition!r}")
         if partition != "none":
             fold_spec(objective)  # an objective that cannot run partitioned fails here, before training
+            check_cp_backend(attention, f"partition={partition}", "a partition's ancestors in earlier passes")
         self.partition = partition
         check_lora_mode(model, mode)
         check_reference(model, objective)
@@ -215,6 +216,7 @@ class TreeLitModule(pl.LightningModule):
                 raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; "
                                  "use critic=none or context_parallel_degree=1")
             check_cp_model(self.model)
+            check_cp_backend(self.attention)
             if self.partition != "none":
                 check_cp_partitioned(self.model)
         if self.critic is not None and self.partition != "none":

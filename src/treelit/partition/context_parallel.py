@@ -84,7 +84,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treelit.attention.base import resolve_backend
+from treelit.attention.base import ATTENTION, resolve_backend
 from treelit.loss.logprobs import token_logprobs
 from treelit.loss.router import RouterTerms
 from treelit.models.context import ExternalKV, TreeContext
@@ -97,11 +97,25 @@ from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
-           "check_cp_degree"]
+           "check_cp_backend", "check_cp_degree"]
 
 
 _ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
 _NATIVE_RECURRENT = {"gdn", "mamba2"}
+
+
+def check_cp_backend(attention: Any, option: str = "trainer.strategy.context_parallel_degree > 1",
+                     why: str = "a range's ancestors held by other ranks") -> None:
+    """Refuse an attention backend that does not take external keys (a rank's ancestors on
+    other ranks are external keys of its range; a partition's ancestors are external keys of
+    its pass), naming it. ``auto`` picks built-in backends, which all do."""
+    if attention is None or attention == "auto":
+        return
+    backend = ATTENTION.get(attention) if isinstance(attention, str) else attention
+    if not getattr(backend, "external_keys", True):
+        raise ValueError(f"{option} with attention={getattr(backend, 'name', attention)}: "
+                         f"this backend does not take external keys ({why}); "
+                         f"use one that does ({', '.join(n for n in ATTENTION.names() if getattr(ATTENTION.get(n), 'external_keys', True))})")
 
 
 def check_cp_model(model) -> None:
