@@ -52,8 +52,8 @@ from treelit.objectives.critic import (branch_values, check_critic_objective, cr
                                        set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
 from treelit.partition.context_parallel import check_cp_backend, check_cp_model, cp_logprobs, cp_micro_batch
-from treelit.partition.engine import (MicroBatchResult, PartitionStats, check_cp_partitioned, partitioned_values,
-                                     policy_logprobs, run_micro_batch)
+from treelit.partition.engine import (MicroBatchResult, PartitionStats, partitioned_values, policy_logprobs,
+                                     run_micro_batch)
 from treelit.partition.passes import empty_row
 from treelit.tree.batch import check_aggregation
 from treelit.rl.gae import explained_variance, value_sums, whiten
@@ -217,8 +217,6 @@ class TreeLitModule(pl.LightningModule):
                                  "use critic=none or context_parallel_degree=1")
             check_cp_model(self.model)
             check_cp_backend(self.attention)
-            if self.partition != "none":
-                check_cp_partitioned(self.model)
         if self.critic is not None and self.partition != "none":
             raise ValueError(f"critic={self.critic.kind} with partition={self.partition} under FSDP2: not supported "
                              "(a partitioned critic runs on one process or with trainer=ddp_cpu/ddp); use "

@@ -97,11 +97,18 @@ from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
-           "check_cp_backend", "check_cp_degree"]
+           "check_cp_backend", "check_cp_degree", "has_recurrent_layers"]
 
 
 _ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
 _NATIVE_RECURRENT = {"gdn", "mamba2"}
+
+
+def has_recurrent_layers(model) -> bool:
+    """Whether ``model`` has layers other than attention: native recurrent layers (by their
+    ``layer_types``) or a transformers hybrid's tree kernels."""
+    kinds = set(getattr(getattr(model, "config", None), "layer_types", None) or [])
+    return bool(kinds - _ATTENTION_KINDS) or any(hasattr(m, "_treelit_forward") for m in model.modules())
 
 
 def check_cp_backend(attention: Any, option: str = "trainer.strategy.context_parallel_degree > 1",

@@ -38,7 +38,7 @@ from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
 from treelit.partition.context_parallel import (cp_captures, cp_forward_pass, cp_plan, cp_relay, cp_state_captures,
-                                                token_costs)
+                                                has_recurrent_layers, token_costs)
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
 from treelit.partition.schedule import FORWARD, align, align_forwards, decode, dfs_word, encode
@@ -101,16 +101,14 @@ class _Run:
         self.cp_group = None  # context parallelism: each pass's row split over this group's ranks
         self.cp_rows: Dict[int, Any] = {}  # partition -> the rows its captures hold (under CP)
         # recurrent layers (native, or a transformers hybrid's tree kernels): their boundary states travel too
-        self.cp_recurrent = bool(_recurrent_kinds(model)) or any(hasattr(m, "_treelit_forward") for m in model.modules())
+        self.cp_recurrent = has_recurrent_layers(model)
 
     # one pass -----------------------------------------------------------------------------
-    def forward_pass(self, m, i, sub, captured, emb_buf=None, guard=None):
+    def forward_pass(self, m, i, sub, tokens, captured, emb_buf=None, guard=None):
         """``(h, ctx, rows, tok)``: partition ``i``'s hidden states and its targets (hidden-state
         rows, full-row tokens); under context parallelism this rank's range of the pass and the
-        targets it holds."""
+        targets it holds. ``sub, tokens``: the partition's row (:meth:`RowPlan.row`)."""
         rp = self.rp
-        tokens = rp.parts[i].tokens
-        tokens = torch.from_numpy(tokens).to(self.batch.device)
         if self.cp_group is None:
             h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
                                        rp.boundary[i], embedding_grad_accumulator=emb_buf, oom_guard=guard)
@@ -172,7 +170,7 @@ class _Run:
                 guard = OOMGuard()
 
                 def run(m, i=i, sub=sub, tokens=tokens, guard=guard):
-                    h, ctx, rows, tok = self.forward_pass(m, i, sub, captured, guard=guard)
+                    h, ctx, rows, tok = self.forward_pass(m, i, sub, tokens, captured, guard=guard)
                     if routing is not None and self.cp_group is not None:  # this rank's range of the pass
                         routing.add_counts(ctx, ctx.cp_tokens, ctx.cp_tokens if not ctx.cp_pass.size else None)
                     elif routing is not None:
@@ -315,7 +313,7 @@ class _Run:
         guard = OOMGuard()
 
         def run(m):
-            h, ctx, rows, tok = self.forward_pass(m, i, sub, captured, emb_buf, guard)
+            h, ctx, rows, tok = self.forward_pass(m, i, sub, tokens, captured, emb_buf, guard)
             if guard.failed:
                 return (h.sum() + output_weight(m).sum()) * 0, None, ctx
             loss, got = self.head_loss(m, h, rows, tok, emb_buf, out_buf, grads)
@@ -408,8 +406,8 @@ def run_micro_batch(
     stats.tree_tokens += N
     stats.budget = budget_tokens
     C = dist.get_world_size(cp_group) if cp_group is not None else 1
-    if C > 1:
-        check_cp_partitioned(model, critic)
+    if C > 1 and critic is not None:
+        raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; use critic=none")
     chain_budget = None if budget_tokens is None else budget_tokens * C
     plan = (whole_row_plan(batch) if chain_budget is None or chain_budget >= N
             else plan_partitions(batch, chain_budget, per_rank=C))
@@ -496,19 +494,6 @@ def run_micro_batch(
     if run.router is not None:
         metrics = {**metrics, **run.router.metrics()}
     return MicroBatchResult(value, metrics, run.failed)
-
-
-def _recurrent_kinds(model) -> List[str]:
-    """The model's layer kinds other than attention (native recurrent layers, or a transformers
-    hybrid's)."""
-    kinds = set(getattr(getattr(model, "config", None), "layer_types", None) or [])
-    return sorted(kinds - {"attention", "full_attention", "sliding_attention"})
-
-
-def check_cp_partitioned(model, critic=None) -> None:
-    """Refuse, naming it, what a partitioned pass split over ranks does not cover."""
-    if critic is not None:
-        raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; use critic=none")
 
 
 def _group_sum(x: torch.Tensor, group) -> torch.Tensor:
