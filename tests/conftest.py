@@ -28,6 +28,11 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")
 
 from helpers import EXAMPLES, FAMILIES  # noqa: E402
 
+if os.environ.get("TREELIT_TEST_AUTOTUNE") == "first":  # the CUDA tests in minutes: see fast_autotune.py
+    from fast_autotune import install as _first_config_only
+
+    _first_config_only()
+
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_COMMON)

@@ -59,3 +59,20 @@ def test_one_step_raising_or_failing_keeps_the_others_and_the_json(tmp_path, cap
     out = capsys.readouterr().out
     assert f"rerun it alone: python benchmarks/gpu_check.py --step raises --json {path}" in out
     assert "--step fails" in out and "--step first" not in out
+
+
+def test_attention_step_bounds_segment_bfloat16_by_flex(monkeypatch):
+    """The attention step (here with stand-in errors: its kernels need CUDA) fails a bfloat16 case where
+    ``segment``'s error exceeds 1.5x ``flex``'s on the same case, even within the absolute bound."""
+    import gpu_check
+    import torch
+
+    for seg_bf16, expected in ((3.0e-3, True), (4.0e-3, False)):
+        errs = {("flex", torch.float32): 1e-6, ("segment", torch.float32): 1e-6,
+                ("flex", torch.bfloat16): 2.5e-3, ("segment", torch.bfloat16): seg_bf16}
+        monkeypatch.setattr(gpu_check, "compare_attention", lambda name, layout, dtype: errs[name, dtype])
+        results = {}
+        assert gpu_check.step_attention(results, "cpu") is expected
+        assert len(results["checks"]) == 72
+        bf16 = [r for r in results["checks"] if r["backend"] == "segment" and r["dtype"] == "torch.bfloat16"]
+        assert len(bf16) == 18 and all(r["over_flex"] == seg_bf16 / 2.5e-3 and r["passed"] is expected for r in bf16)

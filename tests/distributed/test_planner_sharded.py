@@ -33,8 +33,9 @@ def resident_per_rank(world: int, replicas: int) -> int:
 class FakeDevice:
     """One rank's device as torch's caching allocator reports it."""
 
-    def __init__(self, resident: int) -> None:
+    def __init__(self, resident: int, fraction: float = 1.0) -> None:
         self.allocated = self.reserved = self.peak = resident
+        self.fraction = fraction  # torch.cuda.set_per_process_memory_fraction
 
     def step(self, tokens: int) -> None:
         self.peak = max(self.peak, self.allocated + PER_TOKEN * tokens)
@@ -47,6 +48,7 @@ class FakeDevice:
         monkeypatch.setattr(cuda, "memory_reserved", lambda dev=None: self.reserved)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda dev=None: self.peak)
         monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda dev=None: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda dev=None: self.fraction)
 
 
 class OneRank:
@@ -63,8 +65,8 @@ class OneRank:
         self.logged = metrics
 
 
-def plan_steps(monkeypatch, resident: int, steps: int = 4):
-    dev = FakeDevice(resident)
+def plan_steps(monkeypatch, resident: int, steps: int = 4, fraction: float = 1.0):
+    dev = FakeDevice(resident, fraction)
     dev.install(monkeypatch)
     planner = MemoryPlanner(fraction=0.9, margin=1.1, initial_bytes_per_token=64 * 2**20)
     module = OneRank()
@@ -98,3 +100,17 @@ def test_hsdp_budget_between_fsdp2_and_ddp(monkeypatch):
     per_token = PER_TOKEN * 1.1 / 0.9
     assert budget[1] - budget[2] == pytest.approx(4 * PARAMS / per_token, abs=1)  # 16 B / 4 vs 16 B / 2 per parameter
     assert budget[2] - budget[4] == pytest.approx(8 * PARAMS / per_token, abs=1)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_a_per_process_memory_fraction_caps_the_budget(monkeypatch, fraction):
+    """``torch.cuda.set_per_process_memory_fraction``: the allocator stops at fraction x capacity,
+    while the device's free memory does not show it; the plan fills what the cap leaves above
+    the resident state."""
+    resident = resident_per_rank(4, 1)
+    budgets, planner = plan_steps(monkeypatch, resident, fraction=fraction)
+    assert planner.bytes_per_token == PER_TOKEN
+    expected = int((fraction * CAPACITY - resident) * 0.9 / (PER_TOKEN * 1.1))
+    assert budgets[1:] == [expected] * 3, budgets
+    uncapped = plan_steps(monkeypatch, resident)[0][-1]
+    assert expected < uncapped

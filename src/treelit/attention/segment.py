@@ -54,6 +54,12 @@ output was gathered to slot order, concatenated and reordered, and the backward 
 gradient, output and log-sum-exp of each part into zeroed buffers: 28% of the 27-leaf agent
 tree's attention time outside the kernels.)
 
+*Half precision.* For bfloat16 / float16 inputs the parts' log-sum-exps are float32, the
+merge of a prefix part and its chains' causal part runs in float32 and the merged rows are
+rounded once; in the backward pass every part's q, k, v gradients are summed into float32
+buffers (a shared ancestor's keys receive one per group that reads them) and rounded once.
+On CUDA the parts themselves compute in float32 (:mod:`treelit.attention.merged`).
+
 *Irregular externals.* External keys visible to only part of a chain (not produced
 by treelit's partitioner) fall back to explicitly masked blocks.
 
@@ -214,6 +220,7 @@ def _take(src: torch.Tensor, idx) -> torch.Tensor:
 
 
 def _add_into(buf: torch.Tensor, idx, x: torch.Tensor) -> None:
+    x = x.to(buf.dtype)  # a half part's gradient into a float32 buffer
     if isinstance(idx, tuple):
         buf[idx[0] : idx[1]].add_(x)
     else:
@@ -273,11 +280,10 @@ class _SegmentLayer(torch.autograd.Function):
                     o_a, l_a = o_a.index_select(0, w.pre_of_own), l_a.index_select(0, w.pre_of_own)
                 joint = torch.logaddexp(l_a, l)
                 weight = torch.exp(l_a - joint).unsqueeze(-1)
-                if weight.dtype != o.dtype:  # half inputs: float32 log-sum-exps
-                    o = torch.lerp(o.to(weight.dtype), o_a.to(weight.dtype), weight).to(q.dtype)
-                else:
-                    o = torch.lerp(o, o_a, weight)
+                # half inputs: float32 log-sum-exps (and, on the math path, float32 outputs)
+                o = torch.lerp(o.to(weight.dtype), o_a.to(weight.dtype), weight)
                 l = joint
+            o = o.to(out.dtype)  # half inputs: rounded once, after the merge
             if isinstance(w.own.rows, tuple):
                 a, b = w.own.rows
                 out[a:b].copy_(o)
@@ -296,9 +302,10 @@ class _SegmentLayer(torch.autograd.Function):
         out, lse = ctx.saved_tensors
         qs, ks, vs = ctx.shapes
         G = torch.cat([grad[0].transpose(0, 1), grad.new_zeros(1, qs[1], qs[3])])  # row N: zero gradient
-        dQ = G.new_zeros(qs[2] + 1, qs[1], qs[3])
-        dK = G.new_zeros(ks[2], ks[1], ks[3])
-        dV = G.new_zeros(vs[2], vs[1], vs[3])
+        acc = torch.float32 if G.dtype in (torch.float16, torch.bfloat16) else G.dtype  # parts summed in float32
+        dQ = G.new_zeros(qs[2] + 1, qs[1], qs[3], dtype=acc)
+        dK = G.new_zeros(ks[2], ks[1], ks[3], dtype=acc)
+        dV = G.new_zeros(vs[2], vs[1], vs[3], dtype=acc)
         saved = iter(ctx.saved)
         lse = lse.unsqueeze(-1)
         for w in ctx.works:
@@ -312,8 +319,9 @@ class _SegmentLayer(torch.autograd.Function):
                 _add_into(dQ, p.rows, _tokens_first(dq))
                 _add_into(dK, p.k, _tokens_first(dk))
                 _add_into(dV, p.k, _tokens_first(dv))
-        return (dQ[: qs[2]].transpose(0, 1).unsqueeze(0), dK.transpose(0, 1).unsqueeze(0),
-                dV.transpose(0, 1).unsqueeze(0), None)
+        dt = grad.dtype
+        return (dQ[: qs[2]].to(dt).transpose(0, 1).unsqueeze(0), dK.to(dt).transpose(0, 1).unsqueeze(0),
+                dV.to(dt).transpose(0, 1).unsqueeze(0), None)
 
 
 BUCKET_WASTE = 1.1  # default bound on a batched call's padded work over its real work

@@ -3,7 +3,9 @@
 Memory available, per rank: on CUDA the memory this process can still allocate, measured
 before the step - the device's free memory (``torch.cuda.mem_get_info``) plus what torch's
 caching allocator holds without using it (``memory_reserved - memory_allocated``: the
-blocks an earlier step freed) - times ``fraction``; on CPU a configured
+blocks an earlier step freed), at most what a cap set with
+``torch.cuda.set_per_process_memory_fraction`` leaves above the memory allocated - times
+``fraction``; on CPU a configured
 ``memory_limit_bytes`` (one number, or one per rank), the memory a step may use. Measured
 after sharding: under FSDP2 a rank holds 1/world of the parameters and optimizer state,
 under HSDP (``replicate_degree`` R) 1/(world/R), and that resident state is already
@@ -39,6 +41,13 @@ from treelit.utils.memory import LiveBytes
 __all__ = ["MemoryPlanner", "MemoryBudgetError"]
 
 log = logging.getLogger(__name__)
+
+
+def _process_fraction(dev) -> float:
+    """This process's cap on the device, as a fraction of its memory
+    (``torch.cuda.set_per_process_memory_fraction``; 1 where torch cannot say)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if get is None else float(get(dev))
 
 
 class MemoryBudgetError(BudgetError):
@@ -95,9 +104,13 @@ class MemoryPlanner(pl.Callback):
         dev = pl_module.device
         limit = self._limit(pl_module)
         if dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev)
-            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # reusable by this process
-            avail = float(free + cached) if limit is None else min(float(free + cached), limit)
+            free, total = torch.cuda.mem_get_info(dev)
+            allocated = torch.cuda.memory_allocated(dev)
+            avail = float(free + torch.cuda.memory_reserved(dev) - allocated)  # the cache is reusable by this process
+            cap = _process_fraction(dev)
+            if cap < 1.0:  # torch.cuda.set_per_process_memory_fraction: the allocator stops at cap x total
+                avail = min(avail, cap * total - allocated)
+            avail = avail if limit is None else min(avail, limit)
         else:
             if limit is None:
                 raise ValueError("MemoryPlanner on CPU needs callbacks.memory_planner.memory_limit_bytes")
