@@ -189,6 +189,11 @@ def conform_batches(batches: List[TreeBatch]) -> List[TreeBatch]:
                 else:
                     val = torch.full((F if name.startswith("branch_") else N,), float("nan"), dtype=torch.float64)
                 setattr(b, name, val)
+    routed = [b.token_routing for b in batches if b.token_routing is not None]
+    if routed:  # tokens of trees without a record route live (-1)
+        for b in batches:
+            if b.token_routing is None:
+                b.token_routing = torch.full((b.num_tokens, *routed[0].shape[1:]), -1, dtype=torch.long)
     return batches
 
 
