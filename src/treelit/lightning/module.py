@@ -355,7 +355,7 @@ class TreeLitModule(pl.LightningModule):
                 if br is not None:
                     split_behavior(br)
             if self.mode == "linear" and br is not None:
-                lps, _ = linear_branch_logprobs(self.model, br.tokens, chunk_rows=self.chunk_rows)
+                lps, _ = linear_branch_logprobs(self.model, br.tokens, chunk_rows=self.chunk_rows, routing=br.routing)
                 br.old = [np.concatenate([[np.nan], lp.double().cpu().numpy()]) for lp in lps]
                 flat = torch.from_numpy(np.concatenate(br.old)).to(mb.device)
                 mb.branch_old_logp = flat
