@@ -55,6 +55,9 @@ TWO = [
     # (``sequence``: the ``micro_batch`` definition depends on how trees are grouped into micro-batches)
     dict(family="qwen3_moe_tiny", objective="grpo", data="rl", rollout=True, router_coef=0.05,
          router_definition="sequence", limits=[45000, 70000], checkpointing=True),
+    # MoE routing replay: every pass routes by the trees' routed_experts (2 MoE layers, top-2 of 8)
+    dict(family="qwen3_moe_tiny", objective="grpo", data="rl", rollout=True, router_coef=0.05,
+         router_definition="sequence", limits=[45000, 70000], replay=(2, 2, 8)),
     dict(mismatch=True),  # last: it leaves a broken process group behind
 ]
 ADAPTER = dict(objective="sft", limits=[50000, 80000], router_coef=0.05,

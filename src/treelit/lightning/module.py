@@ -42,6 +42,7 @@ from treelit.lightning.planner import MemoryPlanner
 from treelit.loss.linear import linear_branch_logprobs
 from treelit.loss.router import router_aux, router_normalizer_contribution
 from treelit.loss.tree import sft_tree_loss, tree_token_logprobs
+from treelit.models.factory import replay_shape
 from treelit.models.lora import check_lora_mode, check_reference, lora_of, trainable_state_dict
 from treelit.objectives.base import Objective
 from treelit.objectives.behavior import split_behavior
@@ -715,7 +716,11 @@ class TreeLitModule(pl.LightningModule):
         if not (comm.distributed and self._fsdp()):
             return list(micro_batches)
         n = int(comm.max(len(micro_batches)))
-        return list(micro_batches) + [empty_row(self.device) for _ in range(n - len(micro_batches))]
+        pad = [empty_row(self.device) for _ in range(n - len(micro_batches))]
+        shape = replay_shape(self.model)
+        for row in pad if shape is not None else ():  # routing replay: no record, the two tokens route live
+            row.token_routing = torch.full((2, shape[0], shape[2]), -1, dtype=torch.long, device=self.device)
+        return list(micro_batches) + pad
 
     def _reward_metrics(self, batch: StepBatch) -> Dict[str, float]:
         """``reward/mean``, ``reward/min``, ``reward/max`` of the step's branches that carry a reward,
