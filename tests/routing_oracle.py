@@ -5,7 +5,9 @@ replaced (on this one instance, test-only) by one that returns the given experts
 the router computes them, the softmax over all experts (float64 for a float64 model, as
 ``hf_oracle.make_exact`` does for the live router), the probabilities read at the given
 experts and renormalised when the config says ``norm_topk_prob``. The rest of the block (the
-experts, a shared expert and its sigmoid gate) is transformers' own code. The router loss is
+experts, a shared expert and its sigmoid gate) is transformers' own code. Sigmoid routers
+(GLM-4.5 / DeepSeek-V3: ``e_score_correction_bias``, which only ever picks experts) read their
+sigmoid scores at the given experts, renormalise them and scale by ``routed_scaling_factor``. The router loss is
 the Switch balance loss from its definition, with the indicators of the given experts.
 
 Routing is drawn as a function of the prefix (``routing_for``), as a deterministic sampler's
@@ -44,7 +46,18 @@ def hf_routers(hf_model) -> List[torch.nn.Module]:
     return out
 
 
-def _replay_forward(experts: torch.Tensor):
+def _replay_forward(experts: torch.Tensor, sigmoid: bool = False):
+    if sigmoid:  # DeepSeek-V3 / GLM-4.5 routers: sigmoid scores (their bias only ever picks experts)
+        def forward_sigmoid(self, hidden_states):
+            h = hidden_states.reshape(-1, self.hidden_dim)
+            logits = torch.nn.functional.linear(h.type(torch.float32), self.weight.type(torch.float32))
+            scores = logits.sigmoid()
+            w = scores.gather(1, experts)
+            if self.norm_topk_prob:
+                w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            return logits, w * self.routed_scaling_factor, experts
+        return forward_sigmoid
+
     def forward(self, hidden_states):
         h = hidden_states.reshape(-1, self.hidden_dim)
         logits = torch.nn.functional.linear(h, self.weight)
@@ -67,7 +80,9 @@ def replayed(hf_model, experts: np.ndarray):
     assert len(routers) == experts.shape[1], (len(routers), experts.shape)
     saved = [r.__dict__.get("forward") for r in routers]
     for i, r in enumerate(routers):
-        r.forward = types.MethodType(_replay_forward(torch.from_numpy(np.ascontiguousarray(experts[:, i]))), r)
+        sigmoid = hasattr(r, "e_score_correction_bias")
+        assert not sigmoid or (experts >= 0).all(), "the sigmoid oracle takes full records"
+        r.forward = types.MethodType(_replay_forward(torch.from_numpy(np.ascontiguousarray(experts[:, i])), sigmoid), r)
     try:
         yield
     finally:
@@ -96,7 +111,7 @@ def replay_branch_loss(hf_model, branches, masks, weights, routing, aggregation:
     """Per-branch loss (and, with ``router=(definition, coef)``, coef x the router loss) of the
     transformers model with branch b's routing ``routing[b]`` replayed."""
     total, n_targets, n_seq = 0.0, 0, 0
-    E = hf_model.config.num_experts
+    E = getattr(hf_model.config, "num_experts", None) or getattr(hf_model.config, "num_local_experts", None)
     per_branch = []
     for br, m, w, r in zip(branches, masks, weights, routing):
         ids = torch.tensor([list(br)])

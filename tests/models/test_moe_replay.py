@@ -4,18 +4,22 @@ Tree mode with the recorded routing == transformers' model run branch by branch 
 block's top-k replaced by the given experts (``routing_oracle``: no treelit on that side):
 loss and every parameter gradient in float64 <= 1e-10, with and without the router loss (both
 definitions: the balance loss of the *replayed* assignment), unpartitioned and cut into
-partitions. Native ``qwen3_moe`` (treelit's own MoE layer) and ``hf_auto`` on Qwen3-MoE and
-Qwen2-MoE (a shared expert behind a sigmoid gate beside the routed ones). transformers'
+partitions. Native ``qwen3_moe`` (treelit's own MoE layer) and ``hf_auto`` on Qwen3-MoE,
+Qwen2-MoE (a shared expert behind a sigmoid gate beside the routed ones) and GLM-4.5 (sigmoid
+router scores, bias-corrected group-limited choice, routed scaling factor). transformers'
 float32 upcasts (RMSNorm, RoPE, router softmax) are rebound to float64 on both instances.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 import torch
 
 import treelit
+from float64_mode import KeepFloat64
 from helpers import max_rel_grad_diff
 from hf_oracle import hf_grads, load_hf_oracle, make_exact, random_hf_checkpoint
 from routing_oracle import replay_branch_loss, routing_for
@@ -30,6 +34,11 @@ CONFIGS = {
     "qwen3_moe": ("qwen3_moe", dict(MOE, mlp_only_layers=[1])),  # MoE layers 0 and 2
     "qwen2_moe": ("qwen2_moe", dict(MOE, norm_topk_prob=False, shared_expert_intermediate_size=12,
                                     mlp_only_layers=[1], use_sliding_window=False)),
+    # sigmoid gates, bias-corrected group-limited choice, a shared expert, a routed scaling factor;
+    # the first layer dense: MoE layers 1 and 2
+    "glm4_moe": ("glm4_moe", dict(moe_intermediate_size=8, n_routed_experts=6, num_experts_per_tok=2,
+                                  n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, n_group=2,
+                                  topk_group=1, norm_topk_prob=True)),
 }
 FOREST = ([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9], [1, 2, 10], [11, 12, 13, 14], [1, 2, 3, 4, 5, 6, 15]],
           [[0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1], [0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1]],
@@ -62,6 +71,13 @@ def ours_for(path, kind):
 
 
 def compare(path, kind, router=None, budget=None, aggregation="token-mean", last=True, forest=FOREST):
+    """(loss, max gradient) relative differences; GLM-4.5's router computes in float32 by itself:
+    kept in float64 on both sides (``KeepFloat64``)."""
+    with KeepFloat64() if path.name.startswith("glm4_moe") else contextlib.nullcontext():
+        return _compare(path, kind, router, budget, aggregation, last, forest)
+
+
+def _compare(path, kind, router, budget, aggregation, last, forest):
     branches, masks, weights = forest
     rec = routing(branches, last)
     ours, strip = ours_for(path, kind)
@@ -100,6 +116,15 @@ def test_replay_equals_transformers_with_replaced_top_k(kind, config, tmp_path_f
     """Default suite: one case per path, the router loss on (micro_batch)."""
     d = compare(checkpoint(config, tmp_path_factory), kind, router=("micro_batch", 0.5))
     assert max(d) <= LIMIT, d
+
+
+def test_replay_through_a_sigmoid_router(tmp_path_factory):
+    """GLM-4.5's router (sigmoid scores, a bias that picks experts within a chosen group, weights
+    renormalised and scaled): its choice replaced, the rest its own; partitioned. (Its router loss
+    is refused: treelit's is the softmax Switch loss.)"""
+    for budget in (None, 7):
+        d = compare(checkpoint("glm4_moe", tmp_path_factory), "hf_auto", budget=budget)
+        assert max(d) <= LIMIT, (budget, d)
 
 
 CASES = [(kind, config, router, budget, agg)
