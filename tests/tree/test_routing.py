@@ -139,3 +139,31 @@ def test_live_routing_reads_no_routing(tmp_path):
     path = _write(tmp_path / "d.jsonl", [rec])
     trees = build_trees(str(path), SequencesBuilder(), limits=Limits(16, 64, needs={}))
     assert trees[0].tree.token_routing is None
+
+
+def test_a_streaming_source_carries_and_checks_the_routing(tmp_path):
+    """data=stream: records read as they come are checked against the replay shape like files."""
+    from treelit.builders.base import make_tree_builder
+    from treelit.data.sources import make_data_source
+    from treelit.lightning.streaming import StreamingTreeDataModule
+    from treelit.objectives import make_objective
+
+    good = [_rec(f"r{i}", [[1, 2, 3 + i], [1, 2, 4 + i, 5]], [routing_for([1, 2, 3 + i]), routing_for([1, 2, 4 + i, 5])])
+            for i in range(4)]
+    path = _write(tmp_path / "s.jsonl", good)
+
+    def module(p):
+        m = StreamingTreeDataModule(make_data_source("files", paths=[str(p)]), make_tree_builder("sequences"),
+                                    micro_batch_tokens=64, shuffle=False)
+        m.check_against(16, 64, make_objective("sft"), routing=(2, 4, 2))
+        return m
+
+    step = module(path).next_step()
+    assert step.micro_batches and all(mb.token_routing is not None and mb.token_routing.shape[1:] == (2, 2)
+                                      for mb in step.micro_batches)
+    bad = good[:2] + [{"id": "x", "branches": [{"input_ids": [1, 2], "routed_experts": [[[0, 5]], [[1, 2]]]}]}]
+    path = _write(tmp_path / "b.jsonl", bad)
+    with pytest.raises(DataError, match=rf"^{path}:3: branches\[0\].routed_experts: routing for 1 MoE layers; "
+                                        r"the model has 2$"):
+        m = module(path)
+        m.next_step()

@@ -321,6 +321,7 @@ class TreeLitModule(pl.LightningModule):
         kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
         if not mb.num_targets and (mode or self.mode) == "tree":
             # a padding micro-batch: one pass through the model (the other ranks' collectives), loss 0
+            mb = self._unrouted(mb)
             loss = sft_tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0)
             if self.critic is not None:  # ... and through the critic (its sharded parts are collectives too)
                 loss = loss + 0.0 * critic_padding_pass(self.critic, self.model, mb, self.attention)
@@ -716,11 +717,14 @@ class TreeLitModule(pl.LightningModule):
         if not (comm.distributed and self._fsdp()):
             return list(micro_batches)
         n = int(comm.max(len(micro_batches)))
-        pad = [empty_row(self.device) for _ in range(n - len(micro_batches))]
+        return list(micro_batches) + [self._unrouted(empty_row(self.device)) for _ in range(n - len(micro_batches))]
+
+    def _unrouted(self, mb):
+        """A padding pass under MoE routing replay: an empty record (its tokens route live)."""
         shape = replay_shape(self.model)
-        for row in pad if shape is not None else ():  # routing replay: no record, the two tokens route live
-            row.token_routing = torch.full((2, shape[0], shape[2]), -1, dtype=torch.long, device=self.device)
-        return list(micro_batches) + pad
+        if shape is not None and mb.token_routing is None:
+            mb.token_routing = torch.full((mb.num_tokens, shape[0], shape[2]), -1, dtype=torch.long, device=mb.device)
+        return mb
 
     def _reward_metrics(self, batch: StepBatch) -> Dict[str, float]:
         """``reward/mean``, ``reward/min``, ``reward/max`` of the step's branches that carry a reward,
