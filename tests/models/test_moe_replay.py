@@ -196,3 +196,17 @@ def test_replay_needs_routing_and_a_moe_model():
     set_moe_routing(moe, "replay")
     with pytest.raises(ValueError, match="this pass has no recorded routing"):
         treelit.tree_loss(moe, treelit.TokenTree.from_branches([[1, 2, 3]]))
+
+
+def test_hf_auto_replay_is_refused_where_it_cannot_hold(tmp_path_factory):
+    """A dense transformers model is refused by name; transformers' own activation checkpointing
+    recomputes layers outside treelit's passes, so replay refuses it on hf_auto."""
+    from treelit.models.hf_adapter import make_hf_model
+
+    dense = tmp_path_factory.mktemp("llama")
+    random_hf_checkpoint(dense, "llama", **TINY)
+    with pytest.raises(ValueError, match=r"routing=replay needs a mixture-of-experts model; this model \(llama\)"):
+        make_hf_model(str(dense), moe={"routing": "replay"})
+    with pytest.raises(ValueError, match="replay with model.activation_checkpointing=true is not supported"):
+        make_hf_model(str(checkpoint("qwen3_moe", tmp_path_factory)), activation_checkpointing=True,
+                      moe={"routing": "replay"})
