@@ -210,3 +210,17 @@ def test_hf_auto_replay_is_refused_where_it_cannot_hold(tmp_path_factory):
     with pytest.raises(ValueError, match="replay with model.activation_checkpointing=true is not supported"):
         make_hf_model(str(checkpoint("qwen3_moe", tmp_path_factory)), activation_checkpointing=True,
                       moe={"routing": "replay"})
+
+
+@pytest.mark.parametrize("kind", ["native", "hf_auto"])
+def test_a_copied_model_replays_on_its_own(kind, tmp_path_factory):
+    """A deep copy (objective.reference=initial keeps one) replays through its own routers."""
+    import copy
+
+    branches, masks, weights = FOREST
+    ours, _ = ours_for(checkpoint("qwen3_moe", tmp_path_factory), kind)
+    set_moe_routing(ours, "replay")
+    tree = treelit.TokenTree.from_branches(branches, masks, weights, routed_experts=routing(branches))
+    twin = copy.deepcopy(ours)
+    with torch.no_grad():
+        assert treelit.tree_loss(twin, tree).item() == treelit.tree_loss(ours, tree).item()

@@ -75,28 +75,28 @@ class ReplayBinding:
         self.ctx = None
         self._active: List[_ReplayTopK] = []
         self._handles = []
-        for i, r in enumerate(self.routers):
-            self._handles.append(r.register_forward_pre_hook(self._enter(i)))
-            self._handles.append(r.register_forward_hook(self._exit(i)))
+        for r in self.routers:  # bound methods: a deep copy of the model (a reference policy) copies the binding
+            self._handles.append(r.register_forward_pre_hook(self._enter))
+            self._handles.append(r.register_forward_hook(self._exit))
 
-    def _enter(self, i: int):
-        def hook(module, args):
-            if self.ctx is None:
-                raise RuntimeError("model.moe.routing=replay: a router ran outside treelit's passes (activation "
-                                   "checkpointing recomputes layers outside them; it is refused with replay here)")
-            mode = _ReplayTopK(self.ctx.replay_experts(i, self.k), self.E, self.k)
-            mode.__enter__()
-            self._active.append(mode)
-        return hook
+    def _index(self, module) -> int:
+        return next(i for i, r in enumerate(self.routers) if r is module)
 
-    def _exit(self, i: int):
-        def hook(module, args, output):
-            mode = self._active.pop()
-            mode.__exit__(None, None, None)
-            if mode.hits != 1:
-                raise RuntimeError(f"{type(module).__name__} (MoE layer {i}) made {mode.hits} top-k choices over its "
-                                   f"[tokens, {self.E}] scores, not one: routing replay cannot replace its choice")
-        return hook
+    def _enter(self, module, args):
+        if self.ctx is None:
+            raise RuntimeError("model.moe.routing=replay: a router ran outside treelit's passes (activation "
+                               "checkpointing recomputes layers outside them; it is refused with replay here)")
+        mode = _ReplayTopK(self.ctx.replay_experts(self._index(module), self.k), self.E, self.k)
+        mode.__enter__()
+        self._active.append(mode)
+
+    def _exit(self, module, args, output):
+        mode = self._active.pop()
+        mode.__exit__(None, None, None)
+        if mode.hits != 1:
+            raise RuntimeError(f"{type(module).__name__} (MoE layer {self._index(module)}) made {mode.hits} top-k "
+                               f"choices over its [tokens, {self.E}] scores, not one: routing replay cannot replace "
+                               "its choice")
 
     def unwind(self) -> None:
         """Leave every mode a failed forward left entered (innermost first)."""
