@@ -120,3 +120,38 @@ def test_treelit_list_says_how_a_reward_is_chosen(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "reward  (select with treelit-rollout --reward NAME)" in out and "  even_tokens " in out
+
+
+@pytest.mark.parametrize("engine", ["auto", "treelit"])  # transformers (KV cache), treelit's decoder
+def test_replay_records_the_routing_the_sampler_used(tmp_path, engine):
+    """A policy published under model.moe.routing=replay: each branch carries routed_experts for all
+    its tokens but the last, the experts the published model's router picks for them (recomputed
+    here over the whole branch), and the trainer's checks accept the file."""
+    from treelit.builders.assemble import Limits
+    from treelit.builders.groups import GroupsBuilder
+    from treelit.lightning.data import build_trees
+    from treelit.models.factory import replay_shape, set_moe_routing
+    from treelit.models.moe import route
+    from treelit.tree.routing import decode_routing
+
+    model = tiny_model("qwen3_moe_tiny", torch.float64, vocab_size=16)
+    set_moe_routing(model, "replay")
+    PolicyPublisher(tmp_path / "policy", dtype="float64").publish(model, 0)
+    assert json.loads((tmp_path / "policy" / "latest.json").read_text())["moe_routing"] == "replay"
+    assert run(worker(tmp_path, "--steps", "1", "--dtype", "float64", "--engine", engine)) == 0
+    path = tmp_path / "out" / "step-000000.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    set_moe_routing(model, "live")
+    for br in (b for r in recs for b in r["branches"]):
+        ids = br["input_ids"]
+        got = decode_routing(br["routed_experts"])
+        assert got.shape == (len(ids) - 1, 2, 2)
+        ctx = CausalContext()
+        with torch.no_grad():
+            decoder_hidden(model, torch.tensor([ids]), torch.arange(len(ids))[None], ctx)
+        own = torch.stack([route(ctx.router_logits[i], 2, False)[1].sort(-1).values for i in sorted(ctx.router_logits)], 1)
+        assert (own[:-1].numpy() == got).all()
+    set_moe_routing(model, "replay")
+    trees = build_trees(str(path), GroupsBuilder(advantage="grpo"),
+                        limits=Limits(16, 64, needs={"advantage": True, "old_logprobs": True}, routing=replay_shape(model)))
+    assert trees and all(t.tree.token_routing is not None for t in trees)

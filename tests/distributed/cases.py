@@ -21,6 +21,24 @@ from treelit.objectives import make_objective
 EMPTY = treelit.TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]])
 
 
+def with_routing(trees: List[treelit.TokenTree], shape) -> List[treelit.TokenTree]:
+    """The trees again, each branch with recorded MoE routing ``shape = (layers, k, experts)``
+    drawn as a function of its prefix (routing replay; ``routing_oracle.routing_for``)."""
+    from routing_oracle import routing_for
+
+    out = []
+    for t in trees:
+        branches = t.branches()
+        rec = [routing_for(b, *shape) for b in branches]
+        out.append(treelit.TokenTree.from_branches(
+            branches, [t.loss_mask(b) for b in range(t.num_branches)], t.branch_weight,
+            advantages=t.branch_adv, routed_experts=rec,
+            old_logprobs=None if t.branch_old is None else
+            [[None if np.isnan(v) else float(v) for v in t.branch_old[t.branch_ptr[b]:t.branch_ptr[b + 1]]]
+             for b in range(t.num_branches)]))
+    return out
+
+
 def make_trees(kind: str, n_trees: int = 6, seed: int = 0) -> List[treelit.TokenTree]:
     """Trees of very different sizes (ranks get different shares and partition counts).
     ``kind``: ``sft``, ``rl`` (advantages; old log-probs near the tiny models' own), ``dpo``."""
@@ -61,11 +79,21 @@ def build(spec: Dict[str, Any], dtype):
         from treelit.models.factory import set_router_aux_loss
 
         set_router_aux_loss(model, spec["router_coef"], spec.get("router_definition", "micro_batch"))
+    if spec.get("replay"):  # MoE routing replay: the trees carry routed_experts (with_routing)
+        from treelit.models.factory import set_moe_routing
+
+        set_moe_routing(model, "replay")
     return model
 
 
 def rank_micro_batches(trees, rank: int, world: int, micro_tokens: int):
     """Largest tree first onto the least loaded rank; pack; pad with empty micro-batches."""
+    empty = EMPTY
+    routed = [t.token_routing for t in trees if t.token_routing is not None]
+    if routed:  # routing replay: the padding micro-batches carry a routing too
+        L, k = routed[0].shape[1:]
+        empty = treelit.TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]],
+                                                routed_experts=[np.tile(np.arange(k), (2, L, 1))])
     sizes = [t.to_batch().num_tokens for t in trees]
     shares: List[List[int]] = [[] for _ in range(world)]
     load = [0] * world
@@ -75,7 +103,7 @@ def rank_micro_batches(trees, rank: int, world: int, micro_tokens: int):
         load[r] += sizes[i]
     packed = [treelit.pack_trees([trees[i] for i in sorted(s)], micro_tokens) if s else [] for s in shares]
     n = max(len(p) for p in packed)
-    return packed[rank] + [EMPTY.to_batch() for _ in range(n - len(packed[rank]))]
+    return packed[rank] + [empty.to_batch() for _ in range(n - len(packed[rank]))]
 
 
 def exact_steps(rank: int, world: int, specs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -122,6 +150,8 @@ def exact_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     family, name, agg = spec["family"], spec["objective"], spec.get("aggregation", "token-mean")
     opts = dict(spec.get("options", {}))
     trees = make_trees(spec.get("data", "sft"), spec.get("n_trees", 6), spec.get("seed", 0))
+    if spec.get("replay"):
+        trees = with_routing(trees, spec["replay"])
     micro_tokens = spec.get("micro_tokens", 150)
     model = build(spec, dtype)
     model.activation_checkpointing = bool(spec.get("checkpointing", False))

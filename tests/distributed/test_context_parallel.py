@@ -24,9 +24,10 @@ import treelit
 import treelit.partition.context_parallel as context_parallel
 from float64_mode import KeepFloat64
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad, tiny_model
+from cases import with_routing
 from hf_oracle import random_hf_checkpoint
 from treelit.loss.router import router_normalizer_contribution
-from treelit.models.factory import set_router_aux_loss
+from treelit.models.factory import set_moe_routing, set_router_aux_loss
 from treelit.partition.context_parallel import cp_micro_batch, cp_plan, cp_ranges, token_costs
 
 ONE_TOKEN = ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7], [1, 2, 3, 4, 8, 9], [1, 2, 3, 4, 8, 10], [3, 5]],
@@ -120,7 +121,14 @@ def hf_case(family, tmp_path):
     return f"hf:{path}"
 
 
-def _model(name, window, checkpointing=False, router=None):
+def _batch(forest, objective, replay=False):
+    """The case's row; ``replay``: every branch with recorded MoE routing (qwen3_moe_tiny's 2 MoE
+    layers, top-2 of 8), a function of its prefix."""
+    tree = _tree(forest, _rl(objective))
+    return (with_routing([tree], (2, 2, 8))[0] if replay else tree).to_batch()
+
+
+def _model(name, window, checkpointing=False, router=None, replay=False):
     if name.startswith("hf:"):
         model = treelit.load_hf_model(name[3:], dtype=torch.float64)
     else:
@@ -129,6 +137,8 @@ def _model(name, window, checkpointing=False, router=None):
     model.activation_checkpointing = checkpointing  # recompute each layer (and its exchanges) in the backward
     if router is not None:  # an MoE model's router load-balancing loss: its definition
         set_router_aux_loss(model, ROUTER_COEF, router)
+    if replay:  # MoE routing replay (the row carries routed_experts, see _batch)
+        set_moe_routing(model, "replay")
     return model
 
 
@@ -178,7 +188,7 @@ def _worker(rank, C, port, case, out, wrong=()):
     try:
         name, forest, objective, window, *ckpt = case
         model = _model(name, window, *ckpt)
-        batch = _tree(forest, _rl(objective)).to_batch()
+        batch = _batch(forest, objective, *ckpt[2:])
         obj = _objective(objective)
         Z = obj.norm_contribution(batch, "token-mean")
         # FORK: unit costs put the cut right after the branch token (index 5): both children start rank 1;
@@ -218,7 +228,7 @@ def one_process_result(case):
     from treelit.partition.engine import run_micro_batch
 
     model = _model(name, window, *ckpt)
-    batch = _tree(forest, _rl(objective)).to_batch()
+    batch = _batch(forest, objective, *ckpt[2:])
     obj = _objective(objective)
     with _exact(name):
         res = run_micro_batch(model, obj, batch, aggregation="token-mean",
@@ -297,6 +307,14 @@ def test_context_parallel_objectives_and_degrees(C, forest, objective, tmp_path)
 @pytest.mark.slow
 def test_context_parallel_moe_without_router_loss(tmp_path):
     compare(("qwen3_moe_tiny", ONE_TOKEN, "sft", False), 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_context_parallel_moe_routing_replay(tmp_path):
+    """Routing replay under C = 2 with the router loss on (sequence): each rank's range replays its
+    own tokens' recorded experts; the router loss counts the replayed assignment of both ranges."""
+    got = compare(("qwen3_moe_tiny", ONE_TOKEN, "grpo", False, False, "sequence", True), 2, tmp_path)
+    assert got["metrics"]["router_aux_loss"] > 0
 
 
 def _gate_grads(got):

@@ -55,6 +55,9 @@ TWO = [
     # (``sequence``: the ``micro_batch`` definition depends on how trees are grouped into micro-batches)
     dict(family="qwen3_moe_tiny", objective="grpo", data="rl", rollout=True, router_coef=0.05,
          router_definition="sequence", limits=[45000, 70000], checkpointing=True),
+    # MoE routing replay: every pass routes by the trees' routed_experts (2 MoE layers, top-2 of 8)
+    dict(family="qwen3_moe_tiny", objective="grpo", data="rl", rollout=True, router_coef=0.05,
+         router_definition="sequence", limits=[45000, 70000], replay=(2, 2, 8)),
     dict(mismatch=True),  # last: it leaves a broken process group behind
 ]
 ADAPTER = dict(objective="sft", limits=[50000, 80000], router_coef=0.05,
@@ -138,3 +141,10 @@ def test_four_ranks_equal_one_process():
     res = launch(exact_steps, 4, FOUR[:1], deadline=600)
     check(res[0], FOUR[0], 4)
     assert len(set(res[0]["partitions"])) > 1, res[0]
+
+
+@pytest.mark.slow
+def test_transformers_adapter_with_routing_replay_equals_one_process(adapter_checkpoint):
+    """model=hf_auto with routing replay (hooks on transformers' routers) under FSDP2, router loss on."""
+    spec = dict(ADAPTER, family=f"hf:{adapter_checkpoint}", replay=(2, 2, 4))
+    check(launch(exact_steps, 2, [spec], deadline=600)[0], dict(spec, family="hf_auto qwen3_moe replay"), 2)

@@ -68,12 +68,16 @@ class BuiltTree:
 class Limits:
     """What every tree must satisfy: the model's ``vocab_size`` and ``max_seq_len`` and the
     objective's ``needs`` (:meth:`~treelit.objectives.Objective.data_needs`; None: unknown,
-    every field is kept and nothing is required)."""
+    every field is kept and nothing is required); ``routing``: the MoE routing replay needs
+    (:meth:`~treelit.builders.checks.check_limits`)."""
 
     vocab_size: Optional[int] = None
     max_seq_len: Optional[int] = None
     needs: Optional[Dict[str, bool]] = None
     objective: str = "the objective"
+    # model.moe.routing=replay: (MoE layers, experts, top_k) every branch's routed_experts must fit
+    # (None: the model routes live; with ``needs`` known, recorded routing is then dropped unread)
+    routing: Optional[Tuple[int, int, int]] = None
 
 
 class _Own:
@@ -282,6 +286,8 @@ class Assembler:
         if needs is not None:
             drop = [k for k, need in (("advantage", "advantage"), ("old_logprobs", "old_logprobs"),
                                       ("ref_logprobs", "ref_logprobs")) if not needs.get(need)]
+            if self.limits.routing is None:
+                drop.append("routed_experts")
             for br in branches:
                 for k in drop:
                     br.pop(k, None)

@@ -123,7 +123,7 @@ def build_tree_from_branches(
             raise err
         adv = [b["advantage"] for b in branches]
     lp = {k: ([b.get(k) for b in branches] if any(b.get(k) is not None for b in branches) else None)
-          for k in ("old_logprobs", "ref_logprobs")}
+          for k in ("old_logprobs", "ref_logprobs", "routed_experts")}
     try:
         tree = TokenTree.from_branches(
             [b["input_ids"] for b in branches],
@@ -136,6 +136,7 @@ def build_tree_from_branches(
             ref_logprobs=lp["ref_logprobs"],
             logprob_conflict=logprob_conflict,
             logprob_tol=logprob_tol,
+            routed_experts=lp["routed_experts"],
         )
     except TreeInputError as exc:
         raise DataError(str(exc), branches=exc.branches, detail=exc.detail) from exc
@@ -144,7 +145,8 @@ def build_tree_from_branches(
     tree.source_branches = Branches.build(
         [b["input_ids"] for b in branches], [b.get("loss_mask") for b in branches],
         [1.0 if b.get("weight") is None else b["weight"] for b in branches], advantages=adv,
-        old_logprobs=lp["old_logprobs"], ref_logprobs=lp["ref_logprobs"], branch_fields=fields)
+        old_logprobs=lp["old_logprobs"], ref_logprobs=lp["ref_logprobs"], branch_fields=fields,
+        routed_experts=lp["routed_experts"])
     return BuiltTree(tree_id, tree, source)
 
 

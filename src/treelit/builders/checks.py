@@ -11,6 +11,8 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from treelit.data.records import DataError, finite_number
+from treelit.tree.routing import check_routing_model, check_routing_shape, decode_routing
+from treelit.tree.token_tree import TreeInputError
 
 __all__ = ["check_limits", "check_needs", "check_pairs", "pinned", "lines"]
 
@@ -55,6 +57,25 @@ def check_limits(src: str, branches: List[Dict[str, Any]], limits, tokenizer: An
         if L is not None and len(ids) > L:
             raise DataError(f"{src}: {where}: {len(ids)} tokens, more than the model's max_seq_len {L}; "
                             "raise the model's max_seq_len or truncate the data")
+        if getattr(limits, "routing", None) is not None:
+            check_replay_routing(src, br, limits.routing)
+
+
+def check_replay_routing(src: str, br: Dict[str, Any], routing: Tuple[int, int, int]) -> None:
+    """model.moe.routing=replay: the branch has ``routed_experts`` that fit the model (MoE layers,
+    expert ids, top_k); the decoded array replaces the field (the tree builder reads it)."""
+    field = f"{br['_where']}.routed_experts"
+    if br.get("routed_experts") is None:
+        raise DataError(f"{src}: {field}: model.moe.routing=replay needs the sampler's routing on every branch "
+                        "(or model.moe.routing=live)")
+    layers, experts, top_k = routing
+    try:
+        arr = decode_routing(br["routed_experts"], field)
+        check_routing_shape(arr, len(br["input_ids"]), field)
+        check_routing_model(arr, layers, experts, top_k, field)
+    except TreeInputError as exc:
+        raise DataError(f"{src}: {exc}") from None
+    br["routed_experts"] = arr
 
 
 def _target_without(br: dict, field: str):

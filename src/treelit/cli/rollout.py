@@ -13,7 +13,10 @@ sampler run up to k versions ahead of training. It (re)loads the newest version,
 token's log-prob, scores each completion with the reward (:mod:`treelit.rl.rewards`), and
 writes ``D/step-<i>.jsonl`` (under a temporary name, then renamed): one record per prompt,
 ``{"id", "policy_version", "branches": [{"input_ids", "loss_mask", "old_logprobs", "reward",
-"group"}]}``, the prompt masked out and its log-probs null. Restarted, it continues after
+"group"}]}``, the prompt masked out and its log-probs null. A mixture-of-experts policy published
+by a trainer with ``model.moe.routing=replay`` (``latest.json`` says ``"moe_routing": "replay"``;
+``--record-routing`` forces it) also gets each branch's ``routed_experts``: the experts every MoE
+layer sent each token to while sampling, all tokens but the final one (never run), compact form. Restarted, it continues after
 the files already in ``D`` (consumed or skipped ones included). Prompts: JSONL records
 ``{"id", "input_ids"}`` or ``{"id", "messages"}`` (rendered with the published tokenizer's
 chat template; a bundled file may be named alone); their other fields go to the reward
@@ -21,8 +24,9 @@ function as keywords. A per-step JSON line on stdout says the version, the mean 
 the seconds spent waiting for a version, loading it and sampling.
 
 Hugging Face checkpoints are sampled with transformers (one forward per token, KV cache);
-a checkpoint in treelit's own format (a layer mix no Hugging Face model holds) with
-treelit's decoder, recomputing the prefix for every token (small models only). A LoRA
+a checkpoint in treelit's own format (a layer mix no Hugging Face model holds), or any checkpoint
+with ``--engine treelit``, with treelit's decoder, recomputing the prefix for every token (small
+models only; the trainer's own numerics). A LoRA
 adapter (the trainer's ``publish.lora=adapter``: ``latest.json`` says ``"kind": "lora_adapter"``
 and its ``"base"``, or ``--base DIR``) is sampled as base + adapter: the base checkpoint is
 loaded once, PEFT's LoRA layers are put into it, and each new version's adapter weights are
@@ -108,12 +112,14 @@ def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[s
 class Sampler:
     """The newest published policy, sampled at temperature 1 with per-token log-probs."""
 
-    def __init__(self, publish_dir: str, dtype: str = "float32", base: Optional[str] = None) -> None:
+    def __init__(self, publish_dir: str, dtype: str = "float32", base: Optional[str] = None,
+                 engine: str = "auto") -> None:
         import torch  # cli: treelit-rollout --help pays for no torch
 
         self.dir = Path(publish_dir)
         self.dtype = getattr(torch, dtype)
         self.base_override = base
+        self.engine = engine  # auto: transformers for Hugging Face checkpoints; treelit: treelit's decoder
         self.version: Optional[int] = None
         self.path: Optional[Path] = None
         self.tokenizer_dir: Optional[Path] = None  # the published checkpoint, or an adapter's base
@@ -135,7 +141,7 @@ class Sampler:
             path = config = Path(latest["path"])
             verify(path, f"published version {latest['version']}")
             cfg = json.loads((path / "config.json").read_text())
-            self.native = cfg.get("model_type") == "treelit"
+            self.native = cfg.get("model_type") == "treelit" or self.engine == "treelit"
             if self.native:
                 import treelit
 
@@ -155,8 +161,11 @@ class Sampler:
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
         from treelit.models.hf_kernels import no_hub_kernels  # as above
 
+        kw = no_hub_kernels()
+        if json.loads((Path(path) / "config.json").read_text()).get("num_experts_per_tok"):
+            kw["experts_implementation"] = "eager"  # MoE: grouped_mm has no float64 / CPU-portable kernel
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, trust_remote_code=False,
-                                                    local_files_only=True, **no_hub_kernels()).eval()
+                                                    local_files_only=True, **kw).eval()
 
     def _load_adapter(self, latest: Dict[str, Any]) -> Tuple[Path, Path]:
         """Base + the published adapter; returns (the adapter folder, the base checkpoint)."""
@@ -233,6 +242,48 @@ class Sampler:
         with torch.no_grad():
             return self._next_logits(ids, past)
 
+    # routing (MoE models, recorded for routing replay) ---------------------------------------------
+    def start_routing(self) -> None:
+        """Record, from now on, the experts every MoE layer sends each token it runs to."""
+        self._routing_steps: List[Any] = []  # per forward: [rows, new tokens, MoE layers, k]
+        if self.native:
+            return
+        from treelit.models.hf_replay import router_modules  # torch: only when routing is recorded
+
+        routers = router_modules(self.model)
+        if not routers:
+            raise ValueError(f"{self.path}: --record-routing: the model has no mixture-of-experts routers")
+        self._captured: List[Any] = []
+
+        def hook(module, args, output):
+            self._captured.append(next(o for o in output if hasattr(o, "dtype") and not o.is_floating_point()))
+
+        self._hooks = [r.register_forward_hook(hook) for r in routers]
+
+    def stop_routing(self) -> None:
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+
+    def _record_routing(self, rows: int, new: int, ctx=None) -> None:
+        import torch  # cli: treelit-rollout --help pays for no torch
+
+        if ctx is not None:  # treelit's decoder: router logits of every position, this step's last `new`
+            from treelit.models.moe import route
+
+            k = int(self.model.config.moe["top_k"])
+            per = [route(ctx.router_logits[i], k, False)[1] for i in sorted(ctx.router_logits)]
+        else:
+            per, self._captured = self._captured, []
+        layers = [x.reshape(rows, -1, x.shape[-1])[:, -new:] for x in per]
+        self._routing_steps.append(torch.stack(layers, 2).cpu())
+
+    def routing(self):
+        """``[rows, tokens run, MoE layers, k]`` recorded since :meth:`start_routing`."""
+        import torch  # cli: treelit-rollout --help pays for no torch
+
+        return torch.cat(self._routing_steps, 1).numpy()
+
     def _next_logits(self, ids, past):
         if self.native:
             import torch  # cli: treelit-rollout --help pays for no torch
@@ -241,15 +292,37 @@ class Sampler:
             from treelit.models.decoder import decoder_hidden, output_weight
 
             pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-            h = decoder_hidden(self.model, ids, pos, CausalContext())
-            return (h[:, -1] @ output_weight(self.model).t()), None
+            ctx = CausalContext()
+            h = decoder_hidden(self.model, ids, pos, ctx)
+            if getattr(self, "_routing_steps", None) is not None:
+                self._record_routing(ids.shape[0], ids.shape[1] if past is None else 1, ctx)
+            return (h[:, -1] @ output_weight(self.model).t()), True
         # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` before)
         name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         out = self.model(input_ids=ids if past is None else ids[:, -1:], use_cache=True, **{name: past})
+        if getattr(self, "_routing_steps", None) is not None:
+            self._record_routing(ids.shape[0], ids.shape[1] if past is None else 1)
         return out.logits[:, -1], (out.cache if hasattr(out, "cache") else out.past_key_values)
 
-    def sample(self, prompt: List[int], n: int, max_new_tokens: int, generator) -> List[Tuple[List[int], List[float]]]:
-        """``n`` completions of ``prompt``: (token ids, their log-probs), each cut after EOS."""
+    def sample(self, prompt: List[int], n: int, max_new_tokens: int, generator,
+               record_routing: bool = False) -> List[Tuple[List[int], List[float], Any]]:
+        """``n`` completions of ``prompt``: (token ids, their log-probs, the routing or None), each
+        cut after EOS. ``record_routing``: the experts each MoE layer sent each token it ran to,
+        ``[len(prompt) + len(completion) - 1, MoE layers, k]`` (the final token is never run)."""
+        import torch  # cli: treelit-rollout --help pays for no torch
+
+        if record_routing:
+            self.start_routing()
+        try:
+            out = self._sample(prompt, n, max_new_tokens, generator)
+            routing = self.routing() if record_routing else None
+        finally:
+            self.stop_routing()
+            self._routing_steps = None
+        return [(t, lp, None if routing is None else routing[i, : len(prompt) + len(t) - 1])
+                for i, (t, lp) in enumerate(out)]
+
+    def _sample(self, prompt: List[int], n: int, max_new_tokens: int, generator) -> List[Tuple[List[int], List[float]]]:
         import torch  # cli: treelit-rollout --help pays for no torch
 
         ids = torch.tensor([prompt] * n)
@@ -297,6 +370,12 @@ def _args(argv):
     p.add_argument("--poll-s", type=float, default=0.1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--base", default=None, help="a LoRA adapter's base checkpoint (default: latest.json's)")
+    p.add_argument("--engine", default="auto", choices=["auto", "treelit"],
+                   help="auto: transformers for Hugging Face checkpoints (KV cache); treelit: treelit's own decoder "
+                        "for any checkpoint it loads (the trainer's numerics; recomputes the prefix: small models)")
+    p.add_argument("--record-routing", action="store_true",
+                   help="write each branch's routed_experts (MoE models; on by itself when the trainer "
+                        "publishes with model.moe.routing=replay)")
     a = p.parse_args(argv)
     for name in ("n", "max_new_tokens", "steps", "versions_per_step"):
         if getattr(a, name) < 1:
@@ -310,12 +389,13 @@ def run(a) -> int:
     import torch  # cli: treelit-rollout --help pays for no torch
 
     from treelit.rl.rewards import resolve_reward
+    from treelit.tree.routing import encode_routing
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     reward = resolve_reward(a.reward)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    sampler = Sampler(a.publish_dir, a.dtype, a.base)
+    sampler = Sampler(a.publish_dir, a.dtype, a.base, a.engine)
     prompts = None
     start = next_step(out)
     for i in range(start, a.steps):
@@ -344,11 +424,14 @@ def run(a) -> int:
             fields = {k: v for k, v in rec.items() if k != "id"}
             key = f"{pid}@{i}"
             branches = []
-            for comp, lps in sampler.sample(prompt, a.n, a.max_new_tokens, gen):
+            record = a.record_routing or latest.get("moe_routing") == "replay"
+            for comp, lps, routed in sampler.sample(prompt, a.n, a.max_new_tokens, gen, record_routing=record):
                 r = float(reward(prompt_ids=list(prompt), completion_ids=comp, **fields))
                 rewards.append(r)
                 branches.append({"input_ids": prompt + comp, "loss_mask": [0] * len(prompt) + [1] * len(comp),
                                  "old_logprobs": [None] * len(prompt) + lps, "reward": r, "group": key})
+                if routed is not None:
+                    branches[-1]["routed_experts"] = encode_routing(routed)
             records.append({"id": key, "policy_version": sampler.version, "branches": branches})
         name = f"step-{i:06d}.jsonl"
         tmp = out / f".{name}.tmp"

@@ -11,7 +11,8 @@ Token-level format, one record per tree::
          "reward": 1.0, "advantage": 0.5,      # optional: RL fields (numbers)
          "old_logprobs": [...], "ref_logprobs": [...],  # optional: one per token (or null)
          "token_rewards": [...],               # optional: a reward per token (GAE with a critic)
-         "pair": 0, "chosen": true}            # optional: DPO pairs
+         "pair": 0, "chosen": true,            # optional: DPO pairs
+         "routed_experts": {...}}              # optional: recorded MoE routing (treelit.tree.routing)
      ]}
 
 Chat-format records (``messages`` instead of ``input_ids``) are read the same way and
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from treelit.data.limits import ReadLimits, ReadMemoryError, branch_count, out_of_memory, skip_blank_lines, skip_line
+from treelit.tree.routing import check_routing_shape, decode_routing
 from treelit.tree.token_tree import TreeInputError
 
 __all__ = [
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
 MAX_TOKEN_ID = 2**63 - 1
 BRANCH_KEYS = ("input_ids", "loss_mask", "weight", "group", "reward", "advantage", "old_logprobs", "ref_logprobs",
-               "pair", "chosen", "token_rewards")
+               "pair", "chosen", "token_rewards", "routed_experts")
 
 
 class DataError(TreeInputError):
@@ -196,6 +198,12 @@ def validate_token_record(rec: Any, source: str) -> None:
             for i, v in enumerate(lp):
                 if v is not None and not (finite_number(v) and v <= 0):
                     raise DataError(f"{where}.{key}[{i}]: must be a finite log-prob <= 0 or null, got {_show(v)}")
+        if br.get("routed_experts") is not None:
+            try:
+                check_routing_shape(decode_routing(br["routed_experts"], f"{where}.routed_experts"), len(ids),
+                                    f"{where}.routed_experts")
+            except TreeInputError as exc:
+                raise DataError(str(exc)) from None
 
 
 # reading -----------------------------------------------------------------------------------------

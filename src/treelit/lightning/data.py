@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -189,6 +189,11 @@ def conform_batches(batches: List[TreeBatch]) -> List[TreeBatch]:
                 else:
                     val = torch.full((F if name.startswith("branch_") else N,), float("nan"), dtype=torch.float64)
                 setattr(b, name, val)
+    routed = [b.token_routing for b in batches if b.token_routing is not None]
+    if routed:  # tokens of trees without a record route live (-1)
+        for b in batches:
+            if b.token_routing is None:
+                b.token_routing = torch.full((b.num_tokens, *routed[0].shape[1:]), -1, dtype=torch.long)
     return batches
 
 
@@ -292,13 +297,14 @@ class TreeDataModule(pl.LightningDataModule):
             n = self.read_stats.skipped
             log.warning("%s: skipped %d malformed record%s (data.on_error=skip)", self.train_path, n, "s" if n != 1 else "")
 
-    def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None) -> None:
+    def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None,
+                      routing: Optional[Tuple[int, int, int]] = None) -> None:
         """Build the trees checked against the model (vocabulary, context length) and what
         ``objective`` reads from the data, so that anything the first step would trip on fails
         here, before training, naming the record (``on_error=skip``: skipped and counted)."""
         limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
                         None if objective is None else objective.data_needs(),
-                        "the objective" if objective is None else f"objective={objective.name}")
+                        "the objective" if objective is None else f"objective={objective.name}", routing)
         if limits != self.limits:
             self.limits = limits
             self.trees = []

@@ -42,6 +42,7 @@ from treelit.lightning.planner import MemoryPlanner
 from treelit.loss.linear import linear_branch_logprobs
 from treelit.loss.router import router_aux, router_normalizer_contribution
 from treelit.loss.tree import sft_tree_loss, tree_token_logprobs
+from treelit.models.factory import replay_shape
 from treelit.models.lora import check_lora_mode, check_reference, lora_of, trainable_state_dict
 from treelit.objectives.base import Objective
 from treelit.objectives.behavior import split_behavior
@@ -320,6 +321,7 @@ class TreeLitModule(pl.LightningModule):
         kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
         if not mb.num_targets and (mode or self.mode) == "tree":
             # a padding micro-batch: one pass through the model (the other ranks' collectives), loss 0
+            mb = self._unrouted(mb)
             loss = sft_tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0)
             if self.critic is not None:  # ... and through the critic (its sharded parts are collectives too)
                 loss = loss + 0.0 * critic_padding_pass(self.critic, self.model, mb, self.attention)
@@ -355,7 +357,7 @@ class TreeLitModule(pl.LightningModule):
                 if br is not None:
                     split_behavior(br)
             if self.mode == "linear" and br is not None:
-                lps, _ = linear_branch_logprobs(self.model, br.tokens, chunk_rows=self.chunk_rows)
+                lps, _ = linear_branch_logprobs(self.model, br.tokens, chunk_rows=self.chunk_rows, routing=br.routing)
                 br.old = [np.concatenate([[np.nan], lp.double().cpu().numpy()]) for lp in lps]
                 flat = torch.from_numpy(np.concatenate(br.old)).to(mb.device)
                 mb.branch_old_logp = flat
@@ -715,7 +717,14 @@ class TreeLitModule(pl.LightningModule):
         if not (comm.distributed and self._fsdp()):
             return list(micro_batches)
         n = int(comm.max(len(micro_batches)))
-        return list(micro_batches) + [empty_row(self.device) for _ in range(n - len(micro_batches))]
+        return list(micro_batches) + [self._unrouted(empty_row(self.device)) for _ in range(n - len(micro_batches))]
+
+    def _unrouted(self, mb):
+        """A padding pass under MoE routing replay: an empty record (its tokens route live)."""
+        shape = replay_shape(self.model)
+        if shape is not None and mb.token_routing is None:
+            mb.token_routing = torch.full((mb.num_tokens, shape[0], shape[2]), -1, dtype=torch.long, device=mb.device)
+        return mb
 
     def _reward_metrics(self, batch: StepBatch) -> Dict[str, float]:
         """``reward/mean``, ``reward/min``, ``reward/max`` of the step's branches that carry a reward,

@@ -12,7 +12,9 @@ without LoRA. ``lora="adapter"`` publishes only the adapter, as the PEFT folder
 (``adapter_config.json``, ``adapter_model.safetensors``) that vLLM, SGLang and
 ``peft.PeftModel.from_pretrained(base, DIR)`` load onto the base checkpoint; ``latest.json``
 then also says ``"kind": "lora_adapter"`` and ``"base"`` (the base checkpoint), so a sampler
-loads the base once and each new adapter onto it.
+loads the base once and each new adapter onto it. A mixture-of-experts policy trained with
+``model.moe.routing=replay`` adds ``"moe_routing": "replay"``: samplers should then return the
+experts they route each token to (``routed_experts``; ``treelit-rollout`` records them).
 Version 0 is the initial weights, published before the first step; version N the weights
 after optimizer step N. Samplers poll ``latest.json`` (``treelit-rollout`` does) or are told
 by an HTTP hook (SGLang's ``/update_weights_from_disk``, a vLLM server route taking
@@ -64,6 +66,7 @@ import torch
 from omegaconf import OmegaConf
 
 from treelit.lightning.faults import hold_launched_ranks
+from treelit.models.factory import replay_shape
 from treelit.models.hf import save_hf_checkpoint
 from treelit.models.lora import is_lora_key, lora_of, merged_state_dict, save_adapter
 from treelit.utils.integrity import FULL, WriteFailed, disk_full, fmt_bytes, remove_path, write_manifest
@@ -431,8 +434,10 @@ class PolicyPublisher:
             return Published(version, None, time.perf_counter() - t0, 0, 0)
         final = self._write(model, sd, version, step)
         del sd
-        self._point_latest(version, final, {"kind": ADAPTER_KIND, "base": self._base(model)}
-                           if self._adapter(model) else None)
+        extra = {"kind": ADAPTER_KIND, "base": self._base(model)} if self._adapter(model) else {}
+        if replay_shape(model) is not None:  # samplers record the routing they use (treelit-rollout does)
+            extra["moe_routing"] = "replay"
+        self._point_latest(version, final, extra or None)
         self._prune()
         size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
         failures = 0

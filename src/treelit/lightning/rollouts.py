@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -137,11 +137,12 @@ class RolloutDirDataModule(pl.LightningDataModule):
             self.rank, self.world = data_parallel_rank(trainer)  # (context parallelism: per group)
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None) -> None:
+    def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None,
+                      routing: Optional[Tuple[int, int, int]] = None) -> None:
         """Records are checked against the model and the objective as each file arrives."""
         self.limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
                              None if objective is None else objective.data_needs(),
-                             "the objective" if objective is None else f"objective={objective.name}")
+                             "the objective" if objective is None else f"objective={objective.name}", routing)
         self.setup()
 
     def stats(self) -> Dict[str, Any]:

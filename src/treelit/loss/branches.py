@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from treelit.tree.batch import check_aggregation
+from treelit.tree.routing import check_routing_shape, decode_routing
 from treelit.tree.token_tree import TreeInputError, _as_mask_array, _as_token_array
 
 __all__ = ["Branches", "as_branches"]
@@ -41,6 +42,28 @@ def _per_token(values, lengths: Sequence[int], what: str) -> Optional[List[np.nd
     return out
 
 
+def _routing(values, lengths: Sequence[int]) -> Optional[List[np.ndarray]]:
+    """Per-branch ``[L_b, layers, k]`` routing, rows not recorded (None branches, a missing final
+    token) filled with -1; None when no branch has any."""
+    if values is None or all(v is None for v in values):
+        return None
+    if len(values) != len(lengths):
+        raise TreeInputError(f"got {len(values)} routed_experts for {len(lengths)} branches")
+    arrs = [None if v is None else decode_routing(v, f"branch {b}: routed_experts") for b, v in enumerate(values)]
+    shape = next(a.shape[1:] for a in arrs if a is not None)
+    out = []
+    for b, (a, n) in enumerate(zip(arrs, lengths)):
+        full = np.full((n, *shape), -1, dtype=np.int64)
+        if a is not None:
+            check_routing_shape(a, n, f"branch {b}: routed_experts")
+            if a.shape[1:] != shape:
+                raise TreeInputError(f"branch {b}: routed_experts has {a.shape[1]} MoE layers x {a.shape[2]} experts "
+                                     f"per token, another branch {shape[0]} x {shape[1]}")
+            full[: a.shape[0]] = a
+        out.append(full)
+    return out
+
+
 @dataclass
 class Branches:
     """Validated branches. ``masks[b]`` is the target mask (position 0 cleared: nothing predicts
@@ -60,10 +83,12 @@ class Branches:
     fields: Dict[str, List[Any]] = field(default_factory=dict)
     scope: Optional[np.ndarray] = None
     behav: Optional[List[np.ndarray]] = None  # the sampler's log-probs when ``old`` holds the proximal ones
+    # recorded MoE routing per branch, [L_b, layers, k] (-1 rows: not recorded, routed live), or None
+    routing: Optional[List[np.ndarray]] = None
 
     @classmethod
     def build(cls, branches, loss_masks=None, weights=None, *, advantages=None, old_logprobs=None,
-              ref_logprobs=None, branch_fields=None, scope=None) -> "Branches":
+              ref_logprobs=None, branch_fields=None, scope=None, routed_experts=None) -> "Branches":
         if len(branches) == 0:
             raise TreeInputError("need at least one branch")
         toks = [_as_token_array(b, i, "") for i, b in enumerate(branches)]
@@ -97,7 +122,8 @@ class Branches:
                 raise TreeInputError(f"branch field {k!r} has {len(v)} values for {len(toks)} branches")
         sc = np.zeros(len(toks), dtype=np.int64) if scope is None else np.asarray(scope, dtype=np.int64)
         return cls(toks, masks, w, n, adv, _per_token(old_logprobs, lengths, "old log-probs"),
-                   _per_token(ref_logprobs, lengths, "reference log-probs"), fields, sc)
+                   _per_token(ref_logprobs, lengths, "reference log-probs"), fields, sc,
+                   routing=_routing(routed_experts, lengths))
 
     @classmethod
     def concat(cls, parts: Sequence["Branches"]) -> "Branches":
@@ -119,9 +145,14 @@ class Branches:
             s = p.scope if p.scope is not None else np.zeros(len(p.tokens), dtype=np.int64)
             scope.append(s + offset)
             offset += int(s.max()) + 1 if len(s) else 0
+        routing = None
+        shape = next((p.routing[0].shape[1:] for p in parts if p.routing is not None), None)
+        if shape is not None:
+            routing = [r for p in parts for r in (p.routing if p.routing is not None else
+                                                  [np.full((len(t), *shape), -1, dtype=np.int64) for t in p.tokens])]
         return cls([t for p in parts for t in p.tokens], [m for p in parts for m in p.masks],
                    np.concatenate([p.weights for p in parts]), np.concatenate([p.n for p in parts]), adv,
-                   cat_opt("old"), cat_opt("ref"), fields, np.concatenate(scope), cat_opt("behav"))
+                   cat_opt("old"), cat_opt("ref"), fields, np.concatenate(scope), cat_opt("behav"), routing)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -209,4 +240,8 @@ def as_branches(x) -> Branches:
     )
     out.old, out.ref = per_token(x.branch_old_logp), per_token(x.branch_ref_logp)
     out.behav = per_token(getattr(x, "branch_behav_logp", None))
+    routing = getattr(x, "token_routing", None)
+    if routing is not None:  # each branch reads its tokens' (merged) routing
+        r = routing.cpu().numpy()[x.branch_tokens.cpu().numpy()]
+        out.routing = [r[s] for s in span]
     return out

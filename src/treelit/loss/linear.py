@@ -55,9 +55,10 @@ def _group_loss(model, lb: LinearBranches, idx: List[int], coef: np.ndarray, chu
     ids, tmask, c = ids.to(device), tmask.to(device), c.to(device)
     pos = torch.arange(L, device=device).expand(len(idx), L)
     lengths = torch.tensor([len(lb.tokens[i]) for i in idx], device=device)
+    routing = padded_routing(lb.routing, idx, L, device)
 
     def run(m):
-        h = decoder_hidden(m, ids, pos, CausalContext(lengths))
+        h = decoder_hidden(m, ids, pos, CausalContext(lengths, routing))
         rows, cols = torch.nonzero(tmask, as_tuple=True)
         return weighted_nll(h[rows, cols - 1], output_weight(m), ids[rows, cols], c[rows, cols].to(h.dtype), chunk_rows=chunk_rows)
 
@@ -80,9 +81,22 @@ def sft_linear_loss(model, branches: Branches, aggregation: str = "token-mean", 
     return total
 
 
-def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_tokens: int = 8192, chunk_rows=None):
+def padded_routing(routing, idx: List[int], L: int, device) -> Optional[torch.Tensor]:
+    """``[rows, L, layers, k]`` recorded routing of branches ``idx`` (right-padded with -1), or None."""
+    if routing is None:
+        return None
+    shape = routing[idx[0]].shape[1:]
+    out = torch.full((len(idx), L, *shape), -1, dtype=torch.long)
+    for r, i in enumerate(idx):
+        out[r, : len(routing[i])] = torch.from_numpy(routing[i])
+    return out.to(device)
+
+
+def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_tokens: int = 8192, chunk_rows=None,
+                           routing=None):
     """Per branch (run as its own causal sequence), the log-prob of each token from position 1
-    on, and optionally the entropy of each predicting distribution: lists of ``[L_b - 1]``."""
+    on, and optionally the entropy of each predicting distribution: lists of ``[L_b - 1]``.
+    ``routing``: per-branch recorded MoE routing (``Branches.routing``) for routing replay."""
     toks = [np.asarray(b, dtype=np.int64) for b in branches]
     device = next(model.parameters()).device
     logps: List[torch.Tensor] = [None] * len(toks)  # type: ignore[list-item]
@@ -95,9 +109,10 @@ def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_t
         ids = ids.to(device)
         pos = torch.arange(L, device=device).expand(len(idx), L)
         lengths = torch.tensor([len(toks[i]) for i in idx], device=device)
+        rows = padded_routing(routing, idx, L, device)
 
-        def run(m):
-            h = decoder_hidden(m, ids, pos, CausalContext(lengths))
+        def run(m, rows=rows):
+            h = decoder_hidden(m, ids, pos, CausalContext(lengths, rows))
             return [
                 token_logprobs(h[r, : len(toks[i]) - 1], output_weight(m), ids[r, 1 : len(toks[i])],
                                chunk_rows=chunk_rows, with_entropy=with_entropy)

@@ -15,6 +15,11 @@ would change it. Two definitions, each equal on a tree to the per-branch computa
 * ``sequence``: each branch's own balance loss on its own tokens, averaged over branches
   (``f_{b,e}``, ``P_{b,e}`` are sums along the branch's path).
 
+Under routing replay (``moe.routing=replay``) ``m_e(t)`` indicates the *replayed* experts of
+token t (the recorded ones; the live top-k where none was recorded), and ``p_e(t)`` stays the
+current router's softmax: the loss then balances the assignment the policy is trained on,
+and its gradient still reaches the router through P.
+
 The indicators carry no gradient, so given the counts F the loss is linear in the
 probabilities: ``aux = sum_t sum_e G(t, e) sum_layers p_e(t)`` with a per-token weight G
 (micro_batch: ``E F_e c(t) / C^2``; sequence: ``sum over branches b through t of
@@ -103,12 +108,17 @@ def _routing(ctx, top_k: int, rows=None):
     ids = sorted(ctx.router_logits)
     probs = counts = None
     per_layer = []
+    replayed = getattr(ctx, "router_experts", {})
     for k in ids:
         x = ctx.router_logits[k]
         p = torch.softmax(x.to(router_dtype(x.dtype)), dim=-1)
         if rows is not None:
             p = p.index_select(0, rows)
         _, idx = torch.topk(p.detach(), top_k, dim=-1)
+        if k in replayed:  # routing replay: the indicators of the experts the tokens were sent to
+            r = replayed[k].to(idx.device)
+            r = r if rows is None else r.index_select(0, rows)
+            idx = torch.where(r[:, :1] >= 0, r, idx)
         m = torch.zeros(p.shape, dtype=torch.float64, device=p.device).scatter_(1, idx, 1.0)
         per_layer.append(m)
         probs = p if probs is None else probs + p

@@ -57,8 +57,10 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "mlp_only_layers": [],  # ... except these, which keep a dense MLP
     "router_aux_loss_coef": 0.0,  # > 0: add coef x load-balancing loss to the training loss
     "router_aux_loss": "micro_batch",  # micro_batch | sequence
+    "routing": "live",  # live (the router's top-k) | replay (the sampler's recorded experts)
 }
 AUX_DEFINITIONS = ("micro_batch", "sequence")
+ROUTING_MODES = ("live", "replay")
 
 
 def check_rope_scaling(scaling: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -172,6 +174,8 @@ class DecoderConfig:
                 raise ValueError(f"moe router_aux_loss must be one of {AUX_DEFINITIONS}, got {m['router_aux_loss']!r}")
             if float(m["router_aux_loss_coef"]) < 0:
                 raise ValueError("moe router_aux_loss_coef must be >= 0")
+            if m["routing"] not in ROUTING_MODES:
+                raise ValueError(f"moe routing must be one of {ROUTING_MODES}, got {m['routing']!r}")
 
     @property
     def rope_style(self) -> str:

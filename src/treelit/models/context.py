@@ -31,12 +31,31 @@ __all__ = ["CausalContext", "TreeContext", "TreeLayout", "ExternalKV"]
 
 
 class _RouterRecord:
-    """Router logits of the mixture-of-experts layers of one forward pass: layer -> ``[T, E]``."""
+    """Router logits of the mixture-of-experts layers of one forward pass: layer -> ``[T, E]``
+    (and, under routing replay, the experts each token was sent to: layer -> ``[T, k]``)."""
 
-    def record_router(self, layer: int, logits: torch.Tensor) -> None:
+    routing: Optional[torch.Tensor] = None  # [T, L_moe, k] recorded experts of the pass's rows (-1: none)
+
+    def record_router(self, layer: int, logits: torch.Tensor, experts: Optional[torch.Tensor] = None) -> None:
         if not hasattr(self, "router_logits"):
             self.router_logits: Dict[int, torch.Tensor] = {}
         self.router_logits[layer] = logits  # a recomputation (activation checkpointing) overwrites
+        if experts is not None:
+            if not hasattr(self, "router_experts"):
+                self.router_experts: Dict[int, torch.Tensor] = {}
+            self.router_experts[layer] = experts
+
+    def replay_experts(self, moe_index: int, top_k: int) -> torch.Tensor:
+        """The recorded experts ``[T, k]`` of MoE layer ``moe_index`` (the ``moe_index``-th MoE
+        layer) for the pass's rows; rows of -1 were not recorded (those tokens route live)."""
+        r = self.routing
+        if r is None:
+            raise ValueError("model.moe.routing=replay, but this pass has no recorded routing: give every branch "
+                             "its routed_experts (or set model.moe.routing=live)")
+        if moe_index >= r.shape[1] or r.shape[2] != top_k:
+            raise ValueError(f"the recorded routing covers {r.shape[1]} MoE layers with {r.shape[2]} experts per "
+                             f"token; the model routes MoE layer {moe_index} to top_k={top_k}")
+        return r[:, moe_index]
 
 
 class _RecurrentInputs:
@@ -67,8 +86,10 @@ class CausalContext(_RouterRecord, _RecurrentInputs):
 
     kind = "causal"
 
-    def __init__(self, lengths: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, lengths: Optional[torch.Tensor] = None, routing: Optional[torch.Tensor] = None) -> None:
         self.lengths = lengths  # [B] real lengths (for recurrent layers); None = no padding
+        # [B, L, L_moe, k] recorded experts per row and position (-1: none, padding included)
+        self.routing = None if routing is None else routing.reshape(-1, *routing.shape[2:])
         self._layouts: Dict[tuple, Any] = {}
         self.router_logits: Dict[int, torch.Tensor] = {}
 
@@ -183,6 +204,7 @@ class TreeContext(_RouterRecord, _RecurrentInputs):
         capture_tokens: Optional[Any] = None,
     ):
         self.batch = batch
+        self.routing = batch.token_routing  # [N, L_moe, k] recorded experts (routing replay), or None
         self.capture_tokens = capture_tokens  # tokens whose recurrent state/conv context to return
         self._layouts: Dict[int, Any] = {}
         self.backend = backend

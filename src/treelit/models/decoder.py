@@ -164,7 +164,8 @@ def _attention_layer(c: DecoderConfig, rope: nn.Module, index: int) -> Transform
     if c.is_moe_layer(index):
         m = c.moe
         mlp = MoEFeedForward(c.embed_dim, int(m["intermediate_dim"]), int(m["num_experts"]), int(m["top_k"]),
-                             bool(m["norm_topk_prob"]))
+                             bool(m["norm_topk_prob"]), moe_index=sum(c.is_moe_layer(j) for j in range(index)),
+                             replay=m.get("routing") == "replay")
     else:
         mlp = FeedForward(
             gate_proj=nn.Linear(c.embed_dim, c.intermediate_dim, bias=False),
@@ -324,8 +325,9 @@ def _layer_forward(layer: nn.Module, i: int, position_ids: torch.Tensor, ctx, h:
         h = h + layer.sa_scale(a)
         x = rms_norm(layer.mlp_norm, h)
         if isinstance(layer.mlp, MoEFeedForward):  # the router loss reads the logits from ctx
-            m, logits = layer.mlp.route(x)
-            ctx.record_router(i, logits)
+            replay = ctx.replay_experts(layer.mlp.moe_index, layer.mlp.top_k) if layer.mlp.replay else None
+            m, logits = layer.mlp.route(x, replay)
+            ctx.record_router(i, logits, replay)
             return h + layer.mlp_scale(m)
         return h + layer.mlp_scale(_mlp(layer.mlp, x, mlp_block))
     raise TypeError(f"layer {i} ({type(layer).__name__}) cannot run in tree mode")

@@ -46,11 +46,12 @@ from torch import nn
 from treelit.models.config import LENGTH_DEPENDENT_ROPE
 from treelit.models.context import CausalContext
 from treelit.models.errors import CheckpointError
-from treelit.models.factory import parse_dtype, set_router_aux_loss
+from treelit.models.factory import moe_routing, parse_dtype, set_moe_routing, set_router_aux_loss
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
 from treelit.models.lora import apply_lora, lora_options
+from treelit.models.hf_replay import ReplayBinding
 from treelit.models.moe import record_pass
 
 __all__ = ["ATTENTION_NAME", "HFTreeModel", "load_hf_model", "make_hf_model", "check_adapter_config"]
@@ -174,7 +175,7 @@ def _moe_options(cfg) -> Dict[str, Any]:
     coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
     return {"num_experts": int(E), "top_k": int(k),
             "router_aux_loss_coef": coef if getattr(cfg, "output_router_logits", False) else 0.0,
-            "router_aux_loss": "micro_batch"}
+            "router_aux_loss": "micro_batch", "routing": "live"}
 
 
 def bias_routed(hf_model: nn.Module) -> Optional[str]:
@@ -219,6 +220,16 @@ class HFTreeModel(nn.Module):
         self._router_refusal = bias_routed(hf_model) if self.config.moe else None
         # the layers bind_tree_kernels bound (checked before each tree forward: still bound?)
         self._bound_layers = [m for m in hf_model.modules() if hasattr(m, "_treelit_forward")]
+        self._replay: Optional[ReplayBinding] = None  # moe.routing=replay: hooks on the routers
+
+    def set_routing(self, routing: str) -> None:
+        """``live`` (the routers' own top-k) or ``replay`` (each pass's recorded experts)."""
+        if routing == "replay" and self._replay is None:
+            self._replay = ReplayBinding(self.hf, self.config.moe["num_experts"], self.config.moe["top_k"])
+        elif routing == "live" and self._replay is not None:
+            self._replay.remove()
+            self._replay = None
+        self.config.moe["routing"] = routing
 
     @property
     def base(self) -> nn.Module:
@@ -259,12 +270,24 @@ class HFTreeModel(nn.Module):
                              f"{self._router_refusal}")
         check_bound(self._bound_layers)
         kw = {"output_router_logits": True} if self.config.moe else {}
-        out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                        attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)
+        replay = self._replay
+        if replay is not None:
+            if self.activation_checkpointing:
+                raise ValueError("model.moe.routing=replay with model.activation_checkpointing=true is not supported "
+                                 "on model=hf_auto (transformers recomputes its layers outside treelit's passes)")
+            replay.ctx = ctx
+        try:
+            out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                            attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)
+        finally:
+            if replay is not None:
+                replay.unwind()
+                replay.ctx = None
         logits = getattr(out, "router_logits", None)
         if self.config.moe and logits:
+            k = self.config.moe["top_k"]
             for i, x in enumerate(logits):
-                ctx.record_router(i, x)
+                ctx.record_router(i, x, ctx.replay_experts(i, k) if replay is not None else None)
             record_pass(self, ctx)
         if self._head_scale != 1.0:  # logits = lm_head(h) * scale, and the head is linear without bias
             return out.last_hidden_state * self._head_scale
@@ -358,9 +381,10 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 
 def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
                   router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False,
-                  lora: Optional[Dict[str, Any]] = None) -> HFTreeModel:
+                  lora: Optional[Dict[str, Any]] = None, moe: Optional[Dict[str, Any]] = None) -> HFTreeModel:
     """The ``model=hf_auto`` config option (``activation_checkpointing``: transformers' own,
-    per layer, non-reentrant; ``lora``: PEFT LoRA adapters, :mod:`treelit.models.lora`)."""
+    per layer, non-reentrant; ``lora``: PEFT LoRA adapters, :mod:`treelit.models.lora`;
+    ``moe.routing``: ``live`` or ``replay``, see :func:`treelit.models.factory.set_moe_routing`)."""
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
     opts = lora_options(lora)  # bad options fail before the weights load
@@ -369,4 +393,8 @@ def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_co
     if model._router_refusal and model.config.moe.get("router_aux_loss_coef", 0.0) > 0:
         raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")
     model.activation_checkpointing = bool(activation_checkpointing)
+    set_moe_routing(model, moe_routing(moe))
+    if model.config.moe.get("routing") == "replay" and model.activation_checkpointing:
+        raise ValueError("model.moe.routing=replay with model.activation_checkpointing=true is not supported on "
+                         "model=hf_auto (transformers recomputes its layers outside treelit's passes)")
     return apply_lora(model, opts)

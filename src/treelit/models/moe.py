@@ -14,6 +14,11 @@ tokens, never over tokens. Parameters (per layer ``i``)::
     mlp.w1 / mlp.w3     [E, I, D]    gate / up projections of every expert
     mlp.w2              [E, D, I]    down projections
 
+Routing replay (``moe.routing=replay``): the experts of each token come from the sampler's
+record (``ctx.replay_experts``, rows of -1 where none was recorded: those tokens route live);
+the combine weights are still the current router's softmax, read at the replayed experts and
+renormalised as the live path does (``norm_topk_prob``), so the router keeps its gradient.
+
 Hugging Face names: ``mlp.gate.weight`` and ``mlp.experts.{e}.{gate,up,down}_proj.weight``
 (hub checkpoints), or the fused ``mlp.experts.gate_up_proj [E, 2I, D]`` /
 ``mlp.experts.down_proj [E, D, I]`` of transformers 5; both load (see ``models/hf.py``).
@@ -32,13 +37,20 @@ from torch import nn
 __all__ = ["MoEFeedForward", "route", "collecting", "is_collecting", "record_pass"]
 
 
-def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          replay: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k], experts [T, k])`` of each token from router ``logits [T, E]``:
     softmax over experts, top-k, optionally renormalised. The softmax runs one precision up
     (float64 for float32 logits, float32 for half types): the router's gradient is a small
-    difference of large terms, and ``[T, E]`` costs nothing next to the experts."""
+    difference of large terms, and ``[T, E]`` costs nothing next to the experts.
+    ``replay [T, k]``: the experts to use instead of the top-k (rows of -1: the top-k); the
+    weights are the probabilities at those experts."""
     probs = torch.softmax(logits.to(router_dtype(logits.dtype)), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
+    if replay is not None:
+        replay = replay.to(experts.device)
+        experts = torch.where(replay[:, :1] >= 0, replay, experts)
+        weights = probs.gather(1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
@@ -59,9 +71,12 @@ class MoEFeedForward(nn.Module):
         norm_topk_prob: renormalise the top-k probabilities to sum to one.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = False) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = False,
+                 moe_index: int = 0, replay: bool = False) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = int(num_experts), int(top_k), bool(norm_topk_prob)
+        self.moe_index = int(moe_index)  # this layer's place among the model's MoE layers (routing records)
+        self.replay = bool(replay)  # moe.routing=replay: route by the record (ctx.replay_experts)
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -72,12 +87,13 @@ class MoEFeedForward(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=std)
 
-    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(output [..., D], router logits [T, E])`` for ``x [..., D]`` (T = tokens of x)."""
+    def route(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(output [..., D], router logits [T, E])`` for ``x [..., D]`` (T = tokens of x);
+        ``replay [T, k]``: recorded experts (see :func:`route`)."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         logits = self.gate(h)
-        weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob, replay)
         flat_expert = experts.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token_of = torch.div(order, self.top_k, rounding_mode="floor")
@@ -102,7 +118,8 @@ class MoEFeedForward(nn.Module):
 
     def extra_repr(self) -> str:
         E, I, D = self.w1.shape
-        return f"dim={D}, hidden_dim={I}, num_experts={E}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+        return (f"dim={D}, hidden_dim={I}, num_experts={E}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+                + (", routing=replay" if self.replay else ""))
 
 
 def expert_load(logits: torch.Tensor, top_k: int, counts: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -561,7 +561,7 @@ def _forward_range(model, batch: TreeBatch, plan: CPPlan, group, attention, chun
     and the range's hidden states."""
     dev = batch.device
     if plan.size == 0:  # fewer tokens than ranks: an empty pass (nothing sent or received)
-        sub, external = empty_row(dev), None
+        sub, external = empty_row(dev, batch), None
         tokens = torch.zeros(0, dtype=torch.long, device=dev)
     else:
         tokens = torch.arange(plan.start, plan.end, device=dev)
@@ -702,7 +702,7 @@ def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: 
     nothing)."""
     dev = sub.device
     if plan.size == 0:
-        row, external, pre, live = empty_row(dev), None, None, None
+        row, external, pre, live = empty_row(dev, sub), None, None, None
     else:
         live = plan
         row = sub if plan.size == sub.num_tokens else sub.subset(torch.arange(plan.start, plan.end, device=dev))

@@ -139,7 +139,7 @@ class _Run:
 
     def empty(self) -> TreeBatch:
         if self._empty is None:
-            self._empty = empty_row(self.batch.device)
+            self._empty = empty_row(self.batch.device, self.batch)
         return self._empty
 
     # forward-only phases ----------------------------------------------------------------

@@ -38,9 +38,14 @@ def whole_row_plan(batch: TreeBatch) -> PartitionPlan:
     return PartitionPlan([part], N, N, longest)
 
 
-def empty_row(device) -> TreeBatch:
-    """A two-token row without targets (an empty pass)."""
-    return TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]]).to_batch().to(device)
+def empty_row(device, like: Optional[TreeBatch] = None) -> TreeBatch:
+    """A two-token row without targets (an empty pass); with ``like`` given, its recorded MoE
+    routing has ``like``'s shape and no entry (routing replay: the row's tokens route live)."""
+    row = TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]]).to_batch()
+    routing = getattr(like, "token_routing", None)
+    if routing is not None:
+        row.token_routing = torch.full((2, *routing.shape[1:]), -1, dtype=torch.long)
+    return row.to(device)
 
 
 @dataclass

@@ -104,6 +104,9 @@ class TreeBatch:
     # (objective.behavior_correction; see treelit.objectives.behavior)
     token_behav_logp: Optional[torch.Tensor] = None  # [N] float64
     branch_behav_logp: Optional[torch.Tensor] = None  # [F] float64
+    # recorded MoE routing (treelit.tree.routing): [N, L, k] expert ids of each token, -1 where none
+    # was recorded (model.moe.routing=replay reads it; the live router routes those tokens)
+    token_routing: Optional[torch.Tensor] = None
     # the per-branch inputs this row was built from (treelit.loss.branches.Branches), when a
     # tree builder made it from records: the per-branch reference reads these, not the tree
     source_branches: Optional[Any] = None
@@ -375,8 +378,9 @@ def segments_from_parents(parent: np.ndarray, breaks: Optional[np.ndarray] = Non
     return seg_start.astype(np.int64), seg_len.astype(np.int64), seg_parent.astype(np.int64)
 
 
+# optional per-token fields: a partition takes its tokens' rows, packing concatenates them
 _RL_TOKEN_FIELDS = ("token_old_logp", "token_ref_logp", "adv_pos_sum", "adv_neg_sum", "adv_pos_mean", "adv_neg_mean",
-                    "token_behav_logp")
+                    "token_behav_logp", "token_routing")
 _RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp", "branch_behav_logp")
 
 
@@ -397,6 +401,8 @@ def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Opti
         if getattr(tree, f"branch_{short}") is not None:
             out[f"token_{name}_logp"] = f64(getattr(tree, f"token_{short}"))
             out[f"branch_{name}_logp"] = f64(getattr(tree, f"branch_{short}"))
+    if getattr(tree, "token_routing", None) is not None:
+        out["token_routing"] = torch.from_numpy(np.ascontiguousarray(tree.token_routing, dtype=np.int64))
     return out
 
 

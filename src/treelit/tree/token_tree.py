@@ -31,6 +31,7 @@ import numpy as np
 
 from treelit.tree.batch import TreeBatch
 from treelit.tree.errors import TreeInputError
+from treelit.tree.routing import check_routing_shape, decode_routing
 
 __all__ = ["TokenTree", "TreeInputError"]
 
@@ -107,6 +108,21 @@ def _logprob_column(lp, arrays, name: str, source: str) -> List[np.ndarray]:
     return out
 
 
+def _routing_arrays(values, arrays, source: str) -> List[Optional[np.ndarray]]:
+    if len(values) != len(arrays):
+        raise TreeInputError(f"{source}got {len(values)} routed_experts for {len(arrays)} branches")
+    out: List[Optional[np.ndarray]] = []
+    for b, (v, arr) in enumerate(zip(values, arrays)):
+        if v is None:
+            out.append(None)
+            continue
+        where = f"{source}branch {b}: routed_experts"
+        a = decode_routing(v, where)
+        check_routing_shape(a, len(arr), where)
+        out.append(a)
+    return out
+
+
 def _as_mask_array(mask: Any, length: int, b: int, source: str) -> np.ndarray:
     arr = np.asarray(mask)
     if arr.ndim != 1 or arr.shape[0] != length:
@@ -158,6 +174,7 @@ class TokenTree:
     branch_ref: Optional[np.ndarray] = None  # [F] reference log-probs per branch token
     token_old: Optional[np.ndarray] = None  # [N] the (agreed) rollout log-prob of each tree token
     token_ref: Optional[np.ndarray] = None  # [N]
+    token_routing: Optional[np.ndarray] = None  # [N, L, k] recorded experts of each tree token (-1: none)
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -174,6 +191,7 @@ class TokenTree:
         ref_logprobs: Optional[Sequence[Optional[Sequence[Optional[float]]]]] = None,
         logprob_conflict: str = "raise",
         logprob_tol: float = 1e-4,
+        routed_experts: Optional[Sequence[Any]] = None,
     ) -> "TokenTree":
         """Build the prefix tree of ``branches``.
 
@@ -192,6 +210,10 @@ class TokenTree:
                 reference log-prob by more than ``logprob_tol``: ``raise`` (an error naming the
                 branches and the position) or ``split`` (the branches stop sharing the tree at
                 that token, so each keeps its own value). Values are never averaged.
+            routed_experts: optional per-branch recorded MoE routing, ``[T, L, k]`` expert ids
+                (T = the branch's length or one less; None: not recorded; see
+                :mod:`treelit.tree.routing`). A shared token has one routing: branches through it
+                that disagree on it are an error naming the pair, the position and the layer.
         """
         if isinstance(branches, (str, bytes)) or not hasattr(branches, "__len__"):
             raise TreeInputError(f"{source}branches must be a list of token lists")
@@ -255,7 +277,45 @@ class TokenTree:
             for j, name in enumerate(names):
                 setattr(tree, f"branch_{name}", flat[:, j].copy())
             tree._check_logprobs(names, logprob_tol, source)
+        if routed_experts is not None:
+            tree._merge_routing(_routing_arrays(routed_experts, arrays, source), source)
         return tree
+
+    def _merge_routing(self, arrs: List[Optional[np.ndarray]], source: str) -> None:
+        """``token_routing [N, L, k]`` from the branches' records; every branch that recorded a
+        shared token must agree with the first that did, on every MoE layer."""
+        known = [(b, a) for b, a in enumerate(arrs) if a is not None]
+        if not known:
+            return
+        L, k = known[0][1].shape[1:]
+        tok = np.full((self.num_tokens, L, k), -1, dtype=np.int64)
+        owner = np.full(self.num_tokens, -1, dtype=np.int64)  # the first branch that recorded each token
+        for b, a in known:
+            if a.shape[1:] != (L, k):
+                raise TreeInputError(
+                    f"{source}branch {b}: routed_experts has {a.shape[1]} MoE layers x {a.shape[2]} experts per token, "
+                    f"branch {known[0][0]} has {L} x {k}", branches=(known[0][0], b),
+                    detail=f"routed_experts: {a.shape[1]} MoE layers x {a.shape[2]} experts per token, {{other}} "
+                    f"has {L} x {k}")
+            idx = self.branch_tokens[self.branch_ptr[b] : self.branch_ptr[b] + a.shape[0]]
+            new = owner[idx] < 0
+            tok[idx[new]] = a[new]
+            owner[idx[new]] = b
+            diff = np.flatnonzero(~new & np.any(tok[idx] != a, axis=(1, 2)))
+            if diff.size:
+                pos = int(diff[0])
+                t = int(idx[pos])
+                layer = int(np.flatnonzero(np.any(tok[t] != a[pos], axis=1))[0])
+                b0 = int(owner[t])
+                mine, theirs = a[pos, layer].tolist(), tok[t, layer].tolist()
+                raise TreeInputError(
+                    f"{source}branches {b0} and {b} share the token at position {pos} but disagree on its routed "
+                    f"experts at MoE layer {layer} ({theirs} vs {mine}); a shared token has one routing",
+                    branches=(b0, b),
+                    detail=f"routed_experts[{pos}][{layer}] = {mine} disagrees with {{other}} ({theirs}) on the token "
+                    f"they share at position {pos}, MoE layer {layer}; a shared token has one routing",
+                )
+        self.token_routing = tok
 
     def _check_logprobs(self, names, tol: float, source: str) -> None:
         """Every tree token gets one old/ref value; branches sharing it must agree within tol."""
