@@ -45,6 +45,8 @@ def build(node: Any, **kwargs: Any) -> Any:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as exc:
         cause = exc.__cause__
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:  # nested nodes
+            cause = cause.__cause__
         if isinstance(cause, (ValueError, KeyError, OSError)):
             raise cause from None
         raise
@@ -359,6 +361,10 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             log.info("%s", hybrid)
         if lora_line(model):
             log.info("%s", lora_line(model))
+        if _cp_degree(cfg) > 1:  # the layer kinds it covers: judged here, before any process starts
+            from treelit.partition.context_parallel import check_cp_model
+
+            check_cp_model(model)
         builder = build(cfg.tree_builder)
         datamodule = build(cfg.data, tree_builder=builder)
         objective = build(cfg.objective)
@@ -459,6 +465,12 @@ def _hydra_main(cfg: DictConfig) -> None:
             raise
         log.error("%s", msg)  # one line; HYDRA_FULL_ERROR=1 shows the traceback (docs: Training)
         sys.exit(1)
+
+
+def _cp_degree(cfg: DictConfig) -> int:
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
+    return cp if isinstance(cp, int) else 1
 
 
 def _build_critic(cfg: DictConfig, model, objective):

@@ -106,7 +106,7 @@ class TreeLitModule(pl.LightningModule):
         attention: attention backend name or instance (``auto`` by default).
         aggregation: loss aggregation mode.
         mode: ``tree`` or ``linear`` (per-branch baseline).
-        grad_clip: max gradient norm (0 disables clipping; the norm is logged anyway).
+        grad_clip: max gradient norm (0 or None disables clipping; the norm is logged anyway).
         verify_every: every N steps compare tree and linear mode on one micro-batch (0: never).
         chunk_rows: rows per log-prob chunk.
         ppo_epochs: optimizer passes over each step batch (a rollout batch).
@@ -138,7 +138,7 @@ class TreeLitModule(pl.LightningModule):
         attention: Any = "auto",
         aggregation: str = "token-mean",
         mode: str = "tree",
-        grad_clip: float = 1.0,
+        grad_clip: Optional[float] = 1.0,
         verify_every: int = 0,
         chunk_rows: Optional[int] = None,
         ppo_epochs: int = 1,
@@ -161,7 +161,7 @@ class TreeLitModule(pl.LightningModule):
         self.attention = attention
         self.aggregation = check_aggregation(aggregation)
         self.mode = mode
-        self.grad_clip = float(grad_clip)
+        self.grad_clip = 0.0 if grad_clip is None else float(grad_clip)
         self.verify_every = int(verify_every)
         self.chunk_rows = chunk_rows
         if ppo_epochs < 1 or ppo_minibatches < 1:
