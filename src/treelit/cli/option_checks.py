@@ -242,8 +242,8 @@ def _check_lora(cfg: DictConfig) -> None:
 
 
 def _build(node: Any, what: str) -> Any:
-    import hydra
-    from hydra.errors import InstantiationException
+    import hydra  # cli: treelit-train --help pays for Hydra only
+    from hydra.errors import InstantiationException  # as above
 
     try:
         return hydra.utils.instantiate(node)
@@ -268,7 +268,7 @@ def _check_objective(cfg: DictConfig) -> Any:
 # the optimizer's numbers ------------------------------------------------------------------------
 
 def _check_optimizer(cfg: DictConfig) -> None:
-    import torch
+    import torch  # cli: treelit-train --help pays for Hydra only
 
     node = cfg.get("optimizer")
     if not node or "_target_" not in node:
