@@ -39,7 +39,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().strip("'\"")
+    text = str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
