@@ -341,7 +341,6 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
 
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
-    from treelit.lightning.module import TreeLitModule
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
@@ -377,26 +376,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         log.info("data: %s", data_line(data_stats))
         _check_budget(cfg, data_stats)
 
-        module = TreeLitModule(
-            model=model,
-            objective=objective,
-            optimizer=build(cfg.optimizer),
-            scheduler=build(cfg.scheduler) if cfg.get("scheduler") else None,
-            attention=build(cfg.attention),
-            aggregation=cfg.aggregation,
-            mode=cfg.mode,
-            grad_clip=cfg.grad_clip,
-            verify_every=cfg.verify_every,
-            chunk_rows=cfg.chunk_rows,
-            ppo_epochs=cfg.ppo_epochs,
-            ppo_minibatches=cfg.ppo_minibatches,
-            old_logprobs=cfg.old_logprobs,
-            partition=cfg.partition.name,
-            budget_tokens=cfg.partition.get("budget_tokens"),
-            on_nonfinite=cfg.get("on_nonfinite", "stop"),
-            max_skipped_steps=cfg.get("max_skipped_steps", 10),
-            critic=critic,
-        )
+        module = build_module(cfg, model, objective, critic)
         callbacks = _instantiate_all(cfg.get("callbacks"))
         if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
             callbacks.append(build(cfg.publish))
@@ -433,6 +413,32 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         _log_artifacts(loggers, out, summary)
         log.info("%s", format_summary(summary))
     return summary
+
+
+def build_module(cfg: DictConfig, model: Any, objective: Any, critic: Any = None) -> Any:
+    """The training module of the run ``cfg`` describes, on a built model, objective and critic."""
+    from treelit.lightning.module import TreeLitModule
+
+    return TreeLitModule(
+        model=model,
+        objective=objective,
+        optimizer=build(cfg.optimizer),
+        scheduler=build(cfg.scheduler) if cfg.get("scheduler") else None,
+        attention=build(cfg.attention),
+        aggregation=cfg.aggregation,
+        mode=cfg.mode,
+        grad_clip=cfg.grad_clip,
+        verify_every=cfg.verify_every,
+        chunk_rows=cfg.chunk_rows,
+        ppo_epochs=cfg.ppo_epochs,
+        ppo_minibatches=cfg.ppo_minibatches,
+        old_logprobs=cfg.old_logprobs,
+        partition=cfg.partition.name,
+        budget_tokens=cfg.partition.get("budget_tokens"),
+        on_nonfinite=cfg.get("on_nonfinite", "stop"),
+        max_skipped_steps=cfg.get("max_skipped_steps", 10),
+        critic=critic,
+    )
 
 
 def _fault_exit_code(exc: BaseException) -> Optional[int]:
