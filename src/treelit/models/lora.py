@@ -268,7 +268,10 @@ def adapter_state_dict(model: nn.Module, sd: Optional[Mapping[str, torch.Tensor]
 def save_adapter(model: nn.Module, path: Union[str, os.PathLike], sd: Optional[Mapping[str, torch.Tensor]] = None,
                  dtype: Optional[torch.dtype] = None, base_model: Optional[str] = None) -> Path:
     """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
-    ``peft.PeftModel.from_pretrained(base, path)`` loads."""
+    ``peft.PeftModel.from_pretrained(base, path)`` loads, and ``AutoPeftModelForCausalLM`` (which
+    reads the base from the config: ``base_model``, absolute when it is a local folder, so the
+    folder loads from any working directory without asking the hub; ``task_type`` CAUSAL_LM), and
+    vLLM's and SGLang's LoRA loaders."""
     cfg = getattr(model, "treelit_lora_config", None)
     if cfg is None:
         raise ValueError("this model has no LoRA adapters to save")
@@ -279,7 +282,10 @@ def save_adapter(model: nn.Module, path: Union[str, os.PathLike], sd: Optional[M
         weights = {k: v.to(dtype) for k, v in weights.items()}
     save_file(weights, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = cfg.to_dict()
+    if base_model is not None and Path(base_model).is_dir():  # as typed, relative to the run's folder
+        base_model = str(Path(base_model).resolve())
     config["base_model_name_or_path"] = base_model
+    config["task_type"] = config.get("task_type") or "CAUSAL_LM"
     config["inference_mode"] = True
     for k, v in list(config.items()):
         if isinstance(v, set):
