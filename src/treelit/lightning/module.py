@@ -545,6 +545,7 @@ class TreeLitModule(pl.LightningModule):
             raise NonFiniteStep(f"{report}; the update was not applied and nothing was saved (on_nonfinite=stop; "
                                 "on_nonfinite=skip_step drops such updates and goes on)")
         if self.consecutive_skips >= self.max_skipped_steps:
+            self._log_skipped_now()  # the step's own log never comes: the last dropped update counts too
             hold_launched_ranks(self._trainer)
             raise NonFiniteStep(f"{report}; {self.consecutive_skips} updates in a row were dropped "
                                 f"(max_skipped_steps={self.max_skipped_steps}): stopping, nothing of them applied")
@@ -552,6 +553,14 @@ class TreeLitModule(pl.LightningModule):
             log.warning("%s; the update was dropped (on_nonfinite=skip_step: %d in a row, %d in all)", report,
                         self.consecutive_skips, self.skipped_steps)
         return True
+
+    def _log_skipped_now(self) -> None:
+        """``train/skipped_steps`` straight to the loggers (rank 0), at this step's index."""
+        if self._trainer is None or not self.trainer.is_global_zero:
+            return
+        for lg in self.trainer.loggers:
+            lg.log_metrics({"train/skipped_steps": float(self.skipped_steps)}, step=max(self.global_step - 1, 0))
+            lg.save()
 
     def _nonfinite_report(self, micro_batches, mine, grad_norm: float, comm: Collectives) -> str:
         """One line, the same on every rank: the step, what was not finite, and each micro-batch
