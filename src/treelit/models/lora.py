@@ -116,12 +116,15 @@ def _resolve_targets(opts: LoraOptions, model: nn.Module, inner: nn.Module) -> L
         if not names:
             raise ValueError("model.lora.target_modules=all-linear: this model has no linear layer besides its head")
         return names
-    linear = sorted({n.split(".")[-1] for n, m in modules.items() if isinstance(m, (nn.Linear, nn.Embedding))})
+    wrappable = {n: m for n, m in modules.items() if n != head and isinstance(m, (nn.Linear, nn.Embedding))}
+    linear = sorted({n.split(".")[-1] for n, m in wrappable.items() if isinstance(m, nn.Linear)})
+    embedding = sorted({n.split(".")[-1] for n, m in wrappable.items() if isinstance(m, nn.Embedding)})
     for t in opts["target_modules"]:
         hits = [(n, m) for n, m in modules.items() if n and _matches(n, t)]
         if not hits:
+            also = f"; its embedding: {', '.join(embedding)}" if embedding else ""
             raise ValueError(f"model.lora.target_modules: {t!r} matches no module of this model; its linear layers "
-                             f"are named {', '.join(linear)}")
+                             f"are named {', '.join(linear)}{also} (the head is trained with model.lora.modules_to_save)")
         for n, m in hits:
             if head is not None and n == head:
                 raise ValueError(f"model.lora.target_modules: {t!r} is the language-model head ({n}), which "
