@@ -64,6 +64,19 @@ def test_configuration_reference_is_generated_and_every_option_described():
         "docs/config-reference.md is stale: python -m treelit.cli.config_reference --write docs/config-reference.md"
 
 
+def test_reference_lists_treelit_rollouts_flags_and_the_context_parallel_degree_as_it_is():
+    from treelit.cli.rollout import parser
+
+    page = (REPO / "docs" / "config-reference.md").read_text()
+    rollout = page.split("## treelit-rollout\n", 1)[1]
+    flags = [a.option_strings[0] for a in parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 15
+    for flag in flags:
+        assert f"| `{flag}` |" in rollout, flag
+    (row,) = [ln for ln in page.splitlines() if ln.startswith("| `strategy.context_parallel_degree`")]
+    assert "C > 1" in row and "only 1" not in row, row
+
+
 def test_docs_build_strictly(tmp_path):
     mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).with_name("mkdocs"))
     res = subprocess.run([mkdocs, "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=REPO,
