@@ -195,7 +195,11 @@ def validate_config(cfg: DictConfig) -> None:
                           "training runs by steps, serving the data epoch after epoch until max_steps is reached")
     accel = tr.get("accelerator")
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")
+        from treelit.cli.option_checks import strategy_kind
+
+        cpu = {"fsdp2": "trainer=fsdp2_cpu trainer.devices=2 (FSDP2 over CPU processes)",
+               "ddp": "trainer=ddp_cpu trainer.devices=2 (CPU processes)"}.get(strategy_kind(cfg), "trainer=cpu")
+        raise ConfigError(f"trainer.accelerator=gpu but no CUDA device is available; use {cpu}")
     planner = (cfg.get("callbacks") or {}).get("memory_planner")
     on_cpu = accel == "cpu" or (accel in (None, "auto") and not torch.cuda.is_available())
     if planner and on_cpu and planner.get("memory_limit_bytes") is None:  # (on CUDA: the free device memory)
