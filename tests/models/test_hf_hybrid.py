@@ -408,6 +408,7 @@ def test_a_hybrid_family_checkpoint_with_attention_layers_only_runs_as_attention
     assert err <= 1e-10, err
 
 
+@pytest.mark.slow
 def test_loading_a_hybrid_checkpoint_prints_no_triton_warning(tmp_path):
     """With the test extra installed (fla, Triton) on a machine without a Triton backend, importing
     a hybrid family's transformers code imports fla, which warns that Triton rolls back to CPU:
