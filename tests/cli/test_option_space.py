@@ -17,13 +17,14 @@ import itertools
 import json
 import random
 import subprocess
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set
 
 import pytest
 from omegaconf import OmegaConf
 
 from cli_helpers import TINY, cli_cmd, cli_env
-from treelit.cli.config import ConfigError, compose, validate_config
+from treelit.cli.config import CONF_DIR, ConfigError, compose, validate_config
 
 PROCESS_AXES = {
     "trainer": ["cpu", "ddp_cpu", "fsdp2_cpu"],
@@ -120,12 +121,15 @@ _COMPOSED: Dict[tuple, object] = {}
 
 
 def config(c: Dict):
-    """The composed config of a combination: groups through Hydra (cached), values set after."""
-    groups = (f"trainer={c['trainer']}", f"partition={'none' if c['partition'] == 'none' else 'redundancy_free'}",
-              f"critic={c['critic']}", f"objective={c['objective']}")
-    if groups not in _COMPOSED:
-        _COMPOSED[groups] = compose(list(groups))
-    cfg = copy.deepcopy(_COMPOSED[groups])
+    """The composed config of a combination: the trainer through Hydra (cached); the partition,
+    critic and objective groups (plain files, no defaults lists) put in as their files say; the
+    values set after."""
+    if c["trainer"] not in _COMPOSED:
+        _COMPOSED[c["trainer"]] = compose([f"trainer={c['trainer']}"])
+    cfg = copy.deepcopy(_COMPOSED[c["trainer"]])
+    for group, name in (("partition", "none" if c["partition"] == "none" else "redundancy_free"),
+                        ("critic", c["critic"]), ("objective", c["objective"])):
+        cfg[group] = OmegaConf.load(Path(CONF_DIR) / group / f"{name}.yaml")
     values = {"trainer.devices": c["devices"], "trainer.num_nodes": c["num_nodes"], "mode": c["mode"],
               "grad_clip": c["grad_clip"], "optimizer.lr": c["lr"], "model.lora.rank": c["lora"],
               "model.lora.dropout": c["lora_dropout"]}
