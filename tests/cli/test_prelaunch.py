@@ -102,3 +102,14 @@ def test_grad_clip_null_means_no_clipping_and_trains(tmp_path, cli_main, capsys)
     for k, v in runs["null"].items():
         assert torch.equal(v, runs["0"][k]), k
     assert any(not torch.equal(v, runs["1e-4"][k]) for k, v in runs["null"].items())
+
+
+def test_more_gpu_processes_than_devices_is_one_line(monkeypatch):
+    """trainer=fsdp2 asks for 2 processes; on a machine with one CUDA device Lightning would fail
+    while building the trainer, after the loggers: judged with the config instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    msg = _refusal("trainer=fsdp2")
+    assert msg.startswith("trainer.devices=2 processes on this machine, which has 1 CUDA device: use "
+                          "trainer.devices=1"), msg
+    validate_config(compose(["trainer=fsdp2", "trainer.devices=1"]))

@@ -137,6 +137,13 @@ def _check_processes(cfg: DictConfig) -> None:
         raise _error(f"trainer.devices must be a positive number of processes per machine (or auto), got {devices!r}")
     elif isinstance(devices, bool) or devices is None:
         raise _error(f"trainer.devices must be a positive number of processes per machine, got {devices!r}")
+    if _is_int(devices) and devices > 1 and tr.get("accelerator") in ("gpu", "cuda"):
+        import torch  # cli: treelit-train --help pays for Hydra only
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < have < devices:  # (no CUDA device at all: refused with its own line)
+            raise _error(f"trainer.devices={devices} processes on this machine, which has {have} CUDA device"
+                         f"{'s' if have != 1 else ''}: use trainer.devices={have} (or -1: every visible device)")
     kind = strategy_kind(cfg)
     if kind not in ("ddp", "fsdp2"):
         return
