@@ -103,3 +103,63 @@ def test_bad_lora_options_are_one_line_before_training(args, expected, tmp_path,
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+_LOAD_OFFLINE = """
+import json, sys, torch
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoModelForCausalLM
+adapter, merged = sys.argv[1], sys.argv[2]
+ids = torch.tensor([[3, 17, 5, 200, 41, 9, 77, 311]])
+a = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float64)
+b = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float64)
+with torch.no_grad():
+    x, y = a(input_ids=ids).logits, b(input_ids=ids).logits
+print(json.dumps({"diff": (x - y).abs().max().item(), "scale": y.abs().max().item(), "task": type(a).__name__}))
+"""
+
+
+def test_adapter_config_names_the_base_absolute_and_the_task(tmp_path, base, monkeypatch):
+    """A base typed as a relative folder is written absolute; a hub id stays as given."""
+    import json
+
+    from treelit.models.hf_adapter import make_hf_model
+    from treelit.models.lora import save_adapter
+
+    monkeypatch.chdir(base.parent)
+    model = make_hf_model(base.name, dtype="float32", lora=dict(rank=4))
+    save_adapter(model, tmp_path / "a", base_model=base.name)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] == str(base.resolve())
+    save_adapter(model, tmp_path / "b", base_model="Qwen/Qwen2.5-0.5B")
+    assert json.loads((tmp_path / "b" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "Qwen/Qwen2.5-0.5B"
+
+
+@pytest.mark.slow
+def test_lora_export_loads_with_auto_peft_from_another_folder_offline(tmp_path, base, monkeypatch):
+    """The base as a user types it (a relative path): the export's adapter_config.json names it
+    absolute and says CAUSAL_LM, so AutoPeftModelForCausalLM loads the folder from any working
+    directory with the hub unreachable, to the logits of treelit's merged export (float64)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(base.parent)
+    out = tmp_path / "run"
+    run(compose([f"output_dir={out}", f"model.hf_checkpoint={base.name}", *RUN, "trainer.max_steps=2",
+                 "export.merge=true"]))
+    config = json.loads((out / "hf_checkpoint" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM"
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _LOAD_OFFLINE, str(out / "hf_checkpoint"),
+                          str(out / "hf_checkpoint_merged")], cwd=str(elsewhere), env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["task"] == "PeftModelForCausalLM", got
+    assert got["diff"] <= 1e-10 * got["scale"], got

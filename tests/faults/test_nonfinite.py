@@ -100,10 +100,13 @@ def test_skipped_step_equals_a_run_without_that_batch(tmp_path, cli_main, capsys
 
 
 def test_stop_after_max_skipped_steps_in_a_row(tmp_path, cli_main, capsys):
+    """... and ``train/skipped_steps`` ends at the number of dropped updates, the last one counted."""
     data = write_trees(tmp_path / "trees.jsonl")
     status, out, err, run = _run(cli_main, capsys, tmp_path, "run", f"data.train_path={data}", "trainer.max_steps=6",
                                  "on_nonfinite=skip_step", "max_skipped_steps=3",
                                  "callbacks.checkpoint.every_n_train_steps=1",
+                                 "+logger.csv._target_=lightning.pytorch.loggers.CSVLogger",
+                                 f"+logger.csv.save_dir={tmp_path / 'csv'}",
                                  *inject("nan", "NonFinite", step=2, kind="loss", every=True))
     assert status == 1
     lines = err.strip().splitlines()
@@ -112,6 +115,11 @@ def test_stop_after_max_skipped_steps_in_a_row(tmp_path, cli_main, capsys):
     assert "3 updates in a row were dropped (max_skipped_steps=3): stopping" in lines[-1]
     assert "Traceback" not in err
     _nothing_of_the_step_saved(run, 2)
+    import csv
+
+    (metrics,) = (tmp_path / "csv").rglob("metrics.csv")
+    history = [float(r["train/skipped_steps"]) for r in csv.DictReader(metrics.open()) if r.get("train/skipped_steps")]
+    assert history[-1] == 3.0, history
 
 
 def test_an_invalid_choice_is_one_line(tmp_path, cli_main, capsys):

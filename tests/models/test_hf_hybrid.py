@@ -406,3 +406,24 @@ def test_a_hybrid_family_checkpoint_with_attention_layers_only_runs_as_attention
     assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
     err = max_rel_grad_diff(_grads(ours, "hf."), _grads(ref), grad_floor(torch.float64), negligible_grad(torch.float64))
     assert err <= 1e-10, err
+
+
+@pytest.mark.slow
+def test_loading_a_hybrid_checkpoint_prints_no_triton_warning(tmp_path):
+    """With the test extra installed (fla, Triton) on a machine without a Triton backend, importing
+    a hybrid family's transformers code imports fla, which warns that Triton rolls back to CPU:
+    treelit's tree kernels run those layers, so the load says nothing (a fresh interpreter: this
+    one has imported fla already)."""
+    import os
+    import subprocess
+
+    pytest.importorskip("fla")
+    model_type, cfg = HYBRID["qwen3_5"]
+    random_hf_checkpoint(tmp_path / "hybrid", model_type, **dict(cfg, vocab_size=64))
+    code = ("import warnings; warnings.simplefilter('default')\n"
+            "from treelit.models.hf_adapter import make_hf_model\n"
+            f"make_hf_model({str(tmp_path / 'hybrid')!r}, dtype='float32')\nprint('loaded')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0 and "loaded" in res.stdout, res.stderr[-2000:]
+    assert "Triton" not in res.stderr, res.stderr

@@ -311,6 +311,20 @@ def test_bad_lora_options_are_one_line_errors(lora, message, tmp_path_factory):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_target_matching_nothing_lists_only_what_can_be_targeted(tmp_path_factory):
+    """The head is refused as a target: the list of linear layers leaves it out, and the embedding
+    is named as an embedding, not as a linear layer."""
+    from treelit.models.hf_adapter import make_hf_model
+
+    with pytest.raises(ValueError) as err:
+        make_hf_model(str(checkpoint("qwen2", tmp_path_factory)), dtype="float64",
+                      lora=dict(rank=4, target_modules=["qq_proj"]))
+    msg = str(err.value)
+    linear = msg.split("its linear layers are named ")[1].split(";")[0]
+    assert "q_proj" in linear and "lm_head" not in linear and "embed_tokens" not in linear, msg
+    assert "lm_head" not in msg and "its embedding: embed_tokens" in msg, msg
+
+
 def test_conv_layers_of_a_hybrid_are_refused(tmp_path_factory):
     """A short convolution's weight is read by the tree kernels: an adapter there would be bypassed."""
     from treelit.models.hf_adapter import make_hf_model

@@ -13,11 +13,9 @@ from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from treelit.cli.errors import ConfigError  # (re-exported: callers import it from here)
+
 CONF_DIR = str(resources.files("treelit") / "conf")
-
-
-class ConfigError(ValueError):
-    """An invalid or incompatible combination of options (names the option)."""
 
 
 def bundled_path(name: str) -> str:
@@ -197,7 +195,11 @@ def validate_config(cfg: DictConfig) -> None:
                           "training runs by steps, serving the data epoch after epoch until max_steps is reached")
     accel = tr.get("accelerator")
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError("trainer.accelerator=gpu but no CUDA device is available; use trainer=cpu")
+        from treelit.cli.option_checks import strategy_kind
+
+        cpu = {"fsdp2": "trainer=fsdp2_cpu trainer.devices=2 (FSDP2 over CPU processes)",
+               "ddp": "trainer=ddp_cpu trainer.devices=2 (CPU processes)"}.get(strategy_kind(cfg), "trainer=cpu")
+        raise ConfigError(f"trainer.accelerator=gpu but no CUDA device is available; use {cpu}")
     planner = (cfg.get("callbacks") or {}).get("memory_planner")
     on_cpu = accel == "cpu" or (accel in (None, "auto") and not torch.cuda.is_available())
     if planner and on_cpu and planner.get("memory_limit_bytes") is None:  # (on CUDA: the free device memory)
@@ -209,13 +211,6 @@ def validate_config(cfg: DictConfig) -> None:
     if fsdp and (cfg.get("mode") != "tree" or cfg.get("verify_every")):
         raise ConfigError("mode=linear and verify_every run per-branch passes whose number differs between ranks, "
                           "which FSDP2 (every pass gathers and reduces) cannot align; use trainer=ddp_cpu/ddp or trainer=cpu")
-    replicas = strategy.get("replicate_degree", 1) if hasattr(strategy, "get") else 1
-    world = tr.get("devices") if isinstance(tr.get("devices"), int) else None
-    if fsdp and isinstance(replicas, int) and replicas > 1 and world and world > 0:
-        world *= int(tr.get("num_nodes") or 1)
-        if world % replicas:
-            raise ConfigError(f"trainer.strategy.replicate_degree={replicas} (HSDP replicas) must divide the {world} "
-                              "processes (trainer.devices x trainer.num_nodes)")
     from treelit.utils.launchers import launch_mismatch  # torchrun's / srun's processes vs trainer.devices x num_nodes
 
     mismatch = launch_mismatch(tr.get("devices"), tr.get("num_nodes", 1))
@@ -225,12 +220,10 @@ def validate_config(cfg: DictConfig) -> None:
     if correction not in (None, "none") and cfg.get("old_logprobs") != "rollout":
         raise ConfigError(f"objective.behavior_correction={correction} compares the sampler's log-probs with the "
                           "trainer's recomputed (proximal) ones: set old_logprobs=rollout")
-    part = cfg.get("partition") or {}
-    if part.get("name", "none") != "none":
-        from treelit.partition import PARTITIONS
-
-        PARTITIONS.get(part["name"])  # unknown names list the known ones
     check_critic_config(cfg)
+    from treelit.cli.option_checks import check_options
+
+    check_options(cfg)  # devices, strategy degrees, partition, LoRA, objective, optimizer numbers
 
 
 def critic_model_config(cfg: DictConfig) -> DictConfig:

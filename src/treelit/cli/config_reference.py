@@ -137,9 +137,26 @@ def _show(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
+def _command_flags() -> List[Tuple[str, str, str, str]]:
+    """``treelit-rollout``'s flags: (flag, type, default, help), from its own parser."""
+    from treelit.cli.rollout import parser  # (its flags' help is their single source, as a YAML comment is)
+
+    out = []
+    for action in parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        kind = "choice" if action.choices else (getattr(action.type, "__name__", None) or "str")
+        default = "required" if action.required else _show(action.default)
+        text = action.help or ""
+        if action.choices:
+            text = " | ".join(action.choices) + (f": {text}" if text else "")
+        out.append((action.option_strings[0], kind, default, text))
+    return out
+
+
 def undocumented() -> List[str]:
     """``group: option`` for each option with no description."""
-    out = []
+    out = [f"treelit-rollout: {flag}" for flag, _, _, text in _command_flags() if not text]
     for group, files in _groups().items():
         if group in PRESET_GROUPS:
             continue
@@ -181,6 +198,10 @@ def reference() -> str:
             types = "/".join(sorted(o.types))
             out.append(f"| `{key}` | {types} | {_cell(default)} | {_cell(o.description)} |")
         out.append("")
+    out += ["## treelit-rollout", "",
+            "The reference sampler worker of the online RL loop (`treelit-rollout --help`); its flags, from its parser.",
+            "", "| flag | type | default | description |", "|---|---|---|---|"]
+    out += [f"| `{flag}` | {kind} | `{default}` | {_cell(text)} |" for flag, kind, default, text in _command_flags()]
     return "\n".join(out).rstrip() + "\n"
 
 

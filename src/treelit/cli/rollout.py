@@ -353,22 +353,24 @@ def next_step(out: Path) -> int:
     return max(steps) + 1 if steps else 0
 
 
-def _args(argv):
+def parser() -> OneLineParser:
+    """``treelit-rollout``'s flags (the configuration reference lists them from here)."""
     p = OneLineParser(prog="treelit-rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--publish-dir", required=True, help="the trainer's publish.dir (latest.json)")
     p.add_argument("--prompts", required=True, help="JSONL of {id, input_ids} or {id, messages}")
     p.add_argument("--out", required=True, help="the trainer's data.directory")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (a group)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="the longest completion, in tokens")
     p.add_argument("--reward", required=True, help="a reward name (treelit list) or module:function")
     p.add_argument("--steps", type=int, required=True, help="files to write (training steps)")
     p.add_argument("--max-staleness", type=int, default=0, help="versions the sampler may run ahead (0: synchronous)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per file (default: all)")
     p.add_argument("--versions-per-step", type=int, default=1, help="policy versions the trainer publishes per file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for a version")
-    p.add_argument("--poll-s", type=float, default=0.1)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--poll-s", type=float, default=0.1, help="seconds between looks at latest.json")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                   help="the dtype the policy is loaded in")
     p.add_argument("--base", default=None, help="a LoRA adapter's base checkpoint (default: latest.json's)")
     p.add_argument("--engine", default="auto", choices=["auto", "treelit"],
                    help="auto: transformers for Hugging Face checkpoints (KV cache); treelit: treelit's own decoder "
@@ -376,6 +378,11 @@ def _args(argv):
     p.add_argument("--record-routing", action="store_true",
                    help="write each branch's routed_experts (MoE models; on by itself when the trainer "
                         "publishes with model.moe.routing=replay)")
+    return p
+
+
+def _args(argv):
+    p = parser()
     a = p.parse_args(argv)
     for name in ("n", "max_new_tokens", "steps", "versions_per_step"):
         if getattr(a, name) < 1:

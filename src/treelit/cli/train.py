@@ -45,6 +45,8 @@ def build(node: Any, **kwargs: Any) -> Any:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as exc:
         cause = exc.__cause__
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:  # nested nodes
+            cause = cause.__cause__
         if isinstance(cause, (ValueError, KeyError, OSError)):
             raise cause from None
         raise
@@ -339,7 +341,6 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
 
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
-    from treelit.lightning.module import TreeLitModule
     from treelit.models.factory import replay_shape
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
@@ -360,6 +361,10 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             log.info("%s", hybrid)
         if lora_line(model):
             log.info("%s", lora_line(model))
+        if _cp_degree(cfg) > 1:  # the layer kinds it covers: judged here, before any process starts
+            from treelit.partition.context_parallel import check_cp_model
+
+            check_cp_model(model)
         builder = build(cfg.tree_builder)
         datamodule = build(cfg.data, tree_builder=builder)
         objective = build(cfg.objective)
@@ -372,26 +377,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         log.info("data: %s", data_line(data_stats))
         _check_budget(cfg, data_stats)
 
-        module = TreeLitModule(
-            model=model,
-            objective=objective,
-            optimizer=build(cfg.optimizer),
-            scheduler=build(cfg.scheduler) if cfg.get("scheduler") else None,
-            attention=build(cfg.attention),
-            aggregation=cfg.aggregation,
-            mode=cfg.mode,
-            grad_clip=cfg.grad_clip,
-            verify_every=cfg.verify_every,
-            chunk_rows=cfg.chunk_rows,
-            ppo_epochs=cfg.ppo_epochs,
-            ppo_minibatches=cfg.ppo_minibatches,
-            old_logprobs=cfg.old_logprobs,
-            partition=cfg.partition.name,
-            budget_tokens=cfg.partition.get("budget_tokens"),
-            on_nonfinite=cfg.get("on_nonfinite", "stop"),
-            max_skipped_steps=cfg.get("max_skipped_steps", 10),
-            critic=critic,
-        )
+        module = build_module(cfg, model, objective, critic)
         callbacks = _instantiate_all(cfg.get("callbacks"))
         if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
             callbacks.append(build(cfg.publish))
@@ -430,6 +416,32 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     return summary
 
 
+def build_module(cfg: DictConfig, model: Any, objective: Any, critic: Any = None) -> Any:
+    """The training module of the run ``cfg`` describes, on a built model, objective and critic."""
+    from treelit.lightning.module import TreeLitModule
+
+    return TreeLitModule(
+        model=model,
+        objective=objective,
+        optimizer=build(cfg.optimizer),
+        scheduler=build(cfg.scheduler) if cfg.get("scheduler") else None,
+        attention=build(cfg.attention),
+        aggregation=cfg.aggregation,
+        mode=cfg.mode,
+        grad_clip=cfg.grad_clip,
+        verify_every=cfg.verify_every,
+        chunk_rows=cfg.chunk_rows,
+        ppo_epochs=cfg.ppo_epochs,
+        ppo_minibatches=cfg.ppo_minibatches,
+        old_logprobs=cfg.old_logprobs,
+        partition=cfg.partition.name,
+        budget_tokens=cfg.partition.get("budget_tokens"),
+        on_nonfinite=cfg.get("on_nonfinite", "stop"),
+        max_skipped_steps=cfg.get("max_skipped_steps", 10),
+        critic=critic,
+    )
+
+
 def _fault_exit_code(exc: BaseException) -> Optional[int]:
     """The exit code of a stop the ranks agreed on (treelit.lightning.faults), else None."""
     faults = sys.modules.get("treelit.lightning.faults")  # imported by any run that could raise one
@@ -460,6 +472,12 @@ def _hydra_main(cfg: DictConfig) -> None:
             raise
         log.error("%s", msg)  # one line; HYDRA_FULL_ERROR=1 shows the traceback (docs: Training)
         sys.exit(1)
+
+
+def _cp_degree(cfg: DictConfig) -> int:
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
+    return cp if isinstance(cp, int) else 1
 
 
 def _build_critic(cfg: DictConfig, model, objective):

@@ -107,7 +107,7 @@ class TreeLitModule(pl.LightningModule):
         attention: attention backend name or instance (``auto`` by default).
         aggregation: loss aggregation mode.
         mode: ``tree`` or ``linear`` (per-branch baseline).
-        grad_clip: max gradient norm (0 disables clipping; the norm is logged anyway).
+        grad_clip: max gradient norm (0 or None disables clipping; the norm is logged anyway).
         verify_every: every N steps compare tree and linear mode on one micro-batch (0: never).
         chunk_rows: rows per log-prob chunk.
         ppo_epochs: optimizer passes over each step batch (a rollout batch).
@@ -139,7 +139,7 @@ class TreeLitModule(pl.LightningModule):
         attention: Any = "auto",
         aggregation: str = "token-mean",
         mode: str = "tree",
-        grad_clip: float = 1.0,
+        grad_clip: Optional[float] = 1.0,
         verify_every: int = 0,
         chunk_rows: Optional[int] = None,
         ppo_epochs: int = 1,
@@ -162,7 +162,7 @@ class TreeLitModule(pl.LightningModule):
         self.attention = attention
         self.aggregation = check_aggregation(aggregation)
         self.mode = mode
-        self.grad_clip = float(grad_clip)
+        self.grad_clip = 0.0 if grad_clip is None else float(grad_clip)
         self.verify_every = int(verify_every)
         self.chunk_rows = chunk_rows
         if ppo_epochs < 1 or ppo_minibatches < 1:
@@ -547,6 +547,7 @@ class TreeLitModule(pl.LightningModule):
             raise NonFiniteStep(f"{report}; the update was not applied and nothing was saved (on_nonfinite=stop; "
                                 "on_nonfinite=skip_step drops such updates and goes on)")
         if self.consecutive_skips >= self.max_skipped_steps:
+            self._log_skipped_now()  # the step's own log never comes: the last dropped update counts too
             hold_launched_ranks(self._trainer)
             raise NonFiniteStep(f"{report}; {self.consecutive_skips} updates in a row were dropped "
                                 f"(max_skipped_steps={self.max_skipped_steps}): stopping, nothing of them applied")
@@ -554,6 +555,14 @@ class TreeLitModule(pl.LightningModule):
             log.warning("%s; the update was dropped (on_nonfinite=skip_step: %d in a row, %d in all)", report,
                         self.consecutive_skips, self.skipped_steps)
         return True
+
+    def _log_skipped_now(self) -> None:
+        """``train/skipped_steps`` straight to the loggers (rank 0), at this step's index."""
+        if self._trainer is None or not self.trainer.is_global_zero:
+            return
+        for lg in self.trainer.loggers:
+            lg.log_metrics({"train/skipped_steps": float(self.skipped_steps)}, step=max(self.global_step - 1, 0))
+            lg.save()
 
     def _nonfinite_report(self, micro_batches, mine, grad_norm: float, comm: Collectives) -> str:
         """One line, the same on every rank: the step, what was not finite, and each micro-batch

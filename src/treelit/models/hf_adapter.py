@@ -34,11 +34,13 @@ soft-capping, dropout, encoder-decoder and other multimodal models.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -326,6 +328,19 @@ def _umask() -> int:
     return current
 
 
+@contextlib.contextmanager
+def _quiet_fla_import() -> Iterator[None]:
+    """transformers' hybrid families (Qwen3.5, Qwen3-Next, ...) import fla when it is installed (the
+    ``test`` extra installs it: its naive recurrences are test oracles), and fla, imported on a
+    machine without a Triton backend, warns "Triton is not supported on current platform, roll back
+    to CPU". treelit runs those layers through its own tree kernels (:mod:`treelit.models.hf_kernels`;
+    fla's only with ``ssm=fla`` on CUDA, where the warning does not arise), so nothing rolls back:
+    that one warning is dropped, others pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+        yield
+
+
 def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = torch.float32,
                   device: Union[str, torch.device] = "cpu", router_loss_set: bool = False) -> HFTreeModel:
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
@@ -354,7 +369,9 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     if _moe_options(cfg) or getattr(cfg, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel
     try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **kwargs)
+        with _quiet_fla_import():
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
+                                                                   **kwargs)
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{path}: transformers cannot load it as a causal LM ({exc})") from None
     if getattr(hf.get_output_embeddings(), "bias", None) is not None:

@@ -116,12 +116,15 @@ def _resolve_targets(opts: LoraOptions, model: nn.Module, inner: nn.Module) -> L
         if not names:
             raise ValueError("model.lora.target_modules=all-linear: this model has no linear layer besides its head")
         return names
-    linear = sorted({n.split(".")[-1] for n, m in modules.items() if isinstance(m, (nn.Linear, nn.Embedding))})
+    wrappable = {n: m for n, m in modules.items() if n != head and isinstance(m, (nn.Linear, nn.Embedding))}
+    linear = sorted({n.split(".")[-1] for n, m in wrappable.items() if isinstance(m, nn.Linear)})
+    embedding = sorted({n.split(".")[-1] for n, m in wrappable.items() if isinstance(m, nn.Embedding)})
     for t in opts["target_modules"]:
         hits = [(n, m) for n, m in modules.items() if n and _matches(n, t)]
         if not hits:
+            also = f"; its embedding: {', '.join(embedding)}" if embedding else ""
             raise ValueError(f"model.lora.target_modules: {t!r} matches no module of this model; its linear layers "
-                             f"are named {', '.join(linear)}")
+                             f"are named {', '.join(linear)}{also} (the head is trained with model.lora.modules_to_save)")
         for n, m in hits:
             if head is not None and n == head:
                 raise ValueError(f"model.lora.target_modules: {t!r} is the language-model head ({n}), which "
@@ -268,7 +271,10 @@ def adapter_state_dict(model: nn.Module, sd: Optional[Mapping[str, torch.Tensor]
 def save_adapter(model: nn.Module, path: Union[str, os.PathLike], sd: Optional[Mapping[str, torch.Tensor]] = None,
                  dtype: Optional[torch.dtype] = None, base_model: Optional[str] = None) -> Path:
     """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
-    ``peft.PeftModel.from_pretrained(base, path)`` loads."""
+    ``peft.PeftModel.from_pretrained(base, path)`` loads, and ``AutoPeftModelForCausalLM`` (which
+    reads the base from the config: ``base_model``, absolute when it is a local folder, so the
+    folder loads from any working directory without asking the hub; ``task_type`` CAUSAL_LM), and
+    vLLM's and SGLang's LoRA loaders."""
     cfg = getattr(model, "treelit_lora_config", None)
     if cfg is None:
         raise ValueError("this model has no LoRA adapters to save")
@@ -279,7 +285,10 @@ def save_adapter(model: nn.Module, path: Union[str, os.PathLike], sd: Optional[M
         weights = {k: v.to(dtype) for k, v in weights.items()}
     save_file(weights, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = cfg.to_dict()
+    if base_model is not None and Path(base_model).is_dir():  # as typed, relative to the run's folder
+        base_model = str(Path(base_model).resolve())
     config["base_model_name_or_path"] = base_model
+    config["task_type"] = config.get("task_type") or "CAUSAL_LM"
     config["inference_mode"] = True
     for k, v in list(config.items()):
         if isinstance(v, set):

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Dict, List, Optional, Tuple
+import math
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -84,6 +85,18 @@ def _branch_scale(n: np.ndarray, aggregation: str) -> np.ndarray:
 REFERENCES = ("data", "initial", "base")  # where the reference log-probs come from
 
 
+def _number(name: str, value: Any, low: float = 0.0, high: float = math.inf, low_open: bool = False,
+            high_open: bool = False) -> float:
+    """``objective.<name>`` as a float inside its range, or one ValueError line naming it."""
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if not bad:
+        bad = value < low or (low_open and value == low) or value > high or (high_open and value == high)
+    if bad:
+        span = f"{'(' if low_open else '['}{low:g}, {'inf' if high == math.inf else f'{high:g}'}{')' if high_open or high == math.inf else ']'}"
+        raise ValueError(f"objective.{name} must be a number in {span}, got {value!r}")
+    return float(value)
+
+
 class _PolicyObjective(Objective):
     """Shared plumbing: log-probs in both forms, old/reference log-probs, KL and entropy."""
 
@@ -94,9 +107,9 @@ class _PolicyObjective(Objective):
             raise ValueError(f"objective.kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if reference not in REFERENCES:
             raise ValueError(f"objective.reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
-        self.kl_coef = float(kl_coef)
+        self.kl_coef = _number("kl_coef", kl_coef)
         self.kl_estimator = kl_estimator
-        self.entropy_coef = float(entropy_coef)
+        self.entropy_coef = _number("entropy_coef", entropy_coef, low=-math.inf)
         self.reference = reference
         self._ref_model = None
 
@@ -257,9 +270,9 @@ class PPO(_PolicyObjective):
         if not isinstance(whiten_advantages, bool):
             raise ValueError(f"objective.whiten_advantages={whiten_advantages!r}: must be true or false")
         self.whiten_advantages = whiten_advantages
-        self.clip_low = float(clip_low)
-        self.clip_high = float(clip_low if clip_high is None else clip_high)
-        if dual_clip is not None and dual_clip <= 1.0:
+        self.clip_low = _number("clip_low", clip_low, high=1.0, high_open=True)
+        self.clip_high = _number("clip_high", clip_low if clip_high is None else clip_high)
+        if dual_clip is not None and not (_number("dual_clip", dual_clip) > 1.0):
             raise ValueError(f"objective.dual_clip must be > 1, got {dual_clip}")
         self.dual_clip = None if dual_clip is None else float(dual_clip)
 
@@ -330,7 +343,8 @@ class GSPO(_PolicyObjective):
 
     def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4, **kw):
         super().__init__(**kw)
-        self.clip_low, self.clip_high = float(clip_low), float(clip_high)
+        self.clip_low = _number("clip_low", clip_low, high=1.0, high_open=True)
+        self.clip_high = _number("clip_high", clip_high)
 
     def _seq_term(self, s, A):
         return torch.minimum(s * A, s.clamp(1 - self.clip_low, 1 + self.clip_high) * A)
@@ -389,7 +403,7 @@ class DPO(_PolicyObjective):
         if unknown:
             raise TypeError(f"objective=dpo got unknown options {unknown}; it takes beta, loss, reference")
         super().__init__(reference=reference)
-        self.beta = float(beta)
+        self.beta = _number("beta", beta, low_open=True)
         self.loss = loss
 
     def norm_contribution(self, batch, aggregation: str) -> float:
