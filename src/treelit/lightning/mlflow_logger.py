@@ -5,7 +5,9 @@ training framework owes its users:
 
 * opening the store, getting or creating the experiment and creating (or reopening)
   the run happen under the store's file lock (:mod:`treelit.utils.mlflow_store`), so
-  any number of runs may start at once on one fresh ``mlflow.db``;
+  any number of runs may start at once on one fresh ``mlflow.db``; a fresh store is built
+  under a temporary name and renamed, so a kill during its creation leaves none, not half
+  of one;
 * every run carries liveness tags, and opening the store marks ``KILLED`` the runs of
   this machine whose process died without closing them;
 * ``run_id=`` (set by ``treelit-train`` from a ``resume_from`` checkpoint) reopens that
@@ -45,6 +47,7 @@ from treelit.utils.mlflow_store import (
     DEFAULT_TRACKING_URI,
     TAG_END,
     default_artifact_location,
+    ensure_store,
     mark_dead_runs_killed,
     process_tags,
     resolve_tracking_uri,
@@ -95,6 +98,7 @@ class TreeMLFlowLogger(MLFlowLogger):
             artifact_location = default_artifact_location(uri)
         self.reopened = run_id is not None
         with store_lock(uri):
+            ensure_store(uri)  # built under another name and renamed: a kill leaves no half-made store
             super().__init__(
                 experiment_name=experiment_name,
                 run_name=run_name,
