@@ -95,50 +95,109 @@ def read_resume_checkpoint(path: str) -> Dict[str, Any]:
     return info
 
 
-def find_resume_checkpoint(directory: Path) -> Optional[Dict[str, Any]]:
-    """``resume_from=auto``: the newest complete checkpoint in ``directory`` (what
-    :func:`read_resume_checkpoint` returns for it), or None when there is none. Newest is the
-    latest written (a sharded checkpoint directory: its ``meta.pt``, written last); complete
-    means it reads - one that does not (cut short, no ``meta.pt``) is passed over with a
-    warning, and the next newest is tried. Partial files (``*.partial``) are never candidates."""
-    from treelit.models.errors import CheckpointError
+def _step_of(p: Path) -> Optional[int]:
+    """The ``global_step`` a checkpoint says it holds, read without checking it (None: unreadable).
+    Only tensors and plain data are read, memory-mapped."""
+    import torch  # cli: --help pays for Hydra only
 
-    def written(p: Path) -> float:
-        try:
-            return (p / "meta.pt").stat().st_mtime if p.is_dir() else p.stat().st_mtime
-        except OSError:
-            return -1.0
+    f = p / "meta.pt" if p.is_dir() else p
+    try:
+        ckpt = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        return int(ckpt["global_step"])
+    except Exception:
+        return None
+
+
+def find_resume_checkpoint(directory: Path) -> Optional[Dict[str, Any]]:
+    """``resume_from=auto``: the checkpoint of ``directory`` with the highest step that
+    verifies (what :func:`read_resume_checkpoint` returns for it), or None when there is none.
+    The step is the one the checkpoint holds (file times are not looked at: a copied folder
+    has new ones); each checkpoint of a higher step that does not verify (cut short, altered,
+    a zip entry failing its CRC-32, a sharded folder without ``meta.pt``) is passed over with
+    a warning naming it and why, and so is one whose step cannot be read. Partial files
+    (``*.partial``) are never candidates."""
+    from treelit.models.errors import CheckpointError
 
     if not directory.is_dir():
         return None
-    found = [p for p in directory.iterdir() if p.name.endswith(".ckpt")]
-    for p in sorted(found, key=lambda p: (written(p), p.name), reverse=True):
+    found = [(p, _step_of(p)) for p in directory.iterdir() if p.name.endswith(".ckpt")]
+    # highest step first (one whose step does not read could be any: tried, and named, first); at one
+    # step a step-named file before last.ckpt (the same state)
+    for p, step in sorted(found, key=lambda t: (float("inf") if t[1] is None else t[1], t[0].name != "last.ckpt",
+                                                t[0].name), reverse=True):
         try:
             info = read_resume_checkpoint(str(p))
             if info["global_step"] is not None:
                 return info
-            why = "no meta.pt"
+            why = "a sharded checkpoint without meta.pt"
         except (CheckpointError, OSError, ValueError) as exc:
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        log.warning("resume_from=auto: passing over %s, which is not complete (%s)", p, why)
+        held = f"step {step}" if step is not None else "its step unreadable"
+        log.warning("resume_from=auto: passing over %s (%s), which does not verify: %s", p, held, why)
     return None
 
 
+def _checkpoint_dir(cfg: DictConfig, out: Path) -> Path:
+    return Path(str(((cfg.get("callbacks") or {}).get("checkpoint") or {}).get("dirpath") or out / "checkpoints"))
+
+
+def _tidy_checkpoints(cfg: DictConfig, out: Path) -> None:
+    """Finish a checkpoint commit a kill interrupted, remove partial files (one process)."""
+    from treelit.lightning.checkpoint_files import tidy
+
+    if process_rank() == 0:
+        for line in tidy(_checkpoint_dir(cfg, out)):
+            log.info("checkpoints: %s", line)
+
+
+def _point_last_at(info: Dict[str, Any]) -> None:
+    """``last.ckpt`` beside the checkpoint ``resume_from=auto`` chose becomes that checkpoint
+    when it holds an older step or does not verify (a hard link, its manifest beside it), so
+    ``resume_from=.../last.ckpt`` never goes back to an older step."""
+    from treelit.lightning.checkpoint_files import write_and_commit_manifest
+    from treelit.utils.integrity import remove_path
+
+    chosen = Path(info["path"])
+    last = chosen.with_name("last.ckpt")
+    if chosen.name == "last.ckpt" or chosen.is_dir() or process_rank() != 0 or not last.exists():
+        return
+    step = _step_of(last)
+    if step is not None and step >= int(info["global_step"]):
+        try:
+            read_resume_checkpoint(str(last))
+            return
+        except Exception:
+            pass
+    partial = last.with_name("last.ckpt.partial")
+    remove_path(partial)
+    try:
+        os.link(chosen, partial)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(chosen, partial)
+    write_and_commit_manifest(str(partial), str(last))
+    log.info("resume_from=auto: %s now holds step %d (it held %s)", last, info["global_step"],
+             f"step {step}" if step is not None else "no readable step")
+
+
 def _resume(cfg: DictConfig, out: Path) -> Optional[Dict[str, Any]]:
-    """The checkpoint ``resume_from`` names; ``auto``: the run folder's newest complete one
-    (the checkpoint callback's ``dirpath``, else ``<output_dir>/checkpoints``), or a fresh start,
-    said in one line either way."""
+    """The checkpoint ``resume_from`` names; ``auto``: the run folder's checkpoint of the
+    highest step that verifies (the checkpoint callback's ``dirpath``, else
+    ``<output_dir>/checkpoints``), or a fresh start, said in one line either way."""
+    _tidy_checkpoints(cfg, out)
     wanted = cfg.get("resume_from")
     if not wanted:
         return None
     if str(wanted) != "auto":
         return read_resume_checkpoint(str(wanted))
-    where = Path(str(((cfg.get("callbacks") or {}).get("checkpoint") or {}).get("dirpath") or out / "checkpoints"))
+    where = _checkpoint_dir(cfg, out)
     info = find_resume_checkpoint(where)
     if info is None:
         log.info("resume_from=auto: no complete checkpoint in %s: starting fresh", where)
     else:
         log.info("resume_from=auto: resuming from %s (step %d)", info["path"], info["global_step"])
+        _point_last_at(info)
     return info
 
 

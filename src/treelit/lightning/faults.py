@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -39,6 +38,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from treelit.lightning.checkpoint_files import write_and_commit_manifest
 from treelit.utils.distributed import Collectives
 
 __all__ = ["NonFiniteStep", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "exit_code_of", "hold_launched_ranks",
@@ -217,8 +217,6 @@ class Preemption(pl.Callback):
         trainer.strategy.barrier("Preemption.mkdir")
         trainer.save_checkpoint(partial)
         if trainer.is_global_zero and os.path.exists(partial):
-            if os.path.isdir(partial) and os.path.isdir(path):
-                shutil.rmtree(path)
-            os.replace(partial, path)
+            write_and_commit_manifest(partial, str(path))  # its manifest lands with it
         trainer.strategy.barrier("Preemption.rename")
         return str(path)
