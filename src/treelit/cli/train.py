@@ -28,10 +28,12 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from treelit.cli import startup_signals
 from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, ConfigError, register_resolvers, validate_config
 from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, process_rank,
                                  quiet_transformers_bars, tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
+from treelit.cli.startup_signals import StartupPreempted
 from treelit.cli.summary import data_line
 from treelit.utils.redact import redact_config, redact_text
 
@@ -402,6 +404,8 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
+    if not (cfg.get("callbacks") or {}).get("preemption"):
+        startup_signals.uninstall()  # callbacks.preemption=null: the signals are not treelit's
     resume = _resume(cfg, out)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if process_rank() == 0:  # one writer: every process of a multi-process run shares the folder
@@ -476,6 +480,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
                 _agreed_stop(trainer):
             trainer.fit(module, datamodule=datamodule, ckpt_path=resume["path"] if resume else None,
                         weights_only=True)  # no code from it
+    startup_signals.uninstall()  # after training: the signals' default action again
 
     from treelit.cli.summary import build_summary, format_summary
 
@@ -490,6 +495,8 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
 
 def _fault_exit_code(exc: BaseException) -> Optional[int]:
     """The exit code of a stop the ranks agreed on (treelit.lightning.faults), else None."""
+    if isinstance(exc, StartupPreempted):
+        return exc.exit_code
     faults = sys.modules.get("treelit.lightning.faults")  # imported by any run that could raise one
     return faults.exit_code_of(exc) if faults is not None else None
 
@@ -583,13 +590,19 @@ _SEQUENCE_KERNELS = {"causal_conv1d_fn", "chunk_gated_delta_rule", "chunk_kda", 
 
 def main() -> None:
     """``treelit-train``. A mistake on the command line (an unknown option of a config group,
-    an unknown key) is one ``error:`` line with the closest names, not Hydra's dump."""
+    an unknown key) is one ``error:`` line with the closest names, not Hydra's dump. A
+    preemption signal before training starts is one line and exit code 75
+    (:mod:`treelit.cli.startup_signals`)."""
+    startup_signals.install()
     register_resolvers()
     user = os.environ.get("HYDRA_FULL_ERROR", "0")
     os.environ[_USER_FULL_ERROR] = user
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _hydra_main()
+    except StartupPreempted as exc:  # before Hydra set up the console
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
     except Exception as exc:  # raised before the task ran (composing the config, Hydra's callbacks)
         msg = hydra_error_message(exc) or user_error_message(exc)
         if msg is None or user == "1":
@@ -597,6 +610,7 @@ def main() -> None:
         print(f"error: {redact_text(msg)}", file=sys.stderr)  # an override as typed may hold a password
         sys.exit(1)
     finally:
+        startup_signals.uninstall()
         os.environ.pop(_USER_FULL_ERROR, None)
         os.environ["HYDRA_FULL_ERROR"] = user
 

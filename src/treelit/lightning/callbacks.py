@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from treelit.lightning.checkpoint_files import commit
 from treelit.lightning.faults import hold_launched_ranks
 from treelit.lightning.mlflow_logger import log_artifact_checked
+from treelit.lightning.step_log import log_step_now
 from treelit.loss.tree import tree_token_logprobs
 from treelit.models.hf import NATIVE_MODEL_TYPE, full_state_dict, save_hf_checkpoint
 from treelit.models.lora import adapter_state_dict, lora_of, merged_state_dict, save_adapter
@@ -290,10 +291,11 @@ class TreeCheckpoint(ModelCheckpoint):
         return (f"checkpoint {filepath} not written at step {trainer.global_step}: {failed['why']}{where}{size}; "
                 f"its partial files were removed; {kept}")
 
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        log_step_now(trainer)  # the step's metrics before the checkpoint that holds the step (step_log.py)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-            super().on_train_batch_end(*args, **kwargs)
+            super().on_train_batch_end(trainer, *args, **kwargs)
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         self._written.pop(filepath, None)
