@@ -182,3 +182,42 @@ class KillAfterCommit(pl.Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         ckpt._commit = commit
+
+
+class Pace(pl.Callback):
+    """Slows a run down so that signals sent from outside at random moments land in every
+    phase: each step ends ``step_s`` seconds later, and each checkpoint file is written in two
+    halves ``write_s`` seconds apart (the soak test)."""
+
+    def __init__(self, step_s: float = 0.2, write_s: float = 0.2) -> None:
+        self.step_s, self.write_s = float(step_s), float(write_s)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        io_ = trainer.strategy.checkpoint_io
+        if getattr(io_, "_paced", False):
+            return
+        pause = self.write_s
+
+        def save_checkpoint(checkpoint, path, storage_options=None):
+            import io as _io
+            import time
+
+            buf = _io.BytesIO()
+            torch.save(checkpoint, buf)
+            data = buf.getvalue()
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                time.sleep(pause)
+                f.write(data[len(data) // 2:])
+                f.flush()
+                os.fsync(f.fileno())
+
+        io_.save_checkpoint = save_checkpoint
+        io_._paced = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        time.sleep(self.step_s)

@@ -24,11 +24,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-import hydra
-from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from treelit.cli import startup_signals  # before anything heavy: see below
 
-from treelit.cli import startup_signals
+if os.path.basename(sys.argv[0] if sys.argv else "") == "treelit-train":
+    startup_signals.install()  # the console script: a preemption signal from here on ends with code 75
+
+import hydra  # noqa: E402
+from hydra.errors import InstantiationException  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
 from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, ConfigError, register_resolvers, validate_config
 from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, process_rank,
                                  quiet_transformers_bars, tidy_library_logging, user_error_message)
@@ -594,6 +598,7 @@ def main() -> None:
     preemption signal before training starts is one line and exit code 75
     (:mod:`treelit.cli.startup_signals`)."""
     startup_signals.install()
+    startup_signals.running()
     register_resolvers()
     user = os.environ.get("HYDRA_FULL_ERROR", "0")
     os.environ[_USER_FULL_ERROR] = user
