@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -179,8 +180,6 @@ def _point_last_at(info: Dict[str, Any]) -> None:
     try:
         os.link(chosen, partial)
     except OSError:
-        import shutil
-
         shutil.copyfile(chosen, partial)
     write_and_commit_manifest(str(partial), str(last))
     log.info("resume_from=auto: %s now holds step %d (it held %s)", last, info["global_step"],

@@ -39,12 +39,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 from treelit.utils.dir_lock import holder_text, read_holder, write_holder
+from treelit.utils.integrity import fsync_path
 
 __all__ = [
     "sqlite_path",
@@ -143,8 +145,6 @@ def store_lock(uri: str, timeout: float = 600.0, report_every: float = 10.0) -> 
 def _store_state(path: Path) -> Optional[str]:
     """None when ``path`` is a complete MLflow store (its schema at MLflow's head revision);
     else what is wrong with it, and whether it holds runs (``"... ; N runs"``)."""
-    import sqlite3
-
     from mlflow.store.db.utils import _get_latest_schema_revision  # heavy: only with a local store
 
     try:
@@ -200,11 +200,9 @@ def _unsynced(connection, record) -> None:
 
 
 def _build(path: Path, uri: str) -> None:
-    import sqlalchemy
-    from mlflow.store.db.utils import create_sqlalchemy_engine_with_retry
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # heavy: only when a store is built
-
-    from treelit.utils.integrity import fsync_path
+    import sqlalchemy  # heavy: only when a store is built
+    from mlflow.store.db.utils import create_sqlalchemy_engine_with_retry  # heavy: as above
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # heavy: as above
 
     tmp = path.with_name(f".{path.name}.creating-{os.getpid()}")
     _remove_sqlite(tmp)
