@@ -1,6 +1,6 @@
 """Preemption: on SIGTERM or SIGUSR1 (SLURM's warning before the kill) every rank finishes the
 step it is in, the run writes that step's checkpoint and exits with code 75 and one line; run
-again with ``resume_from=auto`` (same ``output_dir``) it continues from the newest complete
+again with ``resume_from=auto`` (same ``output_dir``) it continues from the highest-step complete
 checkpoint and ends with the weights of a run that was never interrupted, bit for bit.
 
 The signal is sent at several points of a step: before it (at its start), during it (in its

@@ -149,11 +149,12 @@ def _checkpoint_dir(cfg: DictConfig, out: Path) -> Path:
 
 
 def _tidy_checkpoints(cfg: DictConfig, out: Path) -> None:
-    """Finish a checkpoint commit a kill interrupted, remove partial files (one process)."""
+    """Finish a checkpoint commit a kill interrupted, remove partial files: every process (the
+    ones torchrun or SLURM start together then choose from the same files), rank 0 says so."""
     from treelit.lightning.checkpoint_files import tidy
 
-    if process_rank() == 0:
-        for line in tidy(_checkpoint_dir(cfg, out)):
+    for line in tidy(_checkpoint_dir(cfg, out)):
+        if process_rank() == 0:
             log.info("checkpoints: %s", line)
 
 
@@ -168,6 +169,8 @@ def _point_last_at(info: Dict[str, Any]) -> None:
     last = chosen.with_name("last.ckpt")
     if chosen.name == "last.ckpt" or chosen.is_dir() or process_rank() != 0 or not last.exists():
         return
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        return  # processes started together read the folder now; the run's first checkpoint rewrites it
     step = _step_of(last)
     if step is not None and step >= int(info["global_step"]):
         try:

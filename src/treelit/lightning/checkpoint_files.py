@@ -73,11 +73,15 @@ def _matches(manifest: Path, f: Path, name: str) -> bool:
 
 
 def _finish(partial: Path, final: Path) -> bool:
-    """Whether ``partial`` is the file ``final``'s manifest describes (then it is renamed)."""
+    """Whether ``partial`` is the file ``final``'s manifest describes (then it is renamed; by
+    another process of the run, if that one was first)."""
     manifest = final.with_name(final.name + MANIFEST_SUFFIX)
     if partial.is_dir() or not manifest.is_file() or not _matches(manifest, partial, final.name):
         return False
-    os.replace(partial, final)
+    try:
+        os.replace(partial, final)
+    except FileNotFoundError:
+        pass  # another process of this run renamed it
     return True
 
 
@@ -85,23 +89,20 @@ def _finish_manifest(partial: Path, final: Path) -> bool:
     """Whether ``partial`` is the manifest of a checkpoint in place that has none (an earlier
     version renamed the file first): then it is renamed into place."""
     target = final.with_name(final.name[: -len(MANIFEST_SUFFIX)])
-    if final.exists() or not target.is_file():
+    if final.exists() or not target.is_file() or not _matches(partial, target, target.name):
         return False
-    tmp = final.with_name(f".{final.name}.check")
     try:
-        os.replace(partial, tmp)  # the name _matches reads
-        if not _matches(tmp, target, target.name):
-            os.replace(tmp, partial)
-            return False
-        os.replace(tmp, final)
-        return True
-    except OSError:
-        return False
+        os.replace(partial, final)
+    except FileNotFoundError:
+        pass  # another process of this run renamed it
+    return True
 
 
 def tidy(directory: Union[str, Path]) -> List[str]:
     """Finish a commit a kill interrupted and remove what other kills left in ``directory``
-    (call on one process, before anything reads the folder). Returns one line per thing done."""
+    (before anything reads the folder; every process of a run may call it at once, as the
+    processes torchrun or SLURM start do: each then sees the same folder when it chooses the
+    checkpoint to resume from). Returns one line per thing done."""
     d = Path(directory)
     if not d.is_dir():
         return []
