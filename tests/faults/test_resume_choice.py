@@ -21,7 +21,8 @@ import pytest
 
 from fault_runs import TINY, assert_same_weights, weights, write_trees
 from treelit.cli.config import compose
-from treelit.cli.train import _point_last_at, _step_of, find_resume_checkpoint, read_resume_checkpoint, run
+from treelit.cli.resume import find_resume_checkpoint, point_last_at, read_resume_checkpoint, step_of
+from treelit.cli.train import run
 from treelit.lightning.checkpoint_files import commit, tidy
 from treelit.models.errors import CheckpointError
 from treelit.utils.integrity import MANIFEST_SUFFIX, verify, write_manifest
@@ -178,8 +179,8 @@ def test_last_ckpt_is_pointed_at_the_step_resumed_from(copied):
     write_manifest(copied / "last.ckpt")
     info = find_resume_checkpoint(copied)
     assert info["global_step"] == 4 and Path(info["path"]).name == "step-000004.ckpt"
-    _point_last_at(info)
-    assert _step_of(copied / "last.ckpt") == 4 and verify(copied / "last.ckpt", "t") is not None
+    point_last_at(info)
+    assert step_of(copied / "last.ckpt") == 4 and verify(copied / "last.ckpt", "t") is not None
 
 
 def test_a_run_resumed_in_a_copied_folder_reuses_the_names(source, data, tmp_path):
@@ -199,5 +200,5 @@ def test_a_run_resumed_in_a_copied_folder_reuses_the_names(source, data, tmp_pat
                  "callbacks.checkpoint.every_n_train_steps=1", "resume_from=auto"]))
     names = sorted(p.name for p in d.iterdir() if not p.name.endswith(M))
     assert names == ["last.ckpt", "step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt", "step-000004.ckpt"], names
-    assert _step_of(d / "last.ckpt") == 4
+    assert step_of(d / "last.ckpt") == 4
     assert_same_weights(weights(out), weights(source))
