@@ -10,9 +10,10 @@ MLflow run has every step exactly once.
 
 (``-s`` prints one line per kill and the totals.) Signals go out once treelit's handler is
 installed (``SigCgt`` in /proc): the tenth of a second in which Python itself starts, before
-any treelit code runs, is the one moment a SIGTERM still ends a run with the default action. The run is slowed by a test callback
-(``injectors.Pace``: each step 0.2 s longer, each checkpoint file written in two halves
-0.15 s apart) so that random moments fall in every phase."""
+any treelit code runs, is the one moment a SIGTERM still ends a run with the default action.
+The run is slowed by a test callback (``injectors.Pace``: each step 0.2 s longer, each
+checkpoint file written in two halves 0.15 s apart) so that random moments fall in every
+phase."""
 
 from __future__ import annotations
 
@@ -180,7 +181,8 @@ def test_soak_random_kills_then_resume(tmp_path):
             assert rc in (-9, 0), err[-3000:]
         else:
             lines = err.strip().splitlines()
-            assert rc == 75 and len(lines) == 1 and lines[0].startswith("error: preempted by SIGTERM"), (rc, err[-3000:])
+            assert rc == 75 and len(lines) == 1 and lines[0].startswith("error: preempted by SIGTERM"), \
+                (rc, err[-3000:])
         _check_folder(ckdir)
 
     run = _Run(args, cwd, n + 1)

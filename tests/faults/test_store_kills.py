@@ -172,7 +172,8 @@ def test_a_half_made_store_without_runs_is_rebuilt_and_says_so(tmp_path, caplog)
     con.close()
     caplog.clear()
     before = (held / "mlflow.db").read_bytes()
-    with caplog.at_level(logging.WARNING, logger="treelit.utils.mlflow_store"), store_lock(f"sqlite:///{held}/mlflow.db"):
-        ensure_store(f"sqlite:///{held}/mlflow.db")
+    held_uri = f"sqlite:///{held}/mlflow.db"
+    with caplog.at_level(logging.WARNING, logger="treelit.utils.mlflow_store"), store_lock(held_uri):
+        ensure_store(held_uri)
     assert (held / "mlflow.db").read_bytes() == before
     assert not [r for r in caplog.records if r.name == "treelit.utils.mlflow_store"]

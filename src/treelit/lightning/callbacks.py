@@ -160,8 +160,8 @@ class TreeCheckpoint(ModelCheckpoint):
     previous checkpoint (``last.ckpt`` included) intact, and the next start finishes or removes
     what the kill left (:mod:`treelit.lightning.checkpoint_files`). A name is reused, never
     versioned: a resumed run that redoes a step writes ``step-N.ckpt`` and ``last.ckpt`` again
-    (no ``last-v1.ckpt``), so ``last.ckpt`` is always the newest step written. A single-file checkpoint is streamed by ``torch.save`` straight into that
-    file (:class:`TreeCheckpointIO`; Lightning's own writer holds a second copy of the whole
+    (no ``last-v1.ckpt``), so ``last.ckpt`` is always the newest step written. A single-file
+    checkpoint is streamed by ``torch.save`` straight into that file (:class:`TreeCheckpointIO`; Lightning's own writer holds a second copy of the whole
     checkpoint in memory and stages it in the system temporary directory, then *moves* it,
     which is a copy, not an atomic rename, when that directory is on another filesystem). A
     resumed run writes to its ``output_dir``: the folder it resumed from (``output_dir=`` that

@@ -58,6 +58,8 @@ def commit(partial: str, filepath: str) -> None:
             remove_path(filepath)
         if os.path.exists(f"{manifest}{PARTIAL}"):
             os.replace(f"{manifest}{PARTIAL}", manifest)
+        else:
+            remove_path(manifest)  # never beside a file it does not describe
         os.replace(partial, filepath)
     fsync_path(os.path.dirname(os.path.abspath(filepath)))
 
