@@ -130,3 +130,94 @@ class HoldUntilSignal(pl.Callback):
         end = time.monotonic() + self.timeout_s
         while watcher.received is None and time.monotonic() < end:
             time.sleep(0.05)
+
+
+class SignalDuringWrite(pl.Callback):
+    """Sends ``sig`` to this process in the middle of the checkpoint file written at the end of
+    data step ``step``: half its bytes are on disk (fsync'ed), the rest follow if the process
+    lives on (SIGTERM only sets the preemption flag; SIGKILL ends it there)."""
+
+    def __init__(self, step: int, sig: str = "SIGKILL") -> None:
+        self.step, self.signum = int(step), signal.Signals[sig]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch.index + 1 != self.step:
+            return
+        io_ = trainer.strategy.checkpoint_io
+        original = io_.save_checkpoint
+
+        def save_checkpoint(checkpoint, path, storage_options=None):
+            import io as _io
+
+            io_.save_checkpoint = original  # once
+            buf = _io.BytesIO()
+            torch.save(checkpoint, buf)
+            data = buf.getvalue()
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                os.kill(os.getpid(), self.signum)
+                f.write(data[len(data) // 2:])
+                f.flush()
+                os.fsync(f.fileno())
+
+        io_.save_checkpoint = save_checkpoint
+
+
+class KillAfterCommit(pl.Callback):
+    """SIGKILL right after the checkpoint of global step ``step`` is renamed into place: before
+    Lightning logs that step's metrics, unless they were logged before the checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = int(step)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        ckpt = next(c for c in trainer.checkpoint_callbacks if hasattr(c, "_commit"))
+        original = ckpt._commit
+
+        def commit(partial, filepath):
+            original(partial, filepath)
+            if trainer.global_step == self.step and "last" in os.path.basename(filepath):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        ckpt._commit = commit
+
+
+class Pace(pl.Callback):
+    """Slows a run down so that signals sent from outside at random moments land in every
+    phase: each step ends ``step_s`` seconds later, and each checkpoint file is written in two
+    halves ``write_s`` seconds apart (the soak test)."""
+
+    def __init__(self, step_s: float = 0.2, write_s: float = 0.2) -> None:
+        self.step_s, self.write_s = float(step_s), float(write_s)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        io_ = trainer.strategy.checkpoint_io
+        if getattr(io_, "_paced", False):
+            return
+        pause = self.write_s
+
+        def save_checkpoint(checkpoint, path, storage_options=None):
+            import io as _io
+            import time
+
+            buf = _io.BytesIO()
+            torch.save(checkpoint, buf)
+            data = buf.getvalue()
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                time.sleep(pause)
+                f.write(data[len(data) // 2:])
+                f.flush()
+                os.fsync(f.fileno())
+
+        io_.save_checkpoint = save_checkpoint
+        io_._paced = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        time.sleep(self.step_s)

@@ -1,6 +1,6 @@
 """Preemption: on SIGTERM or SIGUSR1 (SLURM's warning before the kill) every rank finishes the
 step it is in, the run writes that step's checkpoint and exits with code 75 and one line; run
-again with ``resume_from=auto`` (same ``output_dir``) it continues from the newest complete
+again with ``resume_from=auto`` (same ``output_dir``) it continues from the highest-step complete
 checkpoint and ends with the weights of a run that was never interrupted, bit for bit.
 
 The signal is sent at several points of a step: before it (at its start), during it (in its
@@ -95,9 +95,10 @@ def test_a_signal_in_the_last_step_lets_the_run_end(data, tmp_path, cli_main, ca
     assert (out / "hf_checkpoint").is_dir() and (out / "summary.json").is_file()
 
 
-def test_auto_takes_the_newest_complete_checkpoint(uninterrupted, tmp_path, caplog):
-    """Newest by the time written; a truncated file (with a warning), a sharded directory without
-    its meta.pt (no time written: the oldest) and a partial file are passed over."""
+def test_auto_takes_the_highest_complete_step(uninterrupted, tmp_path, caplog):
+    """Highest step that verifies, whatever the file times; a truncated file and a sharded
+    directory without its meta.pt (its step unreadable) are passed over, each named with why;
+    a partial file is never a candidate."""
     d = tmp_path / "checkpoints"
     d.mkdir()
     src = uninterrupted / "checkpoints"
@@ -108,18 +109,19 @@ def test_auto_takes_the_newest_complete_checkpoint(uninterrupted, tmp_path, capl
     (d / "step-000004.ckpt" / "__0_0.distcp").write_bytes(b"\0" * 64)
     shutil.copy(src / "step-000004.ckpt", d / "step-000005.ckpt.partial")
     now = time.time()
-    for i, name in enumerate(["step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt", "step-000004.ckpt",
+    for i, name in enumerate(["step-000002.ckpt", "step-000001.ckpt", "step-000003.ckpt", "step-000004.ckpt",
                               "step-000005.ckpt.partial"]):
         os.utime(d / name, (now + i, now + i))
     with caplog.at_level("WARNING", logger="treelit.train"):
         info = find_resume_checkpoint(d)
     assert info["path"] == str(d / "step-000002.ckpt") and info["global_step"] == 2
-    passed = [r.getMessage() for r in caplog.records if r.name == "treelit.train"]
-    assert len(passed) == 1 and "passing over" in passed[0] and "step-000003.ckpt" in passed[0], passed
+    passed = sorted(r.getMessage() for r in caplog.records if r.name == "treelit.train")
+    assert len(passed) == 2 and all("passing over" in m and "its step unreadable" in m for m in passed), passed
+    assert "step-000003.ckpt" in passed[0] and "step-000004.ckpt" in passed[1] and "without meta.pt" in passed[1]
     shutil.rmtree(d / "step-000004.ckpt")
     (d / "step-000004.ckpt").mkdir()  # a sharded checkpoint, complete: its meta.pt loads
     shutil.copy(src / "step-000004.ckpt", d / "step-000004.ckpt" / "meta.pt")
-    os.utime(d / "step-000004.ckpt" / "meta.pt", (now + 9, now + 9))
+    os.utime(d / "step-000004.ckpt" / "meta.pt", (now - 99, now - 99))
     assert find_resume_checkpoint(d)["global_step"] == 4
     assert find_resume_checkpoint(tmp_path / "none") is None
 

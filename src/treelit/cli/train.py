@@ -24,14 +24,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-import hydra
-from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from treelit.cli import startup_signals  # before anything heavy: see below
+
+if os.path.basename(sys.argv[0] if sys.argv else "") == "treelit-train":
+    startup_signals.install()  # the console script: a preemption signal from here on ends with code 75
+
+import hydra  # noqa: E402
+from hydra.errors import InstantiationException  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, ConfigError, register_resolvers, validate_config
 from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, process_rank,
                                  quiet_transformers_bars, tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
+from treelit.cli.resume import find_resume_checkpoint, read_resume_checkpoint  # noqa: F401  (tests, tools)
+from treelit.cli.resume import resume as _resume
+from treelit.cli.startup_signals import StartupPreempted
 from treelit.cli.summary import data_line
 from treelit.utils.redact import redact_config, redact_text
 
@@ -70,78 +78,6 @@ def _flat_params(cfg: DictConfig) -> Dict[str, Any]:
 
     walk("", redact_config(OmegaConf.to_container(cfg, resolve=True)))
     return {k: v for k, v in flat.items() if not k.startswith("hydra")}
-
-
-def read_resume_checkpoint(path: str) -> Dict[str, Any]:
-    """What ``resume_from`` needs to know before Lightning restores the checkpoint: its step
-    and the MLflow run it belongs to. A file that is not a readable Lightning checkpoint is a
-    :class:`~treelit.models.hf.CheckpointError` naming it (the tensors are memory-mapped,
-    not read). Nothing in it is run: it is read as tensors and plain data only, and a file
-    naming anything else is refused (see :mod:`treelit.lightning.safe_checkpoint`)."""
-    from treelit.lightning.mlflow_logger import CHECKPOINT_KEY
-    from treelit.lightning.safe_checkpoint import check_sharded_metadata, load_checkpoint
-    from treelit.models.errors import CheckpointError
-
-    p = Path(path)
-    info: Dict[str, Any] = {"path": str(p), "global_step": None, "mlflow": None}
-    if p.is_dir():  # a sharded checkpoint: torch's pickled .metadata, and meta.pt when there is one
-        check_sharded_metadata(p)
-        p = p / "meta.pt"
-        if not p.is_file():
-            return info
-    ckpt = load_checkpoint(p)
-    if not isinstance(ckpt, dict) or "global_step" not in ckpt:
-        raise CheckpointError(f"resume_from: {p} is not a Lightning checkpoint (it has no global_step)")
-    info["global_step"] = int(ckpt["global_step"])
-    info["mlflow"] = ckpt.get(CHECKPOINT_KEY)
-    return info
-
-
-def find_resume_checkpoint(directory: Path) -> Optional[Dict[str, Any]]:
-    """``resume_from=auto``: the newest complete checkpoint in ``directory`` (what
-    :func:`read_resume_checkpoint` returns for it), or None when there is none. Newest is the
-    latest written (a sharded checkpoint directory: its ``meta.pt``, written last); complete
-    means it reads - one that does not (cut short, no ``meta.pt``) is passed over with a
-    warning, and the next newest is tried. Partial files (``*.partial``) are never candidates."""
-    from treelit.models.errors import CheckpointError
-
-    def written(p: Path) -> float:
-        try:
-            return (p / "meta.pt").stat().st_mtime if p.is_dir() else p.stat().st_mtime
-        except OSError:
-            return -1.0
-
-    if not directory.is_dir():
-        return None
-    found = [p for p in directory.iterdir() if p.name.endswith(".ckpt")]
-    for p in sorted(found, key=lambda p: (written(p), p.name), reverse=True):
-        try:
-            info = read_resume_checkpoint(str(p))
-            if info["global_step"] is not None:
-                return info
-            why = "no meta.pt"
-        except (CheckpointError, OSError, ValueError) as exc:
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        log.warning("resume_from=auto: passing over %s, which is not complete (%s)", p, why)
-    return None
-
-
-def _resume(cfg: DictConfig, out: Path) -> Optional[Dict[str, Any]]:
-    """The checkpoint ``resume_from`` names; ``auto``: the run folder's newest complete one
-    (the checkpoint callback's ``dirpath``, else ``<output_dir>/checkpoints``), or a fresh start,
-    said in one line either way."""
-    wanted = cfg.get("resume_from")
-    if not wanted:
-        return None
-    if str(wanted) != "auto":
-        return read_resume_checkpoint(str(wanted))
-    where = Path(str(((cfg.get("callbacks") or {}).get("checkpoint") or {}).get("dirpath") or out / "checkpoints"))
-    info = find_resume_checkpoint(where)
-    if info is None:
-        log.info("resume_from=auto: no complete checkpoint in %s: starting fresh", where)
-    else:
-        log.info("resume_from=auto: resuming from %s (step %d)", info["path"], info["global_step"])
-    return info
 
 
 def _check_budget(cfg: DictConfig, data_stats: Dict[str, Any]) -> None:
@@ -345,6 +281,8 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
+    if not (cfg.get("callbacks") or {}).get("preemption"):
+        startup_signals.uninstall()  # callbacks.preemption=null: the signals are not treelit's
     resume = _resume(cfg, out)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if process_rank() == 0:  # one writer: every process of a multi-process run shares the folder
@@ -404,6 +342,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
                 _agreed_stop(trainer):
             trainer.fit(module, datamodule=datamodule, ckpt_path=resume["path"] if resume else None,
                         weights_only=True)  # no code from it
+    startup_signals.uninstall()  # after training: the signals' default action again
 
     from treelit.cli.summary import build_summary, format_summary
 
@@ -444,6 +383,8 @@ def build_module(cfg: DictConfig, model: Any, objective: Any, critic: Any = None
 
 def _fault_exit_code(exc: BaseException) -> Optional[int]:
     """The exit code of a stop the ranks agreed on (treelit.lightning.faults), else None."""
+    if isinstance(exc, StartupPreempted):
+        return exc.exit_code
     faults = sys.modules.get("treelit.lightning.faults")  # imported by any run that could raise one
     return faults.exit_code_of(exc) if faults is not None else None
 
@@ -543,13 +484,20 @@ _SEQUENCE_KERNELS = {"causal_conv1d_fn", "chunk_gated_delta_rule", "chunk_kda", 
 
 def main() -> None:
     """``treelit-train``. A mistake on the command line (an unknown option of a config group,
-    an unknown key) is one ``error:`` line with the closest names, not Hydra's dump."""
+    an unknown key) is one ``error:`` line with the closest names, not Hydra's dump. A
+    preemption signal before training starts is one line and exit code 75
+    (:mod:`treelit.cli.startup_signals`)."""
+    startup_signals.install()
+    startup_signals.running()
     register_resolvers()
     user = os.environ.get("HYDRA_FULL_ERROR", "0")
     os.environ[_USER_FULL_ERROR] = user
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _hydra_main()
+    except StartupPreempted as exc:  # before Hydra set up the console
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
     except Exception as exc:  # raised before the task ran (composing the config, Hydra's callbacks)
         msg = hydra_error_message(exc) or user_error_message(exc)
         if msg is None or user == "1":
@@ -557,6 +505,7 @@ def main() -> None:
         print(f"error: {redact_text(msg)}", file=sys.stderr)  # an override as typed may hold a password
         sys.exit(1)
     finally:
+        startup_signals.uninstall()
         os.environ.pop(_USER_FULL_ERROR, None)
         os.environ["HYDRA_FULL_ERROR"] = user
 

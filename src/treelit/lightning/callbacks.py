@@ -22,8 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from treelit.lightning.checkpoint_files import commit
 from treelit.lightning.faults import hold_launched_ranks
 from treelit.lightning.mlflow_logger import log_artifact_checked
+from treelit.lightning.step_log import log_step_now
 from treelit.loss.tree import tree_token_logprobs
 from treelit.models.hf import NATIVE_MODEL_TYPE, full_state_dict, save_hf_checkpoint
 from treelit.models.lora import adapter_state_dict, lora_of, merged_state_dict, save_adapter
@@ -154,9 +156,12 @@ class TreeCheckpoint(ModelCheckpoint):
     Lightning warns about manual optimization because for other modules the post-update
     state may be unintended; here it is the intended state, so that warning is not shown.
     Each file is written as ``<name>.partial`` beside its final name, fsync'ed, then renamed
-    over it: a run killed while writing leaves the previous checkpoint (``last.ckpt``
-    included) intact. A single-file checkpoint is streamed by ``torch.save`` straight into that
-    file (:class:`TreeCheckpointIO`; Lightning's own writer holds a second copy of the whole
+    over it, its manifest renamed into place first: a run killed while writing leaves the
+    previous checkpoint (``last.ckpt`` included) intact, and the next start finishes or removes
+    what the kill left (:mod:`treelit.lightning.checkpoint_files`). A name is reused, never
+    versioned: a resumed run that redoes a step writes ``step-N.ckpt`` and ``last.ckpt`` again
+    (no ``last-v1.ckpt``), so ``last.ckpt`` is always the newest step written. A single-file
+    checkpoint is streamed by ``torch.save`` straight into that file (:class:`TreeCheckpointIO`; Lightning's own writer holds a second copy of the whole
     checkpoint in memory and stages it in the system temporary directory, then *moves* it,
     which is a copy, not an atomic rename, when that directory is on another filesystem). A
     resumed run writes to its ``output_dir``: the folder it resumed from (``output_dir=`` that
@@ -177,6 +182,7 @@ class TreeCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("enable_version_counter", False)  # the same step is the same state: overwrite it
         super().__init__(*args, **kwargs)
         self._written: dict = {}  # the files this run wrote and still expects (an ordered set)
 
@@ -264,25 +270,8 @@ class TreeCheckpoint(ModelCheckpoint):
 
     @staticmethod
     def _commit(partial: str, filepath: str) -> None:
-        """Renames only: the new checkpoint (and its manifest) replace the previous one of that name."""
-        manifest = f"{filepath}{MANIFEST_SUFFIX}"
-        if os.path.isdir(partial):  # a sharded checkpoint directory: its manifest is inside
-            old = f"{os.path.dirname(filepath)}/.{os.path.basename(filepath)}.old-{os.getpid()}"
-            if os.path.isdir(filepath):
-                os.replace(filepath, old)
-            elif os.path.exists(filepath):
-                os.unlink(filepath)
-            os.replace(partial, filepath)
-            remove_path(old)
-            remove_path(manifest)  # a single-file checkpoint's, if one had this name before
-        else:
-            if os.path.isdir(filepath):
-                remove_path(filepath)
-            remove_path(manifest)  # never beside a file it does not describe, not even for a moment
-            os.replace(partial, filepath)
-            if os.path.exists(f"{manifest}.partial"):
-                os.replace(f"{manifest}.partial", manifest)
-        fsync_path(os.path.dirname(os.path.abspath(filepath)))
+        """Renames only, the manifest first (:mod:`treelit.lightning.checkpoint_files`)."""
+        commit(partial, filepath)
 
     def _failure_line(self, trainer: pl.Trainer, filepath: str, failed: dict, needed: Optional[int]) -> str:
         """One line: the checkpoint, why, the rank, the bytes it needed, what is left to resume from."""
@@ -302,10 +291,11 @@ class TreeCheckpoint(ModelCheckpoint):
         return (f"checkpoint {filepath} not written at step {trainer.global_step}: {failed['why']}{where}{size}; "
                 f"its partial files were removed; {kept}")
 
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        log_step_now(trainer)  # the step's metrics before the checkpoint that holds the step (step_log.py)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-            super().on_train_batch_end(*args, **kwargs)
+            super().on_train_batch_end(trainer, *args, **kwargs)
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         self._written.pop(filepath, None)

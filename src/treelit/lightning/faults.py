@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -39,6 +38,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from treelit.lightning.checkpoint_files import write_and_commit_manifest
+from treelit.lightning.step_log import log_step_now
 from treelit.utils.distributed import Collectives
 
 __all__ = ["NonFiniteStep", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "exit_code_of", "hold_launched_ranks",
@@ -174,6 +175,7 @@ class Preemption(pl.Callback):
         if trainer.max_steps and 0 < trainer.max_steps <= trainer.global_step:
             return  # the last step is done: the run ends as usual (export, summary)
         name = signal.Signals(signum).name
+        log_step_now(trainer)  # this step's metrics before its checkpoint (step_log.py)
         saved = self.save(trainer)
         where = f"saved {saved}" if saved else "nothing new to save"
         msg = (f"preempted by {name}: stopped after step {trainer.global_step} on every rank and {where}; "
@@ -217,8 +219,6 @@ class Preemption(pl.Callback):
         trainer.strategy.barrier("Preemption.mkdir")
         trainer.save_checkpoint(partial)
         if trainer.is_global_zero and os.path.exists(partial):
-            if os.path.isdir(partial) and os.path.isdir(path):
-                shutil.rmtree(path)
-            os.replace(partial, path)
+            write_and_commit_manifest(partial, str(path))  # its manifest lands with it
         trainer.strategy.barrier("Preemption.rename")
         return str(path)

@@ -5,12 +5,15 @@ training framework owes its users:
 
 * opening the store, getting or creating the experiment and creating (or reopening)
   the run happen under the store's file lock (:mod:`treelit.utils.mlflow_store`), so
-  any number of runs may start at once on one fresh ``mlflow.db``;
+  any number of runs may start at once on one fresh ``mlflow.db``; a fresh store is built
+  under a temporary name and renamed, so a kill during its creation leaves none, not half
+  of one;
 * every run carries liveness tags, and opening the store marks ``KILLED`` the runs of
   this machine whose process died without closing them;
 * ``run_id=`` (set by ``treelit-train`` from a ``resume_from`` checkpoint) reopens that
-  run: its status goes back to ``RUNNING``, metrics continue at the checkpoint's step,
-  parameters already logged keep their first values;
+  run: its status goes back to ``RUNNING``, metrics continue at the checkpoint's step -
+  a metric is logged only past the last step the run's history holds for it, so each step
+  appears once - and parameters already logged keep their first values;
 * a run stopped by Ctrl+C or SIGTERM ends ``KILLED``, one stopped by an error
   ``FAILED`` with the error in the tag ``treelit.end``;
 * artifacts of a local sqlite store go to ``mlruns/`` beside the database;
@@ -45,6 +48,7 @@ from treelit.utils.mlflow_store import (
     DEFAULT_TRACKING_URI,
     TAG_END,
     default_artifact_location,
+    ensure_store,
     mark_dead_runs_killed,
     process_tags,
     resolve_tracking_uri,
@@ -61,7 +65,8 @@ CHECKPOINT_KEY = "treelit_mlflow"
 
 
 def _interrupted(exc: Optional[BaseException]) -> bool:
-    return isinstance(exc, (KeyboardInterrupt, SIGTERMException))
+    # ``preempted``: a preemption signal before training began (treelit.cli.startup_signals)
+    return isinstance(exc, (KeyboardInterrupt, SIGTERMException)) or bool(getattr(exc, "preempted", False))
 
 
 class TreeMLFlowLogger(MLFlowLogger):
@@ -95,6 +100,7 @@ class TreeMLFlowLogger(MLFlowLogger):
             artifact_location = default_artifact_location(uri)
         self.reopened = run_id is not None
         with store_lock(uri):
+            ensure_store(uri)  # built under another name and renamed: a kill leaves no half-made store
             super().__init__(
                 experiment_name=experiment_name,
                 run_name=run_name,
@@ -127,11 +133,31 @@ class TreeMLFlowLogger(MLFlowLogger):
             if killed:
                 log.info("MLflow: marked %d run(s) of dead processes KILLED: %s", len(killed), ", ".join(killed))
             if self.reopened:
+                self._logged_before = _last_steps(client, self._run_id)
                 client.update_run(self._run_id, status="RUNNING")
                 for k, v in process_tags().items():
                     client.set_tag(self._run_id, k, v)
                 client.set_tag(self._run_id, TAG_END, "")
         return client
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        """A reopened run logs a metric only past the last step its history holds for it:
+        the steps a stopped run logged after its last checkpoint, which the resumed run redoes,
+        keep the values logged first (each step once; with deterministic training they are
+        the same values)."""
+        before = getattr(self, "_logged_before", None) if self.reopened else None
+        if before is None and self.reopened:
+            self.experiment  # noqa: B018  (opens the run, reads its history)
+            before = getattr(self, "_logged_before", None)
+        if before:
+            metrics = {k: v for k, v in metrics.items() if (step or 0) > before.get(self._prefixed(k), -1)}
+            if not metrics:
+                return
+        super().log_metrics(metrics, step)
+
+    def _prefixed(self, key: str) -> str:
+        return f"{self._prefix}{self.LOGGER_JOIN_CHAR}{key}" if self._prefix else key
 
     def _reopenable(self) -> bool:
         from mlflow.exceptions import MlflowException  # heavy (~1 s CPU): imported when a store is opened
@@ -169,6 +195,16 @@ class TreeMLFlowLogger(MLFlowLogger):
                 reason = f"failed: {type(exc).__name__}: {exc}"
             self.experiment.set_tag(self.run_id, TAG_END, redact_text(reason)[:4000])
         super().finalize(status)
+
+
+def _last_steps(client: Any, run_id: str) -> Dict[str, int]:
+    """The last step each metric of run ``run_id`` was logged at."""
+    out: Dict[str, int] = {}
+    for key in client.get_run(run_id).data.metrics:
+        history = client.get_metric_history(run_id, key)
+        if history:
+            out[key] = max(int(m.step) for m in history)
+    return out
 
 
 class MLflowRunInCheckpoint(pl.Callback):

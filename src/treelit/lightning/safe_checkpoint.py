@@ -20,8 +20,9 @@ a crafted file is refused, naming it, before torch reads it.
 Before any of that, :func:`verify_checkpoint` checks the checkpoint against the manifest
 treelit wrote with it (size and SHA-256 of every file, :mod:`treelit.utils.integrity`): a
 truncated, altered or missing file is named in one line instead of surfacing as a
-deserialization error from inside torch. A checkpoint written before treelit recorded
-manifests has none; it is read as before, unchecked, and said so in one warning.
+deserialization error from inside torch. A single-file checkpoint without a manifest
+(written before treelit recorded manifests, or copied without it) is checked against the
+CRC-32 each entry of its zip archive carries, and one warning says why it had none.
 :func:`load_checkpoint` and :func:`check_sharded_metadata` run it first.
 """
 
@@ -31,6 +32,7 @@ import io
 import logging
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Union
 
@@ -38,12 +40,12 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from treelit.models.errors import CheckpointError
-from treelit.utils.integrity import MANIFEST, verify
+from treelit.utils.integrity import MANIFEST, MANIFEST_SUFFIX, verify
 from treelit.utils.paths import confined, not_a_checkpoint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_checkpoint", "check_sharded_metadata", "verify_checkpoint"]
+__all__ = ["load_checkpoint", "check_sharded_metadata", "check_zip_entries", "verify_checkpoint"]
 
 
 def verify_checkpoint(path: Union[str, Path], what: str = "resume_from") -> bool:
@@ -53,10 +55,37 @@ def verify_checkpoint(path: Union[str, Path], what: str = "resume_from") -> bool
     return verify(path, what, error=CheckpointError) is not None
 
 
-def _unchecked(path: Path, what: str) -> None:
+def _no_manifest(path: Path) -> str:
+    """Why ``path`` has no manifest, as far as its folder tells."""
+    if Path(f"{path}{MANIFEST_SUFFIX}.partial").is_file():
+        return (f"its manifest {path.name}{MANIFEST_SUFFIX}.partial was never renamed into place: the run that wrote "
+                "it was stopped between the two renames")
+    return "none beside it: copied or moved without it, removed, or written before treelit recorded manifests"
+
+
+def _unchecked(path: Path, what: str, crc: bool = False) -> None:
     if getattr(rank_zero_only, "rank", 0) == 0:  # one warning for a run, not one per process
-        log.warning("%s: %s has no manifest (written before treelit recorded one): its files are read unchecked",
-                    what, path)
+        how = ("checked against the CRC-32s of its zip entries instead (damaged bytes are found; a consistent "
+               "rewrite is not)" if crc else "its files are read unchecked")
+        log.warning("%s: %s has no manifest (%s): %s", what, path, _no_manifest(path), how)
+
+
+def check_zip_entries(path: Path, what: str) -> bool:
+    """A checkpoint without a manifest, checked against the CRC-32 every entry of its zip
+    archive carries (``torch.save`` writes one): a :class:`CheckpointError` naming the first
+    entry that fails. False when the file is not a zip archive (nothing to check)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{what}: {path} is damaged: its zip archive does not read ({exc}); it has no "
+                              "manifest, so its entries' CRC-32s were checked") from None
+    if bad is not None:
+        raise CheckpointError(f"{what}: {path} is damaged: its entry {bad} fails its CRC-32 (it has no manifest, so "
+                              "its entries' CRC-32s were checked)")
+    return True
 
 
 def _refusal(exc: BaseException) -> str:
@@ -78,18 +107,19 @@ def load_checkpoint(path: Union[str, Path], what: str = "resume_from") -> Any:
     why = not_a_checkpoint(p)  # say what the file is not, before torch's loader has its say
     if why:
         raise CheckpointError(f"{what}: {p} is not a checkpoint: {why}")
+    crc = not verified and check_zip_entries(p, what)
     try:
         try:
             loaded = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
             if not verified:
-                _unchecked(p, what)
+                _unchecked(p, what, crc)
             return loaded
         except pickle.UnpicklingError:
             raise
         except Exception:  # not a zip archive (mmap needs one): a plain load says what is wrong
             loaded = torch.load(p, map_location="cpu", weights_only=True)
             if not verified:
-                _unchecked(p, what)
+                _unchecked(p, what, crc)
             return loaded
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" in str(exc):
