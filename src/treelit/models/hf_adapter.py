@@ -200,10 +200,10 @@ class HFTreeModel(nn.Module):
     what treelit's code reads of a decoder.
     """
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, text_config=None) -> None:
         super().__init__()
         self.hf = hf_model
-        cfg = hf_model.config
+        cfg = hf_model.config if text_config is None else text_config
         self.config = AdapterConfig(
             model_type=cfg.model_type, vocab_size=int(cfg.vocab_size),
             max_seq_len=int(getattr(cfg, "max_position_embeddings", 0) or 2**31),
@@ -259,8 +259,9 @@ class HFTreeModel(nn.Module):
                              f"{self._router_refusal}")
         check_bound(self._bound_layers)
         kw = {"output_router_logits": True} if self.config.moe else {}
-        out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                        attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)
+        kw.update(self._base_inputs(input_ids, position_ids, ctx))
+        out = self.base(use_cache=False, attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx,
+                        **kw)
         logits = getattr(out, "router_logits", None)
         if self.config.moe and logits:
             for i, x in enumerate(logits):
@@ -269,6 +270,11 @@ class HFTreeModel(nn.Module):
         if self._head_scale != 1.0:  # logits = lm_head(h) * scale, and the head is linear without bias
             return out.last_hidden_state * self._head_scale
         return out.last_hidden_state
+
+    def _base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
+        """What the base model reads besides the mask and the tree context (a vision model
+        adds its image embeddings and multimodal positions: :mod:`treelit.models.hf_vision`)."""
+        return {"input_ids": input_ids, "position_ids": position_ids}
 
     def forward(self, tokens=None, *, treelit_fn=None, **kwargs):
         """``treelit_fn(self)`` run inside this module's forward (treelit's passes; hooks on the
@@ -304,11 +310,14 @@ def _umask() -> int:
 
 
 def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = torch.float32,
-                  device: Union[str, torch.device] = "cpu", router_loss_set: bool = False) -> HFTreeModel:
+                  device: Union[str, torch.device] = "cpu", router_loss_set: bool = False, vision: bool = False,
+                  freeze_vision: bool = False) -> HFTreeModel:
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
     ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`.
     ``router_loss_set``: the caller sets the router loss itself (``model.router_aux_loss_coef``), so
-    config.json's is not checked here."""
+    config.json's is not checked here. ``vision``: load a vision-language checkpoint with its
+    vision tower (:class:`~treelit.models.hf_vision.HFVisionTreeModel`; ``freeze_vision``: the
+    tower does not train); without it such a checkpoint loads its text model or is refused."""
     import transformers  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
     path = Path(path)
@@ -322,16 +331,28 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: the checkpoint needs its own Python code (auto_map); treelit never "
                                   "runs code from a checkpoint (trust_remote_code=False)") from None
         raise CheckpointError(f"{cfg_file}: {' '.join(str(exc).split())}") from None
-    check_adapter_config(cfg, str(cfg_file))
+    if vision:
+        from treelit.models.hf_vision import check_vision_config  # noqa: PLC0415 - vision checkpoints only
+
+        check_vision_config(cfg, str(cfg_file))
+        check_adapter_config(cfg.text_config, str(cfg_file))
+    else:
+        check_adapter_config(cfg, str(cfg_file))
     # shard names stay inside the directory, sizes agree with the weights' headers: before allocating
     check_weight_shapes(raw, weight_files(path)[0], cfg_file)
     register_attention()
     kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME, **no_hub_kernels()}
-    cfg = causal_lm_config(cfg)
+    auto = transformers.AutoModelForCausalLM
+    if vision:  # the tower attends within each image on its own (sdpa); the text model through the tree
+        kwargs["attn_implementation"] = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}
+        auto = transformers.AutoModelForImageTextToText
+        cfg = cfg.text_config
+    else:
+        cfg = causal_lm_config(cfg)
     if _moe_options(cfg) or getattr(cfg, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel
     try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **kwargs)
+        hf = auto.from_pretrained(path, dtype=dtype, trust_remote_code=False, **kwargs)
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{path}: transformers cannot load it as a causal LM ({exc})") from None
     if getattr(hf.get_output_embeddings(), "bias", None) is not None:
@@ -348,7 +369,12 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
                                   f"transformers {transformers.__version__} model calls a kernel entry point "
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
-    model = HFTreeModel(hf).to(device)
+    if vision:
+        from treelit.models.hf_vision import HFVisionTreeModel  # noqa: PLC0415 - vision checkpoints only
+
+        model: HFTreeModel = HFVisionTreeModel(hf, freeze_vision=freeze_vision).to(device)
+    else:
+        model = HFTreeModel(hf).to(device)
     coef = model.config.moe.get("router_aux_loss_coef", 0.0)
     if model._router_refusal and coef > 0 and not router_loss_set:
         raise CheckpointError(f"{cfg_file}: config key 'router_aux_loss_coef' = {coef} (with output_router_logits): "
@@ -358,13 +384,19 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 
 def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
                   router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False,
-                  lora: Optional[Dict[str, Any]] = None) -> HFTreeModel:
+                  lora: Optional[Dict[str, Any]] = None, vision: bool = False,
+                  freeze_vision: bool = False) -> HFTreeModel:
     """The ``model=hf_auto`` config option (``activation_checkpointing``: transformers' own,
-    per layer, non-reentrant; ``lora``: PEFT LoRA adapters, :mod:`treelit.models.lora`)."""
+    per layer, non-reentrant; ``lora``: PEFT LoRA adapters, :mod:`treelit.models.lora`;
+    ``vision`` / ``freeze_vision``: a vision-language checkpoint with its tower, see
+    :mod:`treelit.models.hf_vision`)."""
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
     opts = lora_options(lora)  # bad options fail before the weights load
-    model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype), router_loss_set=router_aux_loss_coef is not None)
+    if freeze_vision and not vision:
+        raise ValueError("model.freeze_vision=true needs model.vision=true (a checkpoint loaded with its vision tower)")
+    model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype), router_loss_set=router_aux_loss_coef is not None,
+                          vision=bool(vision), freeze_vision=bool(freeze_vision))
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
     if model._router_refusal and model.config.moe.get("router_aux_loss_coef", 0.0) > 0:
         raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")

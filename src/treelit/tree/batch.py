@@ -107,6 +107,12 @@ class TreeBatch:
     # the per-branch inputs this row was built from (treelit.loss.branches.Branches), when a
     # tree builder made it from records: the per-branch reference reads these, not the tree
     source_branches: Optional[Any] = None
+    # images (optional; see treelit.tree.images): the row's distinct images, each token's row in
+    # their concatenated embeddings (-1: text), and the multimodal RoPE positions [3, N] the
+    # model's own position function gives each branch (set by the model: treelit.models.hf_vision)
+    images: Optional[Any] = None
+    image_row: Optional[torch.Tensor] = None
+    mrope_position_ids: Optional[torch.Tensor] = None
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -145,6 +151,9 @@ class TreeBatch:
             num_sequences=int((n_b > 0).sum()),
             branch_fields={k: list(v) for k, v in tree.branch_fields.items()},
             **_rl_fields(tree, idx, target, w_flat, scale[branch_of], branch_of, N),
+            images=getattr(tree, "images", None),
+            image_row=None if getattr(tree, "image_row", None) is None or getattr(tree, "images", None) is None
+            else t(tree.image_row),
         )
 
     @classmethod
@@ -166,7 +175,9 @@ class TreeBatch:
         for k in keys:
             if not all(k in b.branch_fields for b in batches):
                 raise ValueError(f"cannot pack batches: branch field {k!r} is missing in some of them")
+        images, image_row, mrope = _pack_images(batches)
         return cls(
+            images=images, image_row=image_row, mrope_position_ids=mrope,
             input_ids=torch.cat([b.input_ids for b in batches]),
             position_ids=torch.cat([b.position_ids for b in batches]),
             parent=torch.cat([shift(b.parent, int(o)) for b, o in zip(batches, tok_off)]),
@@ -207,6 +218,9 @@ class TreeBatch:
         dropped (a partition's loss uses the folded token weights and the full tree's
         normaliser).
         """
+        if self.images is not None:
+            raise TreeInputError("a row with images cannot be cut into parts (partitioning, context parallelism): "
+                                 "its images are encoded once for the whole row")
         dev = self.device
         tokens = tokens.to(dev)
         n = int(tokens.shape[0])
@@ -314,6 +328,8 @@ class TreeBatch:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.images is not None:
+            kw["images"] = self.images.to(device)
         return replace(self, **kw)
 
     def advantage_weights(self, aggregation: str):
@@ -398,6 +414,28 @@ def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Opti
             out[f"token_{name}_logp"] = f64(getattr(tree, f"token_{short}"))
             out[f"branch_{name}_logp"] = f64(getattr(tree, f"branch_{short}"))
     return out
+
+
+def _pack_images(batches: Sequence[TreeBatch]):
+    """The packed row's distinct images (each once), image rows and M-RoPE positions."""
+    if all(b.images is None for b in batches):
+        return None, None, None
+    from treelit.tree.images import ImageSet  # noqa: PLC0415 - image rows only
+
+    with_images = [b for b in batches if b.images is not None]
+    images, maps = ImageSet.merge([b.images for b in with_images])
+    new_of = {id(b): m.to(b.device) for b, m in zip(with_images, maps)}
+    rows = []
+    for b in batches:
+        if b.images is None:
+            rows.append(torch.full_like(b.input_ids, -1))
+        else:
+            r = b.image_row
+            rows.append(torch.where(r >= 0, new_of[id(b)][r.clamp(min=0)], r))
+    mrope = None
+    if all(b.mrope_position_ids is not None for b in batches):
+        mrope = torch.cat([b.mrope_position_ids for b in batches], dim=1)
+    return images, torch.cat(rows), mrope
 
 
 def _cat_optional(batches: Sequence["TreeBatch"], name: str) -> Optional[torch.Tensor]:

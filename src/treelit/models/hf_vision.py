@@ -1,0 +1,162 @@
+"""Vision-language checkpoints in tree mode: each distinct image encoded once per row.
+
+The families (``VISION_FAMILIES``: Qwen2.5-VL, Qwen3-VL, Qwen3.5 with its vision tower) share
+one shape: a vision tower turns an image's pixel patches into ``t*h*w / merge**2`` embedding
+rows (``get_image_features``), the language model reads them in place of the image's
+placeholder tokens, and positions are multimodal RoPE (M-RoPE): three rows (time, height,
+width) that a position function (``get_rope_index``) derives from the token types and image
+grids of a sequence.
+
+In tree mode (:class:`HFVisionTreeModel`):
+
+* the row's distinct images (:class:`~treelit.tree.images.ImageSet`) go through the tower
+  once, and each image token gathers its row of their embeddings (``batch.image_row``); a
+  tower that trains thus gets the sum of every branch's gradient, as per-branch training
+  would after encoding each image once per branch. Qwen3-VL's deepstack features are
+  gathered the same way.
+* M-RoPE positions are the model's own ``get_rope_index`` run on every branch (its token
+  types and image grids in order); a token shared by several branches must get the same
+  positions from each (its prefix decides them), which is asserted, and the result is kept
+  on the row (``batch.mrope_position_ids [3, N]``).
+* everything else is the transformers model's own code, as for text models
+  (:mod:`treelit.models.hf_adapter`): attention through the tree backends, Qwen3.5's Gated
+  DeltaNet through treelit's tree kernels, the vision tower on its own sdpa attention (an
+  image attends within itself, never across the tree).
+
+``freeze_vision``: the tower's parameters stop requiring gradients (the common LoRA / RL
+setting); the projector (the patch merger, part of the tower in these families) follows.
+
+Gemma-3 is refused: its language model attends bidirectionally inside an image block, a
+visibility rule treelit's tree mask does not have.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from treelit.models.errors import CheckpointError
+from treelit.models.hf_adapter import HFTreeModel
+
+__all__ = ["VISION_FAMILIES", "HFVisionTreeModel", "mrope_positions", "check_vision_config"]
+
+VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5"}
+_REFUSED = {
+    "gemma3": "Gemma-3 attends bidirectionally inside each image block, a visibility rule treelit's tree mask "
+              "does not implement; its branches would see other attention than per-branch training",
+    "qwen2_vl": "Qwen2-VL is not among the vision families treelit checks against transformers "
+                f"({', '.join(VISION_FAMILIES.values())})",
+}
+
+
+def check_vision_config(cfg, where: str) -> None:
+    """Raise :class:`CheckpointError` naming ``model_type`` for a vision checkpoint treelit cannot run."""
+    mt = getattr(cfg, "model_type", "")
+    if mt in _REFUSED:
+        raise CheckpointError(f"{where}: config key 'model_type' = {mt!r}: {_REFUSED[mt]}")
+    if mt not in VISION_FAMILIES:
+        raise CheckpointError(f"{where}: config key 'model_type' = {mt!r}: model.vision=true runs the vision "
+                              f"families {sorted(VISION_FAMILIES)} only")
+    if getattr(cfg, "vision_config", None) is None:
+        raise CheckpointError(f"{where}: config key 'vision_config' is missing: the checkpoint has no vision tower")
+
+
+class HFVisionTreeModel(HFTreeModel):
+    """A transformers vision-language model (``*ForConditionalGeneration``) run by treelit's passes.
+
+    ``hf.model.visual`` is the vision tower (sdpa attention), ``hf.model.language_model`` the
+    text model (``attn_implementation="treelit"``); parameters keep transformers' names under
+    ``hf.``."""
+
+    def __init__(self, hf_model: nn.Module, freeze_vision: bool = False) -> None:
+        super().__init__(hf_model, text_config=hf_model.config.text_config)
+        self.image_token_id = int(hf_model.config.image_token_id)
+        self.freeze_vision = bool(freeze_vision)
+        if self.freeze_vision:
+            for p in self.visual.parameters():
+                p.requires_grad_(False)
+        self.images_encoded = 0  # distinct images run through the tower (a counter for benchmarks and logs)
+
+    @property
+    def vlm(self) -> nn.Module:
+        return self.hf.model
+
+    @property
+    def visual(self) -> nn.Module:
+        return self.hf.model.visual
+
+    @property
+    def base(self) -> nn.Module:
+        return self.hf.model.language_model
+
+    def _base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
+        batch = getattr(ctx, "batch", None)
+        embeds = self.tok_embeddings(input_ids)
+        if batch is None:  # causal rows of text (the plain forward): M-RoPE of text is the position thrice
+            return {"inputs_embeds": embeds, "position_ids": position_ids[None].expand(3, -1, -1)}
+        kw: Dict[str, Any] = {"position_ids": mrope_positions(self, batch)[:, None, :]}
+        if batch.images is not None and batch.images.num_images:
+            embeds, extra = self._with_images(batch, embeds)
+            kw.update(extra)
+        kw["inputs_embeds"] = embeds
+        return kw
+
+    def _with_images(self, batch, embeds: torch.Tensor):
+        """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image."""
+        images = batch.images
+        feats = self.vlm.get_image_features(images.pixel_values, images.grid_thw, return_dict=True)
+        self.images_encoded += images.num_images
+        rows = torch.cat(feats.pooler_output).to(embeds.dtype)
+        sel = batch.image_row >= 0
+        at = batch.image_row.clamp(min=0)
+        out = torch.where(sel[None, :, None], rows[at][None], embeds)
+        extra: Dict[str, Any] = {}
+        deep = getattr(feats, "deepstack_features", None)
+        if deep:  # Qwen3-VL: features of early tower layers added to the first text layers' image tokens
+            idx = batch.image_row[sel]
+            extra["visual_pos_masks"] = sel[None]
+            extra["deepstack_visual_embeds"] = [torch.cat(f).to(embeds.dtype)[idx] for f in deep]
+        return out, extra
+
+
+def _branch_grids(batch, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The grids of the images a branch shows, in order (None: no image)."""
+    rows = batch.image_row[tokens]
+    starts = batch.images.row_offsets.to(rows.device)
+    first = torch.isin(rows, starts[:-1]) & (rows >= 0)
+    if not bool(first.any()):
+        return None
+    which = torch.searchsorted(starts, rows[first], right=True) - 1
+    return batch.images.grid_thw.to(rows.device)[which]
+
+
+def mrope_positions(model: HFVisionTreeModel, batch) -> torch.Tensor:
+    """M-RoPE positions ``[3, N]`` of the row: the model's ``get_rope_index`` on every branch,
+    checked to agree on every shared token; kept on the row (``batch.mrope_position_ids``)."""
+    if batch.mrope_position_ids is not None:
+        return batch.mrope_position_ids
+    N, dev = batch.num_tokens, batch.device
+    if batch.num_branches == 0:
+        raise ValueError("M-RoPE positions need the row's branch tables (a row cut from a tree has none)")
+    pos = torch.full((3, N), -1, dtype=torch.long, device=dev)
+    is_img = (batch.image_row >= 0) if batch.image_row is not None else torch.zeros(N, dtype=torch.bool, device=dev)
+    ptr = batch.branch_ptr.tolist()
+    for b in range(batch.num_branches):
+        tokens = batch.branch_tokens[ptr[b]:ptr[b + 1]]
+        ids = batch.input_ids[tokens][None]
+        grids = _branch_grids(batch, tokens) if batch.images is not None else None
+        if grids is None:
+            p = torch.arange(ids.shape[1], device=dev).expand(3, -1)  # text: transformers' own default
+        else:
+            p, _ = model.vlm.get_rope_index(ids, mm_token_type_ids=is_img[tokens][None].int(), image_grid_thw=grids)
+            p = p[:, 0].to(dev)
+        seen = pos[0, tokens] >= 0
+        if bool(seen.any()) and not torch.equal(pos[:, tokens][:, seen], p[:, seen]):
+            t = int(torch.nonzero(seen & (pos[:, tokens] != p).any(0))[0])
+            raise AssertionError(f"branch {b}: M-RoPE positions of its token {t} differ from another branch's "
+                                 "through the same token")
+        pos[:, tokens] = p
+    batch.mrope_position_ids = pos
+    return pos
