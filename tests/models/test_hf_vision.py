@@ -69,11 +69,11 @@ def compare(family, branches, images, tmp_path_factory, weights=None, aggregatio
         expected.backward()
         theirs = _grads(ref)
         ours.zero_grad(set_to_none=True)
-        before = ours.images_encoded
+        before = ours.vision.images_encoded
         loss = treelit.tree_loss(ours, tree, aggregation, attention)
         loss.backward()
         mine = _grads(ours, strip="hf.")
-    assert ours.images_encoded - before == tree.images.num_images  # each distinct image once
+    assert ours.vision.images_encoded - before == tree.images.num_images  # each distinct image once
     assert mine.keys() == theirs.keys(), sorted(set(mine) ^ set(theirs))
     assert any("visual" in k for k in mine) != freeze_vision
     assert expected.item() > 0  # the example trains something
@@ -157,11 +157,11 @@ def test_mrope_positions_are_each_branchs_own(pool, tmp_path_factory):
     batch = treelit.TokenTree.from_branches(branches, [text_mask(b) for b in branches], images=images).to_batch()
     from treelit.models.hf_vision import mrope_positions
 
-    pos = mrope_positions(ours, batch)
+    pos = mrope_positions(ours.vision.vlm, batch)
     assert batch.mrope_position_ids is pos and pos.shape == (3, batch.num_tokens)
     for b, (br, ims) in enumerate(zip(branches, images)):
         ids = torch.tensor([br])
-        want, _ = ours.vlm.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE).int(),
+        want, _ = ours.vision.vlm.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE).int(),
                                            image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]))
         idx = batch.branch_tokens[batch.branch_ptr[b]:batch.branch_ptr[b + 1]]
         assert torch.equal(pos[:, idx], want[:, 0])
@@ -179,18 +179,15 @@ def test_mrope_disagreement_is_refused(pool, tmp_path_factory):
 
         def get_rope_index(self, ids, **kw):
             self.calls += 1
-            p, d = ours.vlm.get_rope_index(ids, **kw)
+            p, d = ours.vision.vlm.get_rope_index(ids, **kw)
             return p + self.calls, d
-
-    class Fake:
-        vlm = Shifted()
 
     from treelit.models.hf_vision import mrope_positions
 
     two = treelit.TokenTree.from_branches([[1] + span(a) + [2], [1] + span(a) + [3]], images=[[a], [a]]).to_batch()
     with pytest.raises(AssertionError, match="M-RoPE positions of its token 0"):
-        mrope_positions(Fake(), two)
-    assert mrope_positions(Fake(), batch).shape[1] == batch.num_tokens
+        mrope_positions(Shifted(), two)
+    assert mrope_positions(Shifted(), batch).shape[1] == batch.num_tokens
 
 
 def test_placeholder_count_must_match_the_images(pool):

@@ -50,6 +50,7 @@ from treelit.models.factory import parse_dtype, set_router_aux_loss
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
+from treelit.models.hf_vision import VisionInputs, check_vision_config
 from treelit.models.lora import apply_lora, lora_options
 from treelit.models.moe import record_pass
 
@@ -200,10 +201,11 @@ class HFTreeModel(nn.Module):
     what treelit's code reads of a decoder.
     """
 
-    def __init__(self, hf_model: nn.Module, text_config=None) -> None:
+    def __init__(self, hf_model: nn.Module, vision: Optional[VisionInputs] = None) -> None:
         super().__init__()
         self.hf = hf_model
-        cfg = hf_model.config if text_config is None else text_config
+        self.vision = vision  # a vision-language model's image inputs (treelit.models.hf_vision)
+        cfg = hf_model.config if vision is None else hf_model.config.text_config
         self.config = AdapterConfig(
             model_type=cfg.model_type, vocab_size=int(cfg.vocab_size),
             max_seq_len=int(getattr(cfg, "max_position_embeddings", 0) or 2**31),
@@ -222,6 +224,8 @@ class HFTreeModel(nn.Module):
 
     @property
     def base(self) -> nn.Module:
+        if self.vision is not None:
+            return self.vision.language_model
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
     @property
@@ -274,6 +278,8 @@ class HFTreeModel(nn.Module):
     def _base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
         """What the base model reads besides the mask and the tree context (a vision model
         adds its image embeddings and multimodal positions: :mod:`treelit.models.hf_vision`)."""
+        if self.vision is not None:
+            return self.vision.base_inputs(input_ids, position_ids, ctx)
         return {"input_ids": input_ids, "position_ids": position_ids}
 
     def forward(self, tokens=None, *, treelit_fn=None, **kwargs):
@@ -316,7 +322,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
     ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`.
     ``router_loss_set``: the caller sets the router loss itself (``model.router_aux_loss_coef``), so
     config.json's is not checked here. ``vision``: load a vision-language checkpoint with its
-    vision tower (:class:`~treelit.models.hf_vision.HFVisionTreeModel`; ``freeze_vision``: the
+    vision tower (:class:`~treelit.models.hf_vision.VisionInputs`; ``freeze_vision``: the
     tower does not train); without it such a checkpoint loads its text model or is refused."""
     import transformers  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
@@ -332,8 +338,6 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
                                   "runs code from a checkpoint (trust_remote_code=False)") from None
         raise CheckpointError(f"{cfg_file}: {' '.join(str(exc).split())}") from None
     if vision:
-        from treelit.models.hf_vision import check_vision_config  # noqa: PLC0415 - vision checkpoints only
-
         check_vision_config(cfg, str(cfg_file))
         check_adapter_config(cfg.text_config, str(cfg_file))
     else:
@@ -369,12 +373,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
                                   f"transformers {transformers.__version__} model calls a kernel entry point "
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
-    if vision:
-        from treelit.models.hf_vision import HFVisionTreeModel  # noqa: PLC0415 - vision checkpoints only
-
-        model: HFTreeModel = HFVisionTreeModel(hf, freeze_vision=freeze_vision).to(device)
-    else:
-        model = HFTreeModel(hf).to(device)
+    model = HFTreeModel(hf, VisionInputs(hf, freeze_vision) if vision else None).to(device)
     coef = model.config.moe.get("router_aux_loss_coef", 0.0)
     if model._router_refusal and coef > 0 and not router_loss_set:
         raise CheckpointError(f"{cfg_file}: config key 'router_aux_loss_coef' = {coef} (with output_router_logits): "

@@ -7,7 +7,7 @@ placeholder tokens, and positions are multimodal RoPE (M-RoPE): three rows (time
 width) that a position function (``get_rope_index``) derives from the token types and image
 grids of a sequence.
 
-In tree mode (:class:`HFVisionTreeModel`):
+In tree mode (an adapted model with :class:`VisionInputs`, ``model.vision``):
 
 * the row's distinct images (:class:`~treelit.tree.images.ImageSet`) go through the tower
   once, and each image token gathers its row of their embeddings (``batch.image_row``); a
@@ -38,9 +38,8 @@ import torch
 from torch import nn
 
 from treelit.models.errors import CheckpointError
-from treelit.models.hf_adapter import HFTreeModel
 
-__all__ = ["VISION_FAMILIES", "HFVisionTreeModel", "mrope_positions", "check_vision_config"]
+__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config"]
 
 VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5"}
 _REFUSED = {
@@ -63,40 +62,42 @@ def check_vision_config(cfg, where: str) -> None:
         raise CheckpointError(f"{where}: config key 'vision_config' is missing: the checkpoint has no vision tower")
 
 
-class HFVisionTreeModel(HFTreeModel):
-    """A transformers vision-language model (``*ForConditionalGeneration``) run by treelit's passes.
+class VisionInputs:
+    """The part of an adapted vision-language model (:class:`~treelit.models.hf_adapter.HFTreeModel`
+    with ``vision``) that makes its language model's inputs: embeddings with each image token's
+    row of its once-encoded image, and M-RoPE positions.
 
     ``hf.model.visual`` is the vision tower (sdpa attention), ``hf.model.language_model`` the
-    text model (``attn_implementation="treelit"``); parameters keep transformers' names under
-    ``hf.``."""
+    text model (``attn_implementation="treelit"``). Held by reference, not as a submodule: the
+    parameters stay the wrapped model's (``hf.`` names)."""
 
     def __init__(self, hf_model: nn.Module, freeze_vision: bool = False) -> None:
-        super().__init__(hf_model, text_config=hf_model.config.text_config)
+        self._hf = [hf_model]  # a list: not registered as a submodule of the adapter a second time
         self.image_token_id = int(hf_model.config.image_token_id)
         self.freeze_vision = bool(freeze_vision)
         if self.freeze_vision:
             for p in self.visual.parameters():
                 p.requires_grad_(False)
-        self.images_encoded = 0  # distinct images run through the tower (a counter for benchmarks and logs)
+        self.images_encoded = 0  # distinct images run through the tower (for benchmarks and logs)
 
     @property
     def vlm(self) -> nn.Module:
-        return self.hf.model
+        return self._hf[0].model
 
     @property
     def visual(self) -> nn.Module:
-        return self.hf.model.visual
+        return self._hf[0].model.visual
 
     @property
-    def base(self) -> nn.Module:
-        return self.hf.model.language_model
+    def language_model(self) -> nn.Module:
+        return self._hf[0].model.language_model
 
-    def _base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
+    def base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
         batch = getattr(ctx, "batch", None)
-        embeds = self.tok_embeddings(input_ids)
+        embeds = self.language_model.get_input_embeddings()(input_ids)
         if batch is None:  # causal rows of text (the plain forward): M-RoPE of text is the position thrice
             return {"inputs_embeds": embeds, "position_ids": position_ids[None].expand(3, -1, -1)}
-        kw: Dict[str, Any] = {"position_ids": mrope_positions(self, batch)[:, None, :]}
+        kw: Dict[str, Any] = {"position_ids": mrope_positions(self.vlm, batch)[:, None, :]}
         if batch.images is not None and batch.images.num_images:
             embeds, extra = self._with_images(batch, embeds)
             kw.update(extra)
@@ -132,8 +133,9 @@ def _branch_grids(batch, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     return batch.images.grid_thw.to(rows.device)[which]
 
 
-def mrope_positions(model: HFVisionTreeModel, batch) -> torch.Tensor:
-    """M-RoPE positions ``[3, N]`` of the row: the model's ``get_rope_index`` on every branch,
+def mrope_positions(vlm: nn.Module, batch) -> torch.Tensor:
+    """M-RoPE positions ``[3, N]`` of the row: the model's ``get_rope_index`` (``vlm``: the
+    transformers ``*Model`` holding it) on every branch,
     checked to agree on every shared token; kept on the row (``batch.mrope_position_ids``)."""
     if batch.mrope_position_ids is not None:
         return batch.mrope_position_ids
@@ -150,7 +152,7 @@ def mrope_positions(model: HFVisionTreeModel, batch) -> torch.Tensor:
         if grids is None:
             p = torch.arange(ids.shape[1], device=dev).expand(3, -1)  # text: transformers' own default
         else:
-            p, _ = model.vlm.get_rope_index(ids, mm_token_type_ids=is_img[tokens][None].int(), image_grid_thw=grids)
+            p, _ = vlm.get_rope_index(ids, mm_token_type_ids=is_img[tokens][None].int(), image_grid_thw=grids)
             p = p[:, 0].to(dev)
         seen = pos[0, tokens] >= 0
         if bool(seen.any()) and not torch.equal(pos[:, tokens][:, seen], p[:, seen]):

@@ -37,6 +37,7 @@ import torch
 
 from treelit.registry import get_registry
 from treelit.tree.errors import TreeInputError
+from treelit.tree.images import ImageSet
 
 __all__ = ["TreeBatch", "AGGREGATIONS", "pack_trees", "global_normalizer", "check_aggregation"]
 
@@ -420,8 +421,6 @@ def _pack_images(batches: Sequence[TreeBatch]):
     """The packed row's distinct images (each once), image rows and M-RoPE positions."""
     if all(b.images is None for b in batches):
         return None, None, None
-    from treelit.tree.images import ImageSet  # noqa: PLC0415 - image rows only
-
     with_images = [b for b in batches if b.images is not None]
     images, maps = ImageSet.merge([b.images for b in with_images])
     new_of = {id(b): m.to(b.device) for b, m in zip(with_images, maps)}

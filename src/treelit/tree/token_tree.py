@@ -31,6 +31,7 @@ import numpy as np
 
 from treelit.tree.batch import TreeBatch
 from treelit.tree.errors import TreeInputError
+from treelit.tree.images import ImageSet, merge_keys
 
 __all__ = ["TokenTree", "TreeInputError"]
 
@@ -250,8 +251,6 @@ class TokenTree:
         aux = [np.stack(cols, axis=1) for cols in zip(*aux_cols)] if aux_cols else None
         real = arrays
         if images is not None:
-            from treelit.tree.images import merge_keys  # noqa: PLC0415 - image rows only
-
             if len(images) != B:
                 raise TreeInputError(f"{source}got {len(images)} image lists for {B} branches")
             table: Dict[Any, int] = {}
@@ -277,8 +276,6 @@ class TokenTree:
 
     def _attach_images(self, real, keyed, images, table) -> None:
         """Put the real token ids back and give every token its image embedding row."""
-        from treelit.tree.images import ImageSet  # noqa: PLC0415 - image rows only
-
         self.input_ids[self.branch_tokens] = np.concatenate(real)
         self.image_row = np.full(self.num_tokens, -1, dtype=np.int64)
         self.images = None
