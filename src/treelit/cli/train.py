@@ -365,6 +365,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         critic = _build_critic(cfg, model, objective)
         check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
         check_lora_mode(model, cfg.mode)
+        check_vision_run(cfg, model)
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
                                  objective=objective)
         data_stats = datamodule.stats()
@@ -490,6 +491,35 @@ def _build_critic(cfg: DictConfig, model, objective):
              f"its own model, {sum(p.numel() for p in critic.parameters()) / 1e6:.2f}M parameters",
              critic.vf_coef, critic.value_clip, objective.gamma, objective.lam)
     return critic
+
+
+def check_vision_run(cfg: DictConfig, model) -> None:
+    """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option
+    before training: each of these cuts a row or runs branches apart, and an image's once-encoded
+    embeddings would have to follow (the tower's gradient relayed like a partition's K/V)."""
+    if getattr(model, "vision", None) is None:
+        return
+    strategy = cfg.trainer.get("strategy")
+    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
+    why = {
+        f"mode={cfg.mode}": (cfg.mode != "tree", "the per-branch baseline has no image inputs; mode=tree trains "
+                                                 "exactly what it would"),
+        f"verify_every={cfg.verify_every}": (int(cfg.verify_every or 0) > 0, "it runs the per-branch baseline, which "
+                                                                             "has no image inputs"),
+        f"partition={cfg.partition.name}": (cfg.partition.name != "none", "a row's images are encoded once for the "
+                                            "whole row; cutting it into partitions is not supported with images yet"),
+        "trainer.strategy.context_parallel_degree": (
+            hasattr(strategy, "get") and int(strategy.get("context_parallel_degree", 1) or 1) > 1,
+            "a row split over ranks would need each image's embeddings and tower gradient exchanged"),
+        f"critic={(cfg.get('critic') or {}).get('kind', 'none')}": (
+            (cfg.get("critic") or {}).get("kind", "none") not in (None, "none"),
+            "the value head has not been checked against a per-branch reference with images"),
+        "trainer=fsdp2": ("FSDP2" in target, "sharding the vision tower has not been checked against a per-branch "
+                                             "reference with images"),
+    }
+    for option, (bad, reason) in why.items():
+        if bad:
+            raise ValueError(f"{option} with model.vision=true: {reason}")
 
 
 def hybrid_line(model, ssm: str) -> str:
