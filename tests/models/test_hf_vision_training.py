@@ -143,6 +143,8 @@ def _cfg(**over):
      "trainer=fsdp2 with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
      "trainer.strategy.context_parallel_degree with model.vision=true"),
+    ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.DDP"}, "devices": 2, "num_nodes": 1}},
+     "trainer.devices=2 x trainer.num_nodes=1 with model.vision=true: several processes"),
 ])
 def test_what_does_not_run_with_images_is_refused_by_option(over, match, tmp_path_factory):
     from treelit.cli.train import check_vision_run

@@ -516,10 +516,22 @@ def check_vision_run(cfg: DictConfig, model) -> None:
             "the value head has not been checked against a per-branch reference with images"),
         "trainer=fsdp2": ("FSDP2" in target, "sharding the vision tower has not been checked against a per-branch "
                                              "reference with images"),
+        f"trainer.devices={cfg.trainer.get('devices', 1)} x trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}": (
+            "FSDP2" not in target and _processes(cfg.trainer) > 1,
+            "several processes have not been checked against a per-branch reference with images (a rank whose rows "
+            "show no image leaves the tower without a gradient)"),
     }
     for option, (bad, reason) in why.items():
         if bad:
             raise ValueError(f"{option} with model.vision=true: {reason}")
+
+
+def _processes(trainer: Any) -> int:
+    n = 1
+    for key in ("devices", "num_nodes"):
+        v = trainer.get(key, 1)
+        n *= v if isinstance(v, int) else (2 if str(v) in ("auto", "-1") else len(v) if hasattr(v, "__len__") else 1)
+    return n
 
 
 def hybrid_line(model, ssm: str) -> str:
