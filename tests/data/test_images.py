@@ -55,7 +55,8 @@ def _trees(builder, path):
     return builder(list(iter_file(path)))
 
 
-def test_image_parts_become_the_processors_tokens_and_pixels(builder, vl_dir, tmp_path):
+@pytest.mark.parametrize("export", ["per_call", "trajectory"])
+def test_image_parts_become_the_processors_tokens_and_pixels(builder, vl_dir, tmp_path, export):
     rng = np.random.default_rng(0)
     a, b = random_image(rng, 16, 24), random_image(rng, 24, 32)
     (tmp_path / "shots").mkdir()
@@ -65,7 +66,7 @@ def test_image_parts_become_the_processors_tokens_and_pixels(builder, vl_dir, tm
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "and"}]},
         {"role": "assistant", "content": "done"}]
     path = _write(tmp_path, [{"id": "r", "messages": msgs}])
-    (built,) = _trees(builder, path)
+    (built,) = _trees(ChatBuilder(tokenizer=builder.tok, processor_path=vl_dir, export=export), path)
     tree = built.tree
     proc = image_processor()
     tok = builder.tok

@@ -225,3 +225,29 @@ def test_freeze_vision_needs_vision(tmp_path):
 
     with pytest.raises(ValueError, match="model.freeze_vision=true needs model.vision=true"):
         make_hf_model(str(tmp_path), freeze_vision=True)
+
+
+def test_packed_trees_sharing_an_image_equal_transformers(pool, tmp_path_factory):
+    """Two trees packed in one row, both showing screenshot b: b is encoded once for the row, each
+    tree's tokens read its rows, and the loss and gradients are per-branch training's."""
+    a, b = pool["a"], pool["b"]
+    first = ([[1] + span(a) + [2, 3], [1] + span(b) + [4]], [[a], [b]])
+    second = ([[5] + span(b) + [6, 7]], [[b]])
+    ours, ref = models("qwen2_5_vl", tmp_path_factory)
+    branches, images = first[0] + second[0], first[1] + second[1]
+    masks = [text_mask(x) for x in branches]
+    rows = [treelit.TokenTree.from_branches(br, [text_mask(x) for x in br], images=im).to_batch() for br, im in (first, second)]
+    row = treelit.TreeBatch.pack(rows)
+    assert row.images.num_images == 2
+    with KeepFloat64():
+        ref.zero_grad(set_to_none=True)
+        expected = vlm_branch_loss(ref, branches, images, masks, [1.0] * 3)
+        expected.backward()
+        theirs = _grads(ref)
+        before = ours.vision.images_encoded
+        loss = treelit.tree_loss(ours, row, "token-mean", "sdpa_dense")
+        loss.backward()
+        mine = _grads(ours, strip="hf.")
+    assert ours.vision.images_encoded - before == 2
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
+    assert max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64)) <= 1e-10
