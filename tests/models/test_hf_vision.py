@@ -28,12 +28,13 @@ F64 = torch.float64
 _CACHE = {}
 
 
-def models(family, tmp_path_factory, freeze_vision=False):
-    key = (family, freeze_vision)
+def models(family, tmp_path_factory, freeze_vision=False, per_pass=0):
+    key = (family, freeze_vision, per_pass)
     if key not in _CACHE:
         path = _CACHE.get(family) or vision_checkpoint(tmp_path_factory.mktemp(family), family)
         _CACHE[family] = path
-        ours = treelit.load_hf_model(path, dtype=F64, vision=True, freeze_vision=freeze_vision)
+        ours = treelit.load_hf_model(path, dtype=F64, vision=True, freeze_vision=freeze_vision,
+                                     vision_images_per_pass=per_pass)
         _CACHE[key] = (ours, load_reference(path))
     return _CACHE[key]
 
@@ -55,11 +56,11 @@ def _grads(model, strip=""):
 
 
 def compare(family, branches, images, tmp_path_factory, weights=None, aggregation="token-mean",
-            attention="sdpa_dense", freeze_vision=False):
+            attention="sdpa_dense", freeze_vision=False, per_pass=0):
     """Tree loss and gradients vs transformers branch by branch; returns (tree, our model)."""
     masks = [text_mask(b) for b in branches]
     weights = weights or [1.0 + 0.5 * (i % 3) for i in range(len(branches))]
-    ours, ref = models(family, tmp_path_factory, freeze_vision)
+    ours, ref = models(family, tmp_path_factory, freeze_vision, per_pass)
     for p in ref.model.visual.parameters():
         p.requires_grad_(not freeze_vision)
     tree = treelit.TokenTree.from_branches(branches, masks, weights, images=images)
@@ -140,6 +141,16 @@ def test_random_forests_with_shared_and_distinct_images(family, seed, pool, tmp_
 def test_segment_backend(family, pool, tmp_path_factory):
     branches, images = _fixed_cases(pool)["fork_after_image"]
     compare(family, branches, images, tmp_path_factory, attention="segment")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
+def test_images_encoded_a_few_at_a_time(family, pool, tmp_path_factory):
+    """model.vision_images_per_pass: the tower runs groups of images, recomputed in the backward;
+    the loss and every gradient stay per-branch training's (Qwen3-VL: its deepstack rows too)."""
+    rng = np.random.default_rng(3)
+    branches, images = random_forest(rng, [pool["a"], pool["b"], pool["c"]], n_branches=5)
+    tree, _ = compare(family, branches, images, tmp_path_factory, per_pass=1)
+    assert tree.images.num_images >= 2  # more than one group
 
 
 @pytest.mark.slow
@@ -223,8 +234,10 @@ def test_gemma3_is_refused_by_name(tmp_path):
 def test_freeze_vision_needs_vision(tmp_path):
     from treelit.models.hf_adapter import make_hf_model
 
-    with pytest.raises(ValueError, match="model.freeze_vision=true needs model.vision=true"):
+    with pytest.raises(ValueError, match="model.freeze_vision needs model.vision=true"):
         make_hf_model(str(tmp_path), freeze_vision=True)
+    with pytest.raises(ValueError, match="model.vision_images_per_pass needs model.vision=true"):
+        make_hf_model(str(tmp_path), vision_images_per_pass=2)
 
 
 def test_packed_trees_sharing_an_image_equal_transformers(pool, tmp_path_factory):

@@ -317,13 +317,15 @@ def _umask() -> int:
 
 def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = torch.float32,
                   device: Union[str, torch.device] = "cpu", router_loss_set: bool = False, vision: bool = False,
-                  freeze_vision: bool = False) -> HFTreeModel:
+                  freeze_vision: bool = False, vision_images_per_pass: int = 0) -> HFTreeModel:
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
     ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`.
     ``router_loss_set``: the caller sets the router loss itself (``model.router_aux_loss_coef``), so
     config.json's is not checked here. ``vision``: load a vision-language checkpoint with its
     vision tower (:class:`~treelit.models.hf_vision.VisionInputs`; ``freeze_vision``: the
-    tower does not train); without it such a checkpoint loads its text model or is refused."""
+    tower does not train; ``vision_images_per_pass``: the tower runs that many images at a time,
+    recomputed in the backward, 0: all at once); without it such a checkpoint loads its text model
+    or is refused."""
     import transformers  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
     path = Path(path)
@@ -373,7 +375,8 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
                                   f"transformers {transformers.__version__} model calls a kernel entry point "
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
-    model = HFTreeModel(hf, VisionInputs(hf, freeze_vision) if vision else None).to(device)
+    parts = VisionInputs(hf, freeze_vision, vision_images_per_pass) if vision else None
+    model = HFTreeModel(hf, parts).to(device)
     coef = model.config.moe.get("router_aux_loss_coef", 0.0)
     if model._router_refusal and coef > 0 and not router_loss_set:
         raise CheckpointError(f"{cfg_file}: config key 'router_aux_loss_coef' = {coef} (with output_router_logits): "
@@ -384,7 +387,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
                   router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False,
                   lora: Optional[Dict[str, Any]] = None, vision: bool = False,
-                  freeze_vision: bool = False) -> HFTreeModel:
+                  freeze_vision: bool = False, vision_images_per_pass: int = 0) -> HFTreeModel:
     """The ``model=hf_auto`` config option (``activation_checkpointing``: transformers' own,
     per layer, non-reentrant; ``lora``: PEFT LoRA adapters, :mod:`treelit.models.lora`;
     ``vision`` / ``freeze_vision``: a vision-language checkpoint with its tower, see
@@ -392,10 +395,12 @@ def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_co
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
     opts = lora_options(lora)  # bad options fail before the weights load
-    if freeze_vision and not vision:
-        raise ValueError("model.freeze_vision=true needs model.vision=true (a checkpoint loaded with its vision tower)")
+    if (freeze_vision or vision_images_per_pass) and not vision:
+        raise ValueError(f"model.{'freeze_vision' if freeze_vision else 'vision_images_per_pass'} needs model.vision=true "
+                         "(a checkpoint loaded with its vision tower)")
     model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype), router_loss_set=router_aux_loss_coef is not None,
-                          vision=bool(vision), freeze_vision=bool(freeze_vision))
+                          vision=bool(vision), freeze_vision=bool(freeze_vision),
+                          vision_images_per_pass=vision_images_per_pass)
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
     if model._router_refusal and model.config.moe.get("router_aux_loss_coef", 0.0) > 0:
         raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")

@@ -32,10 +32,13 @@ visibility rule treelit's tree mask does not have.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils.checkpoint import checkpoint
 
 from treelit.models.errors import CheckpointError
 
@@ -71,10 +74,13 @@ class VisionInputs:
     text model (``attn_implementation="treelit"``). Held by reference, not as a submodule: the
     parameters stay the wrapped model's (``hf.`` names)."""
 
-    def __init__(self, hf_model: nn.Module, freeze_vision: bool = False) -> None:
+    def __init__(self, hf_model: nn.Module, freeze_vision: bool = False, images_per_pass: int = 0) -> None:
         self._hf = [hf_model]  # a list: not registered as a submodule of the adapter a second time
         self.image_token_id = int(hf_model.config.image_token_id)
         self.freeze_vision = bool(freeze_vision)
+        if isinstance(images_per_pass, bool) or not isinstance(images_per_pass, int) or images_per_pass < 0:
+            raise ValueError(f"model.vision_images_per_pass must be an integer >= 0, got {images_per_pass!r}")
+        self.images_per_pass = images_per_pass
         if self.freeze_vision:
             for p in self.visual.parameters():
                 p.requires_grad_(False)
@@ -106,20 +112,58 @@ class VisionInputs:
 
     def _with_images(self, batch, embeds: torch.Tensor):
         """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image."""
-        images = batch.images
-        feats = self.vlm.get_image_features(images.pixel_values, images.grid_thw, return_dict=True)
-        self.images_encoded += images.num_images
-        rows = torch.cat(feats.pooler_output).to(embeds.dtype)
+        rows, deep = self.encode(batch.images)
+        rows = rows.to(embeds.dtype)
         sel = batch.image_row >= 0
         at = batch.image_row.clamp(min=0)
         out = torch.where(sel[None, :, None], rows[at][None], embeds)
         extra: Dict[str, Any] = {}
-        deep = getattr(feats, "deepstack_features", None)
         if deep:  # Qwen3-VL: features of early tower layers added to the first text layers' image tokens
             idx = batch.image_row[sel]
             extra["visual_pos_masks"] = sel[None]
-            extra["deepstack_visual_embeds"] = [torch.cat(f).to(embeds.dtype)[idx] for f in deep]
+            extra["deepstack_visual_embeds"] = [f.to(embeds.dtype)[idx] for f in deep]
         return out, extra
+
+    def encode(self, images):
+        """Embedding rows ``[sum tokens, D]`` of a row's distinct images (and Qwen3-VL's deepstack
+        rows per level). With ``images_per_pass`` = k > 0 the tower runs k images at a time, each
+        group's activations recomputed in the backward (activation checkpointing, exact): the
+        tower's activation memory is that of k images, not of all of them, for one more forward."""
+        self.images_encoded += images.num_images
+        k = self.images_per_pass
+        if not k or k >= images.num_images or not torch.is_grad_enabled():
+            return self._features(images.pixel_values, images.grid_thw)
+        modes = _function_modes()
+        patches = torch.cat([images.grid_thw.new_zeros(1), torch.cumsum(images.grid_thw.prod(-1), 0)]).tolist()
+        parts = []
+        for i in range(0, images.num_images, k):
+            j = min(i + k, images.num_images)
+            pv, grid = images.pixel_values[patches[i]:patches[j]], images.grid_thw[i:j]
+            parts.append(checkpoint(self._features, pv, grid, use_reentrant=False,
+                                    context_fn=lambda: (contextlib.nullcontext(), _entered(modes))))
+        rows = torch.cat([p[0] for p in parts])
+        deep = [torch.cat([p[1][lvl] for p in parts]) for lvl in range(len(parts[0][1]))]
+        return rows, deep
+
+    def _features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        feats = self.vlm.get_image_features(pixel_values, grid_thw, return_dict=True)
+        deep = getattr(feats, "deepstack_features", None) or []
+        return torch.cat(feats.pooler_output), [torch.cat(f) for f in deep]
+
+
+def _function_modes() -> list:
+    """The torch-function modes active now (outermost first)."""
+    return list(_get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def _entered(modes):
+    """Recompute under the torch-function modes the forward ran under, as the forward saw them
+    (the backward runs outside them)."""
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            stack.enter_context(m)
+        yield
 
 
 def _branch_grids(batch, tokens: torch.Tensor) -> Optional[torch.Tensor]:
