@@ -143,6 +143,9 @@ def run(args):
     with tempfile.TemporaryDirectory() as d:
         checkpoint(d, args.quick)
         ours = treelit.load_hf_model(d, dtype=torch.float32, vision=True)
+        grouped = (treelit.load_hf_model(d, dtype=torch.float32, vision=True,
+                                         vision_images_per_pass=args.images_per_pass)
+                   if args.images_per_pass else None)
         hf = transformers.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32,
                                                                       attn_implementation="sdpa", use_kernels=False)
     branches, masks, images = episode(args)
@@ -152,8 +155,8 @@ def run(args):
     stats = tree.stats()
     occurrences = sum(len(i) for i in images)
 
-    def tree_step():
-        loss = treelit.tree_loss(ours, batch, "token-mean", args.attention)
+    def tree_step(model=ours):
+        loss = treelit.tree_loss(model, batch, "token-mean", args.attention)
         loss.backward()
         return loss.item()
 
@@ -182,27 +185,30 @@ def run(args):
 
     rows = []
     ref = None
-    for name, fn, model, strip, encoded in (("tree", tree_step, ours, "hf.", tree.images.num_images),
-                                            ("branch", branch_step, ours, "hf.", occurrences),
-                                            ("hf", hf_step, hf, "", occurrences)):
+    modes = [("tree", tree_step, ours, "hf.", tree.images.num_images)]
+    if grouped is not None:
+        modes.append((f"tree/k{args.images_per_pass}", lambda: tree_step(grouped), grouped, "hf.",
+                      tree.images.num_images))
+    modes += [("branch", branch_step, ours, "hf.", occurrences), ("hf", hf_step, hf, "", occurrences)]
+    for name, fn, model, strip, encoded in modes:
         if name in args.skip:
             continue
         times, peak, loss = [], 0, None
         for _ in range(args.reps):
             model.zero_grad(set_to_none=True)
-            before = ours.vision.images_encoded
+            before = model.vision.images_encoded if model is not hf else 0
             t0 = time.process_time()
             p, loss = peak_memory(fn, torch.device("cpu"))
             times.append(time.process_time() - t0)
             peak = max(peak, p)
-            if model is ours:
-                assert ours.vision.images_encoded - before == encoded
+            if model is not hf:
+                assert model.vision.images_encoded - before == encoded
         grads = _grads(model, strip)
         if ref is None:
             ref = grads
         rows.append({"mode": name, "step_s": statistics.median(times), "times_s": times, "images_encoded": encoded,
                      "peak_bytes": peak, "loss": loss,
-                     "tokens": stats["tree_tokens"] if name == "tree" else stats["flat_tokens"],
+                     "tokens": stats["tree_tokens"] if name.startswith("tree") else stats["flat_tokens"],
                      "max_rel_grad_diff": 0.0 if grads is ref else max_rel(grads, ref)})
     base = rows[0]
     for r in rows:
@@ -233,10 +239,10 @@ def report(res):
           f"Qwen2.5-VL-shaped, {m['params'] / 1e6:.2f}M parameters ({m['vision_params'] / 1e6:.2f}M in the tower), "
           f"float32; torch {res['env']['torch']}, {res['env']['threads']} thread(s), CPU time; "
           f"load {res['env']['load_before']:.1f}")
-    print(f"{'mode':8} {'step':>9} {'/tree':>6} {'encoded':>8} {'tokens':>8} {'peak':>9} {'/tree':>6} {'grad_diff':>9}")
+    print(f"{'mode':9}{'step':>9} {'/tree':>6} {'encoded':>8} {'tokens':>8} {'peak':>9} {'/tree':>6} {'grad_diff':>9}")
     print("-" * 72)
     for r in res["rows"]:
-        print(f"{r['mode']:8} {r['step_s']:8.2f}s {r['time_over_tree']:5.2f}x {r['images_encoded']:8d} "
+        print(f"{r['mode']:9}{r['step_s']:8.2f}s {r['time_over_tree']:5.2f}x {r['images_encoded']:8d} "
               f"{r['tokens']:8d} {r['peak_bytes'] / 2**20:8.0f}M {r['peak_over_tree']:5.2f}x "
               f"{r['max_rel_grad_diff']:9.1e}")
     print(f"# load average {res['env']['load_before']:.1f} before, {res['env']['load_after']:.1f} after")
@@ -253,6 +259,8 @@ def main(argv=None):
     p.add_argument("--attention", default="segment")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--images-per-pass", type=int, default=0,
+                   help="k > 0: also the tree step with model.vision_images_per_pass=k (row tree/kK)")
     p.add_argument("--skip", type=lambda s: s.split(","), default=[], help="modes to leave out (branch,hf)")
     p.add_argument("--quick", action="store_true", help="a smaller model (tests); the shape is set by the options")
     p.add_argument("--json", default=None)
