@@ -18,6 +18,7 @@ import torch
 import treelit
 from float64_mode import KeepFloat64
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad
+from treelit.partition.engine import PartitionStats
 from vision_oracle import (END, IMAGE, START, image_processor, load_reference, processed, random_forest,
                            random_image, span, text_mask, vision_checkpoint, vlm_branch_loss)
 
@@ -56,7 +57,7 @@ def _grads(model, strip=""):
 
 
 def compare(family, branches, images, tmp_path_factory, weights=None, aggregation="token-mean",
-            attention="sdpa_dense", freeze_vision=False, per_pass=0):
+            attention="sdpa_dense", freeze_vision=False, per_pass=0, budget=None):
     """Tree loss and gradients vs transformers branch by branch; returns (tree, our model)."""
     masks = [text_mask(b) for b in branches]
     weights = weights or [1.0 + 0.5 * (i % 3) for i in range(len(branches))]
@@ -71,16 +72,26 @@ def compare(family, branches, images, tmp_path_factory, weights=None, aggregatio
         theirs = _grads(ref)
         ours.zero_grad(set_to_none=True)
         before = ours.vision.images_encoded
-        loss = treelit.tree_loss(ours, tree, aggregation, attention)
-        loss.backward()
+        if budget is None:
+            loss = treelit.tree_loss(ours, tree, aggregation, attention)
+            loss.backward()
+            value = loss.item()
+        else:
+            stats = PartitionStats()
+            value = treelit.tree_backward(ours, tree, aggregation, "redundancy_free", budget, attention=attention,
+                                          stats=stats)
+            assert stats.partitions > 1, "the budget cut nothing"
         mine = _grads(ours, strip="hf.")
-    assert ours.vision.images_encoded - before == tree.images.num_images  # each distinct image once
+    if budget is None:
+        assert ours.vision.images_encoded - before == tree.images.num_images  # each distinct image once
+    else:  # once per partition that shows it
+        assert tree.images.num_images <= ours.vision.images_encoded - before
     assert mine.keys() == theirs.keys(), sorted(set(mine) ^ set(theirs))
     assert any("visual" in k for k in mine) != freeze_vision
     assert expected.item() > 0  # the example trains something
     if not freeze_vision:
         assert sum(float(g.norm()) for k, g in mine.items() if "visual" in k) > 0
-    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss.item(), expected.item())
+    assert abs(value - expected.item()) <= 1e-10 * abs(expected.item()), (value, expected.item())
     err = max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64))
     assert err <= 1e-10, f"{family}: max relative gradient difference {err:.2e}"
     return tree, ours
@@ -141,6 +152,32 @@ def test_random_forests_with_shared_and_distinct_images(family, seed, pool, tmp_
 def test_segment_backend(family, pool, tmp_path_factory):
     branches, images = _fixed_cases(pool)["fork_after_image"]
     compare(family, branches, images, tmp_path_factory, attention="segment")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow),
+                                    pytest.param("qwen3_5", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("extra", [0, 1, 3])
+def test_partitioned_rows_with_images(family, extra, pool, tmp_path_factory):
+    """Partitions of the longest branch's length plus ``extra`` tokens. Partitions are unions of
+    segments and a segment never starts inside an image (branches fork at the first token whose
+    content key differs), so every image stays whole in one partition; an image shown in several
+    partitions is encoded by each (the tower's gradient is the sum over partitions, as over
+    branches); positions are the whole row's. Exact against per-branch training."""
+    branches, images = _fixed_cases(pool)["fork_after_image"]
+    longest = max(len(b) for b in branches)
+    tree, _ = compare(family, branches, images, tmp_path_factory, budget=longest + extra)
+    batch = tree.to_batch()
+    inner = (batch.image_row >= 0) & ~torch.isin(batch.image_row, batch.images.row_offsets)
+    assert not bool(torch.isin(batch.seg_start, torch.nonzero(inner).squeeze(1)).any())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("seed", [4, 5])
+def test_partitioned_random_forests(family, seed, pool, tmp_path_factory):
+    rng = np.random.default_rng(seed)
+    branches, images = random_forest(rng, [pool["a"], pool["b"], pool["a2"], pool["c"]], n_branches=5)
+    compare(family, branches, images, tmp_path_factory, budget=max(len(b) for b in branches) + 2)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])

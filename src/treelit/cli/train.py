@@ -495,8 +495,8 @@ def _build_critic(cfg: DictConfig, model, objective):
 
 def check_vision_run(cfg: DictConfig, model) -> None:
     """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option
-    before training: each of these cuts a row or runs branches apart, and an image's once-encoded
-    embeddings would have to follow (the tower's gradient relayed like a partition's K/V)."""
+    before training: each of these runs branches apart or splits a row over processes, which has not
+    been checked against a per-branch reference with images."""
     if getattr(model, "vision", None) is None:
         return
     strategy = cfg.trainer.get("strategy")
@@ -506,8 +506,6 @@ def check_vision_run(cfg: DictConfig, model) -> None:
                                                  "exactly what it would"),
         f"verify_every={cfg.verify_every}": (int(cfg.verify_every or 0) > 0, "it runs the per-branch baseline, which "
                                                                              "has no image inputs"),
-        f"partition={cfg.partition.name}": (cfg.partition.name != "none", "a row's images are encoded once for the "
-                                            "whole row; cutting it into partitions is not supported with images yet"),
         "trainer.strategy.context_parallel_degree": (
             hasattr(strategy, "get") and int(strategy.get("context_parallel_degree", 1) or 1) > 1,
             "a row split over ranks would need each image's embeddings and tower gradient exchanged"),

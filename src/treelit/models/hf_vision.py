@@ -23,6 +23,11 @@ In tree mode (an adapted model with :class:`VisionInputs`, ``model.vision``):
   DeltaNet through treelit's tree kernels, the vision tower on its own sdpa attention (an
   image attends within itself, never across the tree).
 
+A part of a row (a partition; :meth:`TreeBatch.subset`) keeps the images its tokens show and
+encodes them itself: an image shown in two partitions is encoded by each, and the tower's
+gradient is the sum over them, as it is over branches. Its positions are the whole row's (the
+part holds no branches), computed once on the row and sliced.
+
 ``freeze_vision``: the tower's parameters stop requiring gradients (the common LoRA / RL
 setting); the projector (the patch merger, part of the tower in these families) follows.
 
@@ -182,6 +187,10 @@ def mrope_positions(vlm: nn.Module, batch) -> torch.Tensor:
     transformers ``*Model`` holding it) on every branch,
     checked to agree on every shared token; kept on the row (``batch.mrope_position_ids``)."""
     if batch.mrope_position_ids is not None:
+        return batch.mrope_position_ids
+    if batch.mrope_parent is not None:  # a part of a row: its parent's positions at its tokens
+        parent, tokens = batch.mrope_parent
+        batch.mrope_position_ids = mrope_positions(vlm, parent)[:, tokens.to(parent.device)].to(batch.device)
         return batch.mrope_position_ids
     N, dev = batch.num_tokens, batch.device
     if batch.num_branches == 0:

@@ -114,6 +114,8 @@ class TreeBatch:
     images: Optional[Any] = None
     image_row: Optional[torch.Tensor] = None
     mrope_position_ids: Optional[torch.Tensor] = None
+    # a part of a row (subset) whose M-RoPE positions are its parent's: (parent row, token indices)
+    mrope_parent: Optional[Any] = None
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -219,9 +221,6 @@ class TreeBatch:
         dropped (a partition's loss uses the folded token weights and the full tree's
         normaliser).
         """
-        if self.images is not None:
-            raise TreeInputError("a row with images cannot be cut into parts (partitioning, context parallelism): "
-                                 "its images are encoded once for the whole row")
         dev = self.device
         tokens = tokens.to(dev)
         n = int(tokens.shape[0])
@@ -260,7 +259,22 @@ class TreeBatch:
                 name: (getattr(self, name)[tokens] if getattr(self, name) is not None else None)
                 for name in _RL_TOKEN_FIELDS
             },
+            **self._image_part(tokens),
         )
+
+    def _image_part(self, tokens: torch.Tensor) -> Dict[str, Any]:
+        """A part's images: those its tokens show (each part encodes them itself: the tower's
+        gradient is then the sum over parts, as over branches), its tokens' rows, and its
+        M-RoPE positions (its parent's, sliced; computed on the parent, which has the branches)."""
+        if self.images is None:
+            return {}
+        images, rows = self.images.select(self.image_row[tokens])
+        if self.mrope_position_ids is not None:
+            return {"images": images, "image_row": rows, "mrope_position_ids": self.mrope_position_ids[:, tokens]}
+        if self.mrope_parent is not None:
+            parent, idx = self.mrope_parent
+            return {"images": images, "image_row": rows, "mrope_parent": (parent, idx[tokens])}
+        return {"images": images, "image_row": rows, "mrope_parent": (self, tokens)}
 
     # sizes -----------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -90,6 +90,29 @@ class ImageSet:
     def to(self, device: Any) -> "ImageSet":
         return ImageSet(self.pixel_values.to(device), self.grid_thw.to(device), self.num_tokens.to(device),
                         list(self.digests))
+
+    def image_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The image each embedding row (``>= 0``) belongs to."""
+        return torch.searchsorted(self.row_offsets.to(rows.device), rows, right=True) - 1
+
+    def select(self, rows: torch.Tensor) -> Tuple[Optional["ImageSet"], torch.Tensor]:
+        """The images the embedding rows ``rows`` (``-1``: text) come from, as a set of their own,
+        and ``rows`` renumbered into it (None, all ``-1``, when no row is an image's)."""
+        shown = rows >= 0
+        if not bool(shown.any()):
+            return None, torch.full_like(rows, -1)
+        img = self.image_of_rows(rows[shown])
+        keep = torch.unique(img).cpu()
+        patches = torch.cat([self.grid_thw.new_zeros(1), torch.cumsum(self.grid_thw.prod(-1), 0)]).tolist()
+        starts = self.row_offsets.tolist()
+        sub = ImageSet(torch.cat([self.pixel_values[patches[i]:patches[i + 1]] for i in keep.tolist()]),
+                       self.grid_thw[keep], self.num_tokens[keep], [self.digests[i] for i in keep.tolist()])
+        new_start = sub.row_offsets[:-1].to(rows.device)
+        where = torch.searchsorted(keep.to(rows.device), img)  # position of each row's image among the kept
+        out = torch.full_like(rows, -1)
+        old_start = torch.tensor(starts, device=rows.device)[img]
+        out[shown] = new_start[where] + (rows[shown] - old_start)
+        return sub, out
 
     @staticmethod
     def merge(sets: Sequence["ImageSet"]) -> Tuple["ImageSet", List[torch.Tensor]]:
