@@ -137,7 +137,7 @@ def _cfg(**over):
 @pytest.mark.parametrize("over,match", [
     ({"mode": "linear"}, "mode=linear with model.vision=true: the per-branch baseline has no image inputs"),
     ({"verify_every": 5}, "verify_every=5 with model.vision=true"),
-    ({"critic": {"kind": "shared"}}, "critic=shared with model.vision=true"),
+    ({"critic": {"kind": "separate"}}, "critic=separate with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "context_parallel_degree": 1}}},
      "trainer=fsdp2 with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
@@ -160,10 +160,11 @@ def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
     text_model = treelit.build_model("qwen2_tiny", vocab_size=40, max_seq_len=64)
     with pytest.raises(treelit.TreeInputError, match="the row has images and this model has no vision tower"):
         treelit.tree_loss(text_model, tree)
-    check_vision_run_ok = _cfg(partition={"name": "redundancy_free"})  # partitioning runs with images
     from treelit.cli.train import check_vision_run
 
-    check_vision_run(check_vision_run_ok, type("M", (), {"vision": object()})())
+    # partitioning and a shared critic run with images
+    check_vision_run(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}),
+                     type("M", (), {"vision": object()})())
 
 
 def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):
@@ -175,3 +176,69 @@ def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):
     pol = Sampler.__new__(Sampler)
     with pytest.raises(ValueError, match="a vision-language checkpoint .* treelit-rollout samples text models"):
         pol.load({"path": str(tmp_path), "version": 1})
+
+
+def test_shared_critic_with_images(pool, tmp_path_factory, monkeypatch):  # noqa: F811
+    """PPO with a shared critic (a value head on the policy's trunk) on a tree with images: the
+    values, GAE per (branch, action), the clipped policy and value losses and every gradient equal
+    the per-branch reference of tests/objectives/test_critic.py run on transformers branch by branch
+    with each branch's images (float64 1e-10)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "critic_oracle", Path(__file__).resolve().parents[1] / "objectives" / "test_critic.py")
+    C = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(C)
+    from treelit.models.critic import Critic
+    from treelit.objectives.critic import critic_tree_loss, prepare_tree, set_tree_advantages, tree_values
+    from treelit.rl.gae import whiten
+
+    ours, hf = models("qwen2_5_vl", tmp_path_factory)
+    branches, images = _fixed_cases(pool)["fork_after_image"]
+    images_of = {tuple(b): ims for b, ims in zip(branches, images)}
+    masks = [text_mask(b) for b in branches]
+    weights = [1.0, 0.5, 2.0]
+    rewards = [[0.0] * (len(b) - 1) + [r] for b, r in zip(branches, [1.0, -0.5, 0.3])]
+
+    def hidden(model, ids):  # transformers' final hidden states of one branch with its images
+        x = torch.tensor([list(ids)])
+        ims = images_of[tuple(ids)]
+        hf.model.rope_deltas = None
+        return hf.model(input_ids=x, pixel_values=torch.cat([i.pixel_values for i in ims]),
+                        image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]),
+                        mm_token_type_ids=(x == IMAGE).int()).last_hidden_state[0]
+
+    monkeypatch.setattr(C, "_hidden", hidden)
+    monkeypatch.setattr(C, "output_weight", lambda m: hf.lm_head.weight)
+    torch.manual_seed(0)
+    critic = Critic("shared", hf.lm_head.weight.shape[1], None, vf_coef=C.VF, value_clip=C.VCLIP, dtype=F64,
+                    init_std=0.3)
+    with KeepFloat64():
+        with torch.no_grad():
+            old = [C.ref_branch(hf, critic, ids) for ids in branches]
+        old_lp, old_v = [lp for lp, _ in old], [v.tolist() for _, v in old]
+        tree = treelit.TokenTree.from_branches(
+            branches, masks, weights, branch_fields={"reward": [r[-1] for r in rewards],
+                                                     "token_rewards": [list(r) for r in rewards]},
+            old_logprobs=[[None] + lp.tolist() for lp in old_lp], images=images)
+        batch = tree.to_batch()
+        values = tree_values(critic, ours, batch)
+        pairs = prepare_tree(batch, values, C.GAMMA, C.LAM)
+        act = pairs.adv[pairs.action]
+        (adv,) = whiten([pairs.adv], (len(act), act.sum(), (act * act).sum()))
+        set_tree_advantages(batch, pairs, adv)
+        objective = make_objective("ppo", clip_low=C.CLIP, gamma=C.GAMMA, lam=C.LAM)
+        Z = batch.norm_contribution("token-mean")
+        for m in (ours, hf, critic):
+            m.zero_grad(set_to_none=True)
+        loss = critic_tree_loss(objective, critic, ours, batch, aggregation="token-mean", normalizer=Z)[0]
+        loss.backward()
+        mine, mine_head = _grads(ours, strip="hf."), _grads(critic)
+        expected = C.reference(hf, critic, branches, masks, weights, rewards, old_lp, old_v, "token-mean")
+        expected.backward()
+        theirs, theirs_head = _grads(hf), _grads(critic)
+    assert expected.item() != 0 and mine.keys() == theirs.keys() and mine_head.keys() == theirs_head.keys()
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss.item(), expected.item())
+    assert max_rel_grad_diff({**mine, **mine_head}, {**theirs, **theirs_head}, grad_floor(F64),
+                             negligible_grad(F64)) <= 1e-10

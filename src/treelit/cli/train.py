@@ -510,8 +510,9 @@ def check_vision_run(cfg: DictConfig, model) -> None:
             hasattr(strategy, "get") and int(strategy.get("context_parallel_degree", 1) or 1) > 1,
             "a row split over ranks would need each image's embeddings and tower gradient exchanged"),
         f"critic={(cfg.get('critic') or {}).get('kind', 'none')}": (
-            (cfg.get("critic") or {}).get("kind", "none") not in (None, "none"),
-            "the value head has not been checked against a per-branch reference with images"),
+            (cfg.get("critic") or {}).get("kind", "none") == "separate",
+            "a separate critic's own trunk has not been checked against a per-branch reference with images "
+            "(critic=shared has)"),
         "trainer=fsdp2": ("FSDP2" in target, "sharding the vision tower has not been checked against a per-branch "
                                              "reference with images"),
         f"trainer.devices={cfg.trainer.get('devices', 1)} x trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}": (
