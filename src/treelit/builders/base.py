@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from treelit.builders.assemble import Assembler, BuiltTree
+from treelit.data.images import ImageLimits, ImageReader, load_image_processor
 from treelit.data.records import DataError, Record, validate_token_record
 from treelit.loss.branches import Branches
 from treelit.registry import get_registry
@@ -124,6 +125,7 @@ def build_tree_from_branches(
         adv = [b["advantage"] for b in branches]
     lp = {k: ([b.get(k) for b in branches] if any(b.get(k) is not None for b in branches) else None)
           for k in ("old_logprobs", "ref_logprobs", "routed_experts")}
+    images = [b.get("images") or [] for b in branches] if any(b.get("images") for b in branches) else None
     try:
         tree = TokenTree.from_branches(
             [b["input_ids"] for b in branches],
@@ -137,6 +139,7 @@ def build_tree_from_branches(
             logprob_conflict=logprob_conflict,
             logprob_tol=logprob_tol,
             routed_experts=lp["routed_experts"],
+            images=images,
         )
     except TreeInputError as exc:
         raise DataError(str(exc), branches=exc.branches, detail=exc.detail) from exc
@@ -158,10 +161,18 @@ class TokenBuilder(TreeBuilder):
             ``reinforce_pp``, ``reinforce_pp_baseline``, ``raw``; groups as the builder defines them).
         logprob_conflict: ``raise`` or ``split`` when branches disagree on a shared token's
             old/reference log-prob by more than ``logprob_tol``.
+        processor_path: local directory of a vision checkpoint's image processor: a branch's
+            ``images`` (paths relative to the data file, or data: URIs) are read and each of its
+            ``image_token_id`` tokens (one per image, in order) becomes the processor's placeholder
+            tokens (see :mod:`treelit.data.images`).
+        image_token_id: the placeholder token of an image (default: Qwen's ``<|image_pad|>``).
+        max_image_bytes, max_image_pixels: bounds on one image (an error names the record).
         advantage_options: extra keyword arguments of the estimator.
     """
 
     def __init__(self, advantage: Optional[str] = None, logprob_conflict: str = "raise", logprob_tol: float = 1e-4,
+                 processor_path: Optional[str] = None, image_token_id: int = 151655,
+                 max_image_bytes: int = ImageLimits.max_image_bytes, max_image_pixels: int = ImageLimits.max_image_pixels,
                  **advantage_options: Any) -> None:
         if logprob_conflict not in ("raise", "split"):
             raise ValueError(f"tree_builder.logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
@@ -171,6 +182,41 @@ class TokenBuilder(TreeBuilder):
         self.advantage_options = advantage_options
         self.logprob_conflict = logprob_conflict
         self.logprob_tol = float(logprob_tol)
+        self.image_token_id = int(image_token_id)
+        self.images: Optional[ImageReader] = None
+        if processor_path:
+            self.images = ImageReader(load_image_processor(processor_path),
+                                      ImageLimits(int(max_image_bytes), int(max_image_pixels)))
+
+    def encode(self, record: Record) -> List[Dict[str, Any]]:
+        out = super().encode(record)
+        for j, br in enumerate(out):
+            refs = br.get("images")
+            if refs:
+                br.update(self._expand(br, refs, record, f"{record.source}: branches[{j}]"))
+            else:
+                br.pop("images", None)
+        return out
+
+    def _expand(self, br: Dict[str, Any], refs: List[str], record: Record, where: str) -> Dict[str, Any]:
+        """One ``image_token_id`` per image in ``input_ids`` becomes the image's placeholder tokens."""
+        if self.images is None:
+            raise DataError(f"{where}.images: set tree_builder.processor_path to the vision checkpoint's folder to "
+                            "read images")
+        ids, mask = list(br["input_ids"]), br.get("loss_mask")
+        at = [t for t, i in enumerate(ids) if i == self.image_token_id]
+        if len(at) != len(refs):
+            raise DataError(f"{where}.input_ids: {len(at)} image token(s) {self.image_token_id} for {len(refs)} "
+                            "image(s) (one token per image, in order)")
+        images = [self.images.read(r, record.path, f"{where}.images[{k}]", self.image_token_id)
+                  for k, r in enumerate(refs)]
+        out_ids, out_mask, prev = [], [], 0
+        mask = [1] * len(ids) if mask is None else [int(m) for m in mask]
+        for t, im in zip(at, images):
+            out_ids += ids[prev:t] + [self.image_token_id] * im.num_tokens
+            out_mask += mask[prev:t] + [0] * im.num_tokens
+            prev = t + 1
+        return {"input_ids": out_ids + ids[prev:], "loss_mask": out_mask + mask[prev:], "images": images}
 
 
 def make_tree_builder(name: str, **options: Any) -> TreeBuilder:

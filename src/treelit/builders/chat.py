@@ -41,10 +41,12 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from treelit.builders.base import TREE_BUILDERS, TreeBuilder
+from treelit.data.images import ImageLimits, ImageReader, image_ref, load_image_processor
 from treelit.data.records import DataError, Record, check_key, check_text, finite_number
 from treelit.rl.advantages import ADVANTAGES
 
 ROLES = ("system", "user", "assistant", "tool")
+_IMAGE_MARK = "\x00treelit-image\x00"  # where an image part was, until the tokenizer's image text replaces it
 MAX_DEPTH = 64  # nesting levels of a conversation (list > message > tool call > function > arguments > ...)
 
 
@@ -139,7 +141,9 @@ def validate_chat_record(rec: Dict[str, Any], source: str, group_key: Optional[s
             if m.get("role") not in ROLES:
                 raise DataError(f"{at}.role: must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
             for key in ("content", "reasoning_content", "thinking"):
-                if m.get(key) is not None and not isinstance(m[key], str):
+                if key == "content" and isinstance(m.get(key), list):
+                    _check_parts(m[key], f"{at}.content")
+                elif m.get(key) is not None and not isinstance(m[key], str):
                     raise DataError(f"{at}.{key}: must be a string or null, got {type(m[key]).__name__}")
             if m.get("compaction") is not None and not isinstance(m["compaction"], bool):
                 raise DataError(f"{at}.compaction: must be true or false, got {m['compaction']!r}")
@@ -150,6 +154,17 @@ def validate_chat_record(rec: Dict[str, Any], source: str, group_key: Optional[s
                 for c, call in enumerate(calls):
                     _check_tool_call(call, f"{at}.tool_calls[{c}]")
             _strings(m, at)
+
+
+def _check_parts(parts: List[Any], where: str) -> None:
+    """Content parts: ``{"type": "text", "text": ...}`` and image parts (:func:`image_ref`)."""
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in ("text", "image", "image_url"):
+            raise DataError(f"{at}: a content part must be an object with type 'text', 'image' or 'image_url'")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise DataError(f"{at}.text: must be a string, got {type(part.get('text')).__name__}")
+        image_ref(part, at)
 
 
 def _conversations(rec: Dict[str, Any], source: str) -> List[Tuple[str, Any]]:
@@ -167,6 +182,8 @@ def _conversations(rec: Dict[str, Any], source: str) -> List[Tuple[str, Any]]:
 def _normalise(m: Dict[str, Any], keep_thinking: bool) -> Dict[str, Any]:
     """A message as the template should see it (thinking folded into content or dropped)."""
     out = {k: v for k, v in m.items() if k not in ("reasoning_content", "thinking", "compaction")}
+    if isinstance(out.get("content"), list):  # text and image parts: images become their placeholder text
+        out["content"] = "".join(p["text"] if p["type"] == "text" else _IMAGE_MARK for p in out["content"])
     if out.get("tool_calls"):
         out["tool_calls"] = [{k: v for k, v in c.items() if not (k == "function" and v is None)} for c in out["tool_calls"]]
     thinking = m.get("reasoning_content") or m.get("thinking")
@@ -201,6 +218,12 @@ class ChatBuilder(TreeBuilder):
             Each conversation counts once in its group, however many calls it has.
         render_timeout_s: the longest one chat-template render may take (None: no limit); a
             longer one fails naming the record (see the module docstring).
+        processor_path: local directory of a vision-language checkpoint's image processor
+            (``preprocessor_config.json``): content parts ``{"type": "image", "image": PATH}``,
+            ``data:`` URIs and OpenAI ``image_url`` parts become that processor's placeholder
+            tokens and pixel patches (:mod:`treelit.data.images`); None: records with images are refused.
+        max_image_bytes, max_image_pixels: bounds on one image's file (or data: URI payload)
+            and its decoded size; a larger image fails naming the record.
     """
 
     reward_per_record = True
@@ -213,6 +236,10 @@ class ChatBuilder(TreeBuilder):
         tokenizer: Any = None,
         advantage: Optional[str] = None,
         render_timeout_s: Optional[float] = 10.0,
+        processor_path: Optional[str] = None,
+        max_image_bytes: int = ImageLimits.max_image_bytes,
+        max_image_pixels: int = ImageLimits.max_image_pixels,
+        processor: Any = None,
         **advantage_options: Any,
     ) -> None:
         if export not in ("per_call", "trajectory"):
@@ -237,6 +264,13 @@ class ChatBuilder(TreeBuilder):
         self.advantage = advantage
         self.advantage_options = advantage_options
         self.render_timeout_s = None if render_timeout_s is None else float(render_timeout_s)
+        self.images: Optional[ImageReader] = None
+        if processor is None and processor_path:
+            processor = load_image_processor(processor_path)
+        if processor is not None:
+            self.images = ImageReader(processor, ImageLimits(int(max_image_bytes), int(max_image_pixels)))
+            self._image_text, self.image_token_id = _image_tokens(self.tok)
+        self._record_path: Optional[str] = None
 
     def validate(self, rec: Any, source: str) -> None:
         validate_chat_record(rec, source, self.group_key)
@@ -244,10 +278,16 @@ class ChatBuilder(TreeBuilder):
     # rendering -------------------------------------------------------------------------
     def _render(self, msgs: List[Dict[str, Any]], gen: bool = False) -> str:
         with _time_limit(self.render_timeout_s):
-            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return text.replace(_IMAGE_MARK, self._image_text) if self.images is not None else text
 
-    def _encode(self, msgs: List[Dict[str, Any]], train: List[int], source: str) -> Tuple[List[int], List[int]]:
-        """Token ids and loss mask of ``msgs``, training the assistant messages in ``train``."""
+    def _encode(self, msgs: List[Dict[str, Any]], train: List[int], source: str,
+                refs: Sequence[str] = ()) -> Tuple[List[int], List[int], List[Any]]:
+        """Token ids, loss mask and images of ``msgs``, training the assistant messages in ``train``
+        (``refs``: the images the messages show, in order)."""
+        if refs and self.images is None:
+            raise DataError(f"{source}: the conversation has image parts; set tree_builder.processor_path to the "
+                            "vision checkpoint's folder to read them")
         text = self._render(msgs)
         spans = []
         for i in train:
@@ -267,12 +307,31 @@ class ChatBuilder(TreeBuilder):
                 if a <= s < b:
                     mask[t] = 1
                     break
-        return ids, mask
+        if self.images is None:
+            return ids, mask, []
+        return self._expand_images(ids, mask, refs, source)
+
+    def _expand_images(self, ids: List[int], mask: List[int], refs: Sequence[str], source: str):
+        """Each image placeholder token becomes the processor's ``t*h*w / merge**2`` copies (never targets)."""
+        at = [t for t, i in enumerate(ids) if i == self.image_token_id]
+        if len(at) != len(refs):
+            raise DataError(f"{source}: the rendered conversation has {len(at)} image placeholder(s) for {len(refs)} "
+                            "image part(s) (does the chat template drop message content, or does a text part "
+                            "contain the image token itself?)")
+        images = [self.images.read(r, self._record_path, source, self.image_token_id) for r in refs]
+        out_ids: List[int] = []
+        out_mask: List[int] = []
+        prev = 0
+        for t, im in zip(at, images):
+            out_ids += ids[prev:t] + [self.image_token_id] * im.num_tokens
+            out_mask += mask[prev:t] + [0] * im.num_tokens
+            prev = t + 1
+        return out_ids + ids[prev:], out_mask + mask[prev:], images
 
     def branches_of(self, msgs: List[Dict[str, Any]], source: str, field: str = "messages"
                     ) -> List[Tuple[List[int], List[int]]]:
         """``(ids, mask)`` per exported branch of one conversation (see :meth:`encode`)."""
-        return [(ids, mask) for ids, mask, _ in self._branches(msgs, source, field)]
+        return [(ids, mask) for ids, mask, _, _ in self._branches(msgs, source, field)]
 
     def _branches(self, msgs, source, field):
         if not any(m["role"] == "assistant" for m in msgs):
@@ -281,14 +340,17 @@ class ChatBuilder(TreeBuilder):
             if self.export == "trajectory":
                 norm = [_normalise(m, keep_thinking=True) for m in msgs]
                 train = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-                return [(*self._encode(norm, train, f"{source}: {field}"), field)]
+                ids, mask, images = self._encode(norm, train, f"{source}: {field}", _refs(msgs, range(len(msgs)), source))
+                return [(ids, mask, field, images)]
             out = []
             for t, m in enumerate(msgs):
                 if m["role"] != "assistant":
                     continue
-                ctx = [_normalise(msgs[i], keep_thinking=False) for i in _visible_history(msgs, t)]
-                ids, mask = self._encode(ctx + [_normalise(m, keep_thinking=True)], [len(ctx)], f"{source}: {field}[{t}]")
-                out.append((ids, mask, f"{field}[{t}]"))
+                seen = _visible_history(msgs, t)
+                ctx = [_normalise(msgs[i], keep_thinking=False) for i in seen]
+                ids, mask, images = self._encode(ctx + [_normalise(m, keep_thinking=True)], [len(ctx)],
+                                                 f"{source}: {field}[{t}]", _refs(msgs, seen + [t], source))
+                out.append((ids, mask, f"{field}[{t}]", images))
             return out
         except DataError:
             raise
@@ -311,8 +373,12 @@ class ChatBuilder(TreeBuilder):
                 msgs = copy.deepcopy(msgs)
             except RecursionError:  # validate() refuses deep nesting first; this is a backstop
                 raise DataError(f"{record.source}: {field}: nested too deeply to copy") from None
-            for ids, mask, where in self._branches(msgs, record.source, field):
-                out.append({"input_ids": ids, "loss_mask": mask, "reward": reward, "_where": where})
+            self._record_path = record.path
+            for ids, mask, where, images in self._branches(msgs, record.source, field):
+                br = {"input_ids": ids, "loss_mask": mask, "reward": reward, "_where": where}
+                if images:
+                    br["images"] = images
+                out.append(br)
         return out
 
     def tree_keys(self, record: Record, branches: List[Dict[str, Any]]) -> List[Any]:
@@ -321,6 +387,30 @@ class ChatBuilder(TreeBuilder):
 
     def uses_ids(self, record: Record, tree_keys: List[Any], adv_keys: List[Any]) -> bool:
         return any(k is None for k in tree_keys)
+
+
+def _refs(msgs: Sequence[Dict[str, Any]], which, source: str) -> List[str]:
+    """The image references of messages ``which``, in order."""
+    out = []
+    for i in which:
+        content = msgs[i].get("content")
+        if isinstance(content, list):
+            out += [r for j, p in enumerate(content) if (r := image_ref(p, f"{source}: [{i}].content[{j}]"))]
+    return out
+
+
+def _image_tokens(tok) -> Tuple[str, int]:
+    """The text an image part renders as and its placeholder token id (the Qwen vision families'
+    ``<|vision_start|><|image_pad|><|vision_end|>``, or the tokenizer's own ``image_token``)."""
+    pad = getattr(tok, "image_token", None) or "<|image_pad|>"
+    start = getattr(tok, "vision_start_token", None) or "<|vision_start|>"
+    end = getattr(tok, "vision_end_token", None) or "<|vision_end|>"
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (pad, start, end)}
+    missing = [t for t, i in ids.items() if i is None or i == tok.unk_token_id]
+    if missing:
+        raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s); images need a vision checkpoint's "
+                         "tokenizer (tree_builder.tokenizer_path)")
+    return start + pad + end, int(ids[pad])
 
 
 def load_tokenizer(path: str):

@@ -141,6 +141,9 @@ class Sampler:
             path = config = Path(latest["path"])
             verify(path, f"published version {latest['version']}")
             cfg = json.loads((path / "config.json").read_text())
+            if cfg.get("vision_config") is not None:
+                raise ValueError(f"{path}: a vision-language checkpoint ({cfg.get('model_type')}); treelit-rollout samples "
+                                 "text models from text prompts only (docs: Data, \"Images\": how image rollouts would go)")
             self.native = cfg.get("model_type") == "treelit" or self.engine == "treelit"
             if self.native:
                 import treelit

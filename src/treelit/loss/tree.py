@@ -18,6 +18,7 @@ from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
 from treelit.tree.batch import TreeBatch, global_normalizer
+from treelit.tree.errors import TreeInputError
 from treelit.tree.token_tree import TokenTree
 
 __all__ = ["tree_hidden", "sft_tree_loss", "tree_token_logprobs", "prepare_batch"]
@@ -34,6 +35,9 @@ def prepare_batch(model, batch: Union[TreeBatch, TokenTree]) -> TreeBatch:
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a TreeBatch or TokenTree, got {type(batch).__name__}")
     batch.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
+    if batch.images is not None and getattr(getattr(model, "module", model), "vision", None) is None:
+        raise TreeInputError("the row has images and this model has no vision tower: load a vision checkpoint with "
+                             "model=hf_auto model.vision=true")
     device = _model_device(model)
     return batch if batch.device == device else batch.to(device)
 

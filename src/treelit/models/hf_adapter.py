@@ -52,6 +52,7 @@ from treelit.models.factory import moe_routing, parse_dtype, set_moe_routing, se
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
+from treelit.models.hf_vision import VisionInputs, check_vision_config
 from treelit.models.lora import apply_lora, lora_options
 from treelit.models.hf_replay import ReplayBinding
 from treelit.models.moe import record_pass
@@ -203,10 +204,11 @@ class HFTreeModel(nn.Module):
     what treelit's code reads of a decoder.
     """
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, vision: Optional[VisionInputs] = None) -> None:
         super().__init__()
         self.hf = hf_model
-        cfg = hf_model.config
+        self.vision = vision  # a vision-language model's image inputs (treelit.models.hf_vision)
+        cfg = hf_model.config if vision is None else hf_model.config.text_config
         self.config = AdapterConfig(
             model_type=cfg.model_type, vocab_size=int(cfg.vocab_size),
             max_seq_len=int(getattr(cfg, "max_position_embeddings", 0) or 2**31),
@@ -235,6 +237,8 @@ class HFTreeModel(nn.Module):
 
     @property
     def base(self) -> nn.Module:
+        if self.vision is not None:
+            return self.vision.language_model
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
     @property
@@ -278,9 +282,10 @@ class HFTreeModel(nn.Module):
                 raise ValueError("model.moe.routing=replay with model.activation_checkpointing=true is not supported "
                                  "on model=hf_auto (transformers recomputes its layers outside treelit's passes)")
             replay.ctx = ctx
+        kw.update(self._base_inputs(input_ids, position_ids, ctx))
         try:
-            out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                            attention_mask=self._placeholder_mask.to(input_ids.device), treelit_ctx=ctx, **kw)
+            out = self.base(use_cache=False, attention_mask=self._placeholder_mask.to(input_ids.device),
+                            treelit_ctx=ctx, **kw)
         finally:
             if replay is not None:
                 replay.unwind()
@@ -294,6 +299,13 @@ class HFTreeModel(nn.Module):
         if self._head_scale != 1.0:  # logits = lm_head(h) * scale, and the head is linear without bias
             return out.last_hidden_state * self._head_scale
         return out.last_hidden_state
+
+    def _base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
+        """What the base model reads besides the mask and the tree context (a vision model
+        adds its image embeddings and multimodal positions: :mod:`treelit.models.hf_vision`)."""
+        if self.vision is not None:
+            return self.vision.base_inputs(input_ids, position_ids, ctx)
+        return {"input_ids": input_ids, "position_ids": position_ids}
 
     def forward(self, tokens=None, *, treelit_fn=None, **kwargs):
         """``treelit_fn(self)`` run inside this module's forward (treelit's passes; hooks on the
@@ -342,11 +354,16 @@ def _quiet_fla_import() -> Iterator[None]:
 
 
 def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = torch.float32,
-                  device: Union[str, torch.device] = "cpu", router_loss_set: bool = False) -> HFTreeModel:
+                  device: Union[str, torch.device] = "cpu", router_loss_set: bool = False, vision: bool = False,
+                  freeze_vision: bool = False, vision_images_per_pass: int = 0) -> HFTreeModel:
     """A Hugging Face checkpoint directory as an :class:`HFTreeModel` (any attention-only
     ``AutoModelForCausalLM`` family). Same conventions as :func:`treelit.load_hf_checkpoint`.
     ``router_loss_set``: the caller sets the router loss itself (``model.router_aux_loss_coef``), so
-    config.json's is not checked here."""
+    config.json's is not checked here. ``vision``: load a vision-language checkpoint with its
+    vision tower (:class:`~treelit.models.hf_vision.VisionInputs`; ``freeze_vision``: the
+    tower does not train; ``vision_images_per_pass``: the tower runs that many images at a time,
+    recomputed in the backward, 0: all at once); without it such a checkpoint loads its text model
+    or is refused."""
     import transformers  # optional and heavy (~1.5 s CPU): Hugging Face paths only
 
     path = Path(path)
@@ -360,18 +377,27 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: the checkpoint needs its own Python code (auto_map); treelit never "
                                   "runs code from a checkpoint (trust_remote_code=False)") from None
         raise CheckpointError(f"{cfg_file}: {' '.join(str(exc).split())}") from None
-    check_adapter_config(cfg, str(cfg_file))
+    if vision:
+        check_vision_config(cfg, str(cfg_file))
+        check_adapter_config(cfg.text_config, str(cfg_file))
+    else:
+        check_adapter_config(cfg, str(cfg_file))
     # shard names stay inside the directory, sizes agree with the weights' headers: before allocating
     check_weight_shapes(raw, weight_files(path)[0], cfg_file)
     register_attention()
     kwargs: Dict[str, Any] = {"attn_implementation": ATTENTION_NAME, **no_hub_kernels()}
-    cfg = causal_lm_config(cfg)
+    auto = transformers.AutoModelForCausalLM
+    if vision:  # the tower attends within each image on its own (sdpa); the text model through the tree
+        kwargs["attn_implementation"] = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}
+        auto = transformers.AutoModelForImageTextToText
+        cfg = cfg.text_config
+    else:
+        cfg = causal_lm_config(cfg)
     if _moe_options(cfg) or getattr(cfg, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 / CPU-portable kernel
     try:
         with _quiet_fla_import():
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
-                                                                   **kwargs)
+            hf = auto.from_pretrained(path, dtype=dtype, trust_remote_code=False, **kwargs)
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{path}: transformers cannot load it as a causal LM ({exc})") from None
     if getattr(hf.get_output_embeddings(), "bias", None) is not None:
@@ -388,7 +414,8 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
                                   f"transformers {transformers.__version__} model calls a kernel entry point "
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
-    model = HFTreeModel(hf).to(device)
+    parts = VisionInputs(hf, freeze_vision, vision_images_per_pass) if vision else None
+    model = HFTreeModel(hf, parts).to(device)
     coef = model.config.moe.get("router_aux_loss_coef", 0.0)
     if model._router_refusal and coef > 0 and not router_loss_set:
         raise CheckpointError(f"{cfg_file}: config key 'router_aux_loss_coef' = {coef} (with output_router_logits): "
@@ -398,14 +425,22 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
 
 def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_coef: Optional[float] = None,
                   router_aux_loss: Optional[str] = None, activation_checkpointing: bool = False,
-                  lora: Optional[Dict[str, Any]] = None, moe: Optional[Dict[str, Any]] = None) -> HFTreeModel:
+                  lora: Optional[Dict[str, Any]] = None, moe: Optional[Dict[str, Any]] = None, vision: bool = False,
+                  freeze_vision: bool = False, vision_images_per_pass: int = 0) -> HFTreeModel:
     """The ``model=hf_auto`` config option (``activation_checkpointing``: transformers' own,
     per layer, non-reentrant; ``lora``: PEFT LoRA adapters, :mod:`treelit.models.lora`;
-    ``moe.routing``: ``live`` or ``replay``, see :func:`treelit.models.factory.set_moe_routing`)."""
+    ``moe.routing``: ``live`` or ``replay``, see :func:`treelit.models.factory.set_moe_routing`;
+    ``vision`` / ``freeze_vision``: a vision-language checkpoint with its tower, see
+    :mod:`treelit.models.hf_vision`)."""
     if not hf_checkpoint:
         raise ValueError("model=hf_auto needs model.hf_checkpoint=DIR (a Hugging Face checkpoint directory)")
     opts = lora_options(lora)  # bad options fail before the weights load
-    model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype), router_loss_set=router_aux_loss_coef is not None)
+    if (freeze_vision or vision_images_per_pass) and not vision:
+        raise ValueError(f"model.{'freeze_vision' if freeze_vision else 'vision_images_per_pass'} needs model.vision=true "
+                         "(a checkpoint loaded with its vision tower)")
+    model = load_hf_model(hf_checkpoint, dtype=parse_dtype(dtype), router_loss_set=router_aux_loss_coef is not None,
+                          vision=bool(vision), freeze_vision=bool(freeze_vision),
+                          vision_images_per_pass=vision_images_per_pass)
     set_router_aux_loss(model, router_aux_loss_coef, router_aux_loss)
     if model._router_refusal and model.config.moe.get("router_aux_loss_coef", 0.0) > 0:
         raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
@@ -161,6 +162,13 @@ def apply_lora(model: nn.Module, lora: Optional[Mapping[str, Any]]) -> nn.Module
         raise ValueError(f"model.lora: this model's head ({type(model.output).__name__}) is not one LoRA in tree "
                          "mode can leave frozen")
     targets = _resolve_targets(opts, model, inner)
+    vision = getattr(model, "vision", None)
+    if vision is not None:  # adapters on the language model only: the vision tower stays frozen
+        lm = {id(m): n for n, m in inner.named_modules()}[id(vision.language_model)]
+        if opts["target_modules"] == "all-linear":
+            targets = sorted({n.split(".")[-1] for n, m in vision.language_model.named_modules()
+                              if isinstance(m, nn.Linear)})
+        targets = rf"{re.escape(lm)}\.(.*\.)?({'|'.join(re.escape(t) for t in targets)})"
     _check_modules_to_save(opts, model, inner)
     cfg = peft.LoraConfig(r=opts["rank"], lora_alpha=opts["alpha"], lora_dropout=opts["dropout"],
                           target_modules=targets, use_rslora=opts["use_rslora"], init_lora_weights=opts["init"],

@@ -37,6 +37,7 @@ import torch
 
 from treelit.registry import get_registry
 from treelit.tree.errors import TreeInputError
+from treelit.tree.images import ImageSet
 
 __all__ = ["TreeBatch", "AGGREGATIONS", "pack_trees", "global_normalizer", "check_aggregation"]
 
@@ -110,6 +111,14 @@ class TreeBatch:
     # the per-branch inputs this row was built from (treelit.loss.branches.Branches), when a
     # tree builder made it from records: the per-branch reference reads these, not the tree
     source_branches: Optional[Any] = None
+    # images (optional; see treelit.tree.images): the row's distinct images, each token's row in
+    # their concatenated embeddings (-1: text), and the multimodal RoPE positions [3, N] the
+    # model's own position function gives each branch (set by the model: treelit.models.hf_vision)
+    images: Optional[Any] = None
+    image_row: Optional[torch.Tensor] = None
+    mrope_position_ids: Optional[torch.Tensor] = None
+    # a part of a row (subset) whose M-RoPE positions are its parent's: (parent row, token indices)
+    mrope_parent: Optional[Any] = None
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -148,6 +157,9 @@ class TreeBatch:
             num_sequences=int((n_b > 0).sum()),
             branch_fields={k: list(v) for k, v in tree.branch_fields.items()},
             **_rl_fields(tree, idx, target, w_flat, scale[branch_of], branch_of, N),
+            images=getattr(tree, "images", None),
+            image_row=None if getattr(tree, "image_row", None) is None or getattr(tree, "images", None) is None
+            else t(tree.image_row),
         )
 
     @classmethod
@@ -169,7 +181,9 @@ class TreeBatch:
         for k in keys:
             if not all(k in b.branch_fields for b in batches):
                 raise ValueError(f"cannot pack batches: branch field {k!r} is missing in some of them")
+        images, image_row, mrope = _pack_images(batches)
         return cls(
+            images=images, image_row=image_row, mrope_position_ids=mrope,
             input_ids=torch.cat([b.input_ids for b in batches]),
             position_ids=torch.cat([b.position_ids for b in batches]),
             parent=torch.cat([shift(b.parent, int(o)) for b, o in zip(batches, tok_off)]),
@@ -248,7 +262,22 @@ class TreeBatch:
                 name: (getattr(self, name)[tokens] if getattr(self, name) is not None else None)
                 for name in _RL_TOKEN_FIELDS
             },
+            **self._image_part(tokens),
         )
+
+    def _image_part(self, tokens: torch.Tensor) -> Dict[str, Any]:
+        """A part's images: those its tokens show (each part encodes them itself: the tower's
+        gradient is then the sum over parts, as over branches), its tokens' rows, and its
+        M-RoPE positions (its parent's, sliced; computed on the parent, which has the branches)."""
+        if self.images is None:
+            return {}
+        images, rows = self.images.select(self.image_row[tokens])
+        if self.mrope_position_ids is not None:
+            return {"images": images, "image_row": rows, "mrope_position_ids": self.mrope_position_ids[:, tokens]}
+        if self.mrope_parent is not None:
+            parent, idx = self.mrope_parent
+            return {"images": images, "image_row": rows, "mrope_parent": (parent, idx[tokens])}
+        return {"images": images, "image_row": rows, "mrope_parent": (self, tokens)}
 
     # sizes -----------------------------------------------------------------------------
     @property
@@ -317,6 +346,8 @@ class TreeBatch:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.images is not None:
+            kw["images"] = self.images.to(device)
         return replace(self, **kw)
 
     def advantage_weights(self, aggregation: str):
@@ -404,6 +435,26 @@ def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Opti
     if getattr(tree, "token_routing", None) is not None:
         out["token_routing"] = torch.from_numpy(np.ascontiguousarray(tree.token_routing, dtype=np.int64))
     return out
+
+
+def _pack_images(batches: Sequence[TreeBatch]):
+    """The packed row's distinct images (each once), image rows and M-RoPE positions."""
+    if all(b.images is None for b in batches):
+        return None, None, None
+    with_images = [b for b in batches if b.images is not None]
+    images, maps = ImageSet.merge([b.images for b in with_images])
+    new_of = {id(b): m.to(b.device) for b, m in zip(with_images, maps)}
+    rows = []
+    for b in batches:
+        if b.images is None:
+            rows.append(torch.full_like(b.input_ids, -1))
+        else:
+            r = b.image_row
+            rows.append(torch.where(r >= 0, new_of[id(b)][r.clamp(min=0)], r))
+    mrope = None
+    if all(b.mrope_position_ids is not None for b in batches):
+        mrope = torch.cat([b.mrope_position_ids for b in batches], dim=1)
+    return images, torch.cat(rows), mrope
 
 
 def _cat_optional(batches: Sequence["TreeBatch"], name: str) -> Optional[torch.Tensor]:

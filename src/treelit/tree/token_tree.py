@@ -32,6 +32,7 @@ import numpy as np
 from treelit.tree.batch import TreeBatch
 from treelit.tree.errors import TreeInputError
 from treelit.tree.routing import check_routing_shape, decode_routing
+from treelit.tree.images import ImageSet, merge_keys
 
 __all__ = ["TokenTree", "TreeInputError"]
 
@@ -175,6 +176,8 @@ class TokenTree:
     token_old: Optional[np.ndarray] = None  # [N] the (agreed) rollout log-prob of each tree token
     token_ref: Optional[np.ndarray] = None  # [N]
     token_routing: Optional[np.ndarray] = None  # [N, L, k] recorded experts of each tree token (-1: none)
+    images: Optional[Any] = None  # treelit.tree.images.ImageSet: the tree's distinct images
+    image_row: Optional[np.ndarray] = None  # [N] embedding row of each image token (-1: text)
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -192,6 +195,7 @@ class TokenTree:
         logprob_conflict: str = "raise",
         logprob_tol: float = 1e-4,
         routed_experts: Optional[Sequence[Any]] = None,
+        images: Optional[Sequence[Sequence[Any]]] = None,
     ) -> "TokenTree":
         """Build the prefix tree of ``branches``.
 
@@ -214,6 +218,10 @@ class TokenTree:
                 (T = the branch's length or one less; None: not recorded; see
                 :mod:`treelit.tree.routing`). A shared token has one routing: branches through it
                 that disagree on it are an error naming the pair, the position and the layer.
+            images: optional B lists of :class:`~treelit.tree.images.ProcessedImage`, the images
+                of each branch in order of appearance; their placeholder tokens are keyed by the
+                image's content (see :mod:`treelit.tree.images`), so branches share an image span
+                only when they show the same image.
         """
         if isinstance(branches, (str, bytes)) or not hasattr(branches, "__len__"):
             raise TreeInputError(f"{source}branches must be a list of token lists")
@@ -263,6 +271,13 @@ class TokenTree:
             if lp is not None
         ]
         aux = [np.stack(cols, axis=1) for cols in zip(*aux_cols)] if aux_cols else None
+        real = arrays
+        if images is not None:
+            if len(images) != B:
+                raise TreeInputError(f"{source}got {len(images)} image lists for {B} branches")
+            table: Dict[Any, int] = {}
+            keyed = [merge_keys(a, list(im or ()), table, source, b) for b, (a, im) in enumerate(zip(arrays, images))]
+            arrays = [k for k, _, _ in keyed]
         roots: Dict[int, List[_Seg]] = {}
         for b, arr in enumerate(arrays):
             if aux is not None and logprob_conflict == "split":
@@ -270,6 +285,8 @@ class TokenTree:
             else:
                 _insert(roots, arr, b)
         tree = cls._flatten(roots, arrays, masks, w, fields)
+        if images is not None:
+            tree._attach_images(real, keyed, images, table)
         tree.branch_adv = adv
         if aux is not None:
             names = [n for n, lp in (("old", old_logprobs), ("ref", ref_logprobs)) if lp is not None]
@@ -316,6 +333,26 @@ class TokenTree:
                     f"they share at position {pos}, MoE layer {layer}; a shared token has one routing",
                 )
         self.token_routing = tok
+    def _attach_images(self, real, keyed, images, table) -> None:
+        """Put the real token ids back and give every token its image embedding row."""
+        self.input_ids[self.branch_tokens] = np.concatenate(real)
+        self.image_row = np.full(self.num_tokens, -1, dtype=np.int64)
+        self.images = None
+        if not table:
+            return
+        by_key = {}
+        for ims in images:
+            for im in ims or ():
+                by_key.setdefault((im.token_id, im.digest), im)
+        distinct = [by_key[k] for k in sorted(table, key=table.get)]
+        self.images = ImageSet.of(distinct)
+        start = self.images.row_offsets.numpy()
+        img = np.concatenate([i for _, i, _ in keyed])
+        off = np.concatenate([o for _, _, o in keyed])
+        flat_row = np.where(img >= 0, start[np.maximum(img, 0)] + off, -1)
+        self.image_row[self.branch_tokens] = flat_row
+        if np.any(self.image_row[self.branch_tokens] != flat_row):  # pragma: no cover - internal invariant
+            raise AssertionError("branches sharing a token disagree on its image row")
 
     def _check_logprobs(self, names, tol: float, source: str) -> None:
         """Every tree token gets one old/ref value; branches sharing it must agree within tol."""

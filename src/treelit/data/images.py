@@ -1,0 +1,156 @@
+"""Images named by records: read within the data file's folder, bounded, processed once per record.
+
+A record names an image as a path relative to its data file (``"shots/turn3.png"``) or as a
+``data:image/...;base64,`` URI, in a chat content part (``{"type": "image", "image": ...}``,
+OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``) or in a raw branch's
+``images`` list. Data files are written by others, so an image reference is data, never a
+capability:
+
+* a path resolves (symbolic links followed) inside the data file's folder or is refused -
+  ``../`` and absolute paths that leave it name the record and the path;
+* URLs other than ``data:`` are refused (nothing is fetched);
+* the file (or the decoded ``data:`` payload) may hold at most ``max_image_bytes`` bytes,
+  checked before it is read whole;
+* the decoded image may have at most ``max_image_pixels`` pixels, checked from the header
+  before the pixels are decoded (Pillow's own decompression-bomb check is a warning below
+  ~179 Mpx; this bound is an error at a size a training image never needs).
+
+Errors are one line: ``file:line: field: image 'name': what is wrong (the option to raise)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from PIL import Image, UnidentifiedImageError
+
+from treelit.data.records import DataError
+from treelit.tree.images import ProcessedImage
+
+__all__ = ["ImageLimits", "ImageReader", "image_ref", "load_image_processor"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """``max_image_bytes`` (file or decoded data: URI), ``max_image_pixels`` (width x height)."""
+
+    max_image_bytes: int = 32 * MiB
+    max_image_pixels: int = 40_000_000
+
+
+def image_ref(part: Any, where: str) -> Optional[str]:
+    """The image reference of a chat content part (None: not an image part)."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if kind == "image":
+        ref = part.get("image", part.get("url", part.get("path")))
+    elif kind == "image_url":
+        ref = part.get("image_url")
+        ref = ref.get("url") if isinstance(ref, dict) else ref
+    else:
+        return None
+    if not isinstance(ref, str) or not ref:
+        raise DataError(f"{where}: an {kind} part needs a path or data: URI string, got {type(ref).__name__}")
+    return ref
+
+
+def load_image_processor(path: str):
+    """A checkpoint's image processor from a local directory (never from the hub, never its code)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"tree_builder.processor_path {path!r} is not a directory")
+    from transformers import AutoImageProcessor  # optional and heavy (~1.5 s CPU): image data only
+
+    try:
+        return AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tree_builder.processor_path {path!r}: no image processor can be loaded "
+                         f"({' '.join(str(exc).split())[:300]})") from None
+
+
+class ImageReader:
+    """Reads, bounds and processes the images of records (one reader per builder; each image of a
+    record is processed once however many branches show it).
+
+    ``processor``: the checkpoint's processor (``image_processor`` attribute) or image processor;
+    ``make(pixel_values, grid_thw, name)`` turns its output into the row's image objects."""
+
+    def __init__(self, processor: Any, limits: Optional[ImageLimits] = None) -> None:
+        self.image_processor = getattr(processor, "image_processor", processor)
+        self.limits = limits or ImageLimits()
+        merge = getattr(self.image_processor, "merge_size", None)
+        if merge is None:
+            raise ValueError(f"{type(self.image_processor).__name__}: treelit reads images for processors with a "
+                             "merge_size (the Qwen vision families)")
+        self.merge = int(merge)
+        self._cache: Dict[str, Any] = {}
+
+    def load_bytes(self, ref: str, data_path: Optional[str], where: str) -> Tuple[bytes, str]:
+        """The encoded bytes of ``ref`` and a short name for messages."""
+        lim = self.limits
+        if ref.startswith("data:"):
+            head, _, payload = ref.partition(",")
+            if ";base64" not in head or not head[5:].startswith("image/"):
+                raise DataError(f"{where}: a data: URI image must be data:image/<type>;base64,<payload>")
+            if len(payload) > 4 * (lim.max_image_bytes // 3 + 1):
+                raise DataError(f"{where}: data: URI image larger than tree_builder.max_image_bytes={lim.max_image_bytes}")
+            try:
+                raw = base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise DataError(f"{where}: data: URI image is not valid base64 ({exc})") from None
+            return raw, "data: URI"
+        if "://" in ref:
+            raise DataError(f"{where}: image {ref!r}: only paths relative to the data file and data: URIs are read "
+                            "(nothing is downloaded)")
+        if data_path is None:
+            raise DataError(f"{where}: image {ref!r}: a path needs a data file to be relative to")
+        root = os.path.realpath(os.path.dirname(os.path.abspath(data_path)))
+        full = os.path.realpath(os.path.join(root, ref))
+        if os.path.commonpath([root, full]) != root:
+            raise DataError(f"{where}: image {ref!r} resolves outside the data file's folder {root}; images are read "
+                            "from that folder only")
+        if not os.path.isfile(full):
+            raise DataError(f"{where}: image {ref!r} does not exist (relative to {root})")
+        size = os.path.getsize(full)
+        if size > lim.max_image_bytes:
+            raise DataError(f"{where}: image {ref!r} has {size} bytes, more than tree_builder.max_image_bytes="
+                            f"{lim.max_image_bytes}")
+        with open(full, "rb") as f:
+            return f.read(lim.max_image_bytes + 1), ref
+
+    def decode(self, raw: bytes, name: str, where: str):
+        try:
+            img = Image.open(io.BytesIO(raw))
+            w, h = img.size
+            if w * h > self.limits.max_image_pixels:
+                raise DataError(f"{where}: image {name!r} has {w}x{h} = {w * h} pixels, more than "
+                                f"tree_builder.max_image_pixels={self.limits.max_image_pixels}")
+            img.load()
+            return img.convert("RGB")
+        except DataError:
+            raise
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise DataError(f"{where}: image {name!r} cannot be decoded ({type(exc).__name__}: {exc})") from None
+
+    def read(self, ref: str, data_path: Optional[str], where: str, token_id: int):
+        """The :class:`~treelit.tree.images.ProcessedImage` of ``ref`` (processed once per content)."""
+        raw, name = self.load_bytes(ref, data_path, where)
+        key = hashlib.sha256(raw).hexdigest()
+        if key not in self._cache:
+            img = self.decode(raw, name, where)
+            out = self.image_processor(images=[img], return_tensors="pt")
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            n = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
+            if len(self._cache) > 256:
+                self._cache.clear()
+            self._cache[key] = (out["pixel_values"], grid, n)
+        pv, grid, n = self._cache[key]
+        return ProcessedImage(pv, grid, n, int(token_id), name=name)

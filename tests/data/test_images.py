@@ -1,0 +1,168 @@
+"""Records with images: chat content parts (path, data: URI, OpenAI image_url) through the checkpoint's
+image processor, read relative to the data file and never outside its folder, bounded in bytes and
+pixels with one-line errors naming the file and the record."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from treelit.builders.chat import ChatBuilder
+from treelit.data.records import DataError, iter_file
+from vision_oracle import image_processor, random_image
+
+pytest.importorskip("PIL")
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    """A Qwen2 BPE tokenizer with Qwen's vision tokens and a tiny Qwen2-VL image processor (4-px patches)."""
+    from treelit.data.tokenizers import build_qwen_vl_tokenizer
+
+    d = build_qwen_vl_tokenizer(tmp_path_factory.mktemp("vl") / "proc")
+    image_processor().save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def builder(vl_dir):
+    return ChatBuilder(vl_dir, processor_path=vl_dir)
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write(folder, records):
+    path = folder / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _conv(*parts, answer="ok"):
+    return [{"role": "user", "content": list(parts)}, {"role": "assistant", "content": answer}]
+
+
+def _trees(builder, path):
+    return builder(list(iter_file(path)))
+
+
+@pytest.mark.parametrize("export", ["per_call", "trajectory"])
+def test_image_parts_become_the_processors_tokens_and_pixels(builder, vl_dir, tmp_path, export):
+    rng = np.random.default_rng(0)
+    a, b = random_image(rng, 16, 24), random_image(rng, 24, 32)
+    (tmp_path / "shots").mkdir()
+    a.save(tmp_path / "shots" / "a.png")
+    uri = "data:image/png;base64," + base64.b64encode(_png(b)).decode()
+    msgs = _conv({"type": "text", "text": "Screen: "}, {"type": "image", "image": "shots/a.png"}) + [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "and"}]},
+        {"role": "assistant", "content": "done"}]
+    path = _write(tmp_path, [{"id": "r", "messages": msgs}])
+    (built,) = _trees(ChatBuilder(tokenizer=builder.tok, processor_path=vl_dir, export=export), path)
+    tree = built.tree
+    proc = image_processor()
+    tok = builder.tok
+    # what the processor makes of the same conversation: the text with each <|image_pad|> repeated
+    # t*h*w / merge**2 times, tokenized; pixels from its image processor
+    outs = [proc(images=[im], return_tensors="pt") for im in (a, b)]
+    counts = [int(o["image_grid_thw"][0].prod()) // 4 for o in outs]
+    text = tok.apply_chat_template([{"role": "user", "content": "Screen: <|vision_start|><|image_pad|><|vision_end|>"},
+                                    {"role": "assistant", "content": "ok"},
+                                    {"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>and"},
+                                    {"role": "assistant", "content": "done"}], tokenize=False)
+    first, second = text.split("<|image_pad|>", 2)[:2], text.split("<|image_pad|>", 2)[2]
+    expanded = first[0] + "<|image_pad|>" * counts[0] + first[1] + "<|image_pad|>" * counts[1] + second
+    want = tok(expanded, add_special_tokens=False)["input_ids"]
+    assert tree.branches()[-1] == want
+    assert tree.images.num_images == 2 and tree.images.grid_thw.tolist() == [o["image_grid_thw"][0].tolist() for o in outs]
+    torch.testing.assert_close(tree.images.pixel_values, torch.cat([o["pixel_values"] for o in outs]), rtol=0, atol=0)
+    mask = tree.loss_mask(tree.num_branches - 1)
+    ids = np.asarray(want)
+    assert not mask[ids == 151655].any() and mask.any()  # image tokens are never targets
+
+
+def test_raw_branches_reference_images_too(vl_dir, tmp_path):
+    from treelit.builders.base import make_tree_builder
+
+    rng = np.random.default_rng(1)
+    random_image(rng, 16, 16).save(tmp_path / "x.png")
+    pad, start, end = 151655, 151652, 151653
+    recs = [{"id": "t", "branches": [{"input_ids": [1, start, pad, end, 5, 6], "images": ["x.png"]},
+                                     {"input_ids": [1, start, pad, end, 7], "images": ["x.png"]}]}]
+    path = _write(tmp_path, recs)
+    b = make_tree_builder("sequences", processor_path=vl_dir)
+    (built,) = b(list(iter_file(path)))
+    tree = built.tree
+    n = 16 // 4 * (16 // 4) // 4
+    assert tree.branch(0).tolist() == [1, start] + [pad] * n + [end, 5, 6]
+    assert tree.images.num_images == 1 and tree.num_tokens == 2 + n + 1 + 3
+
+
+@pytest.mark.parametrize("ref,match", [
+    ("../outside.png", "resolves outside the data file's folder"),
+    ("/etc/passwd", "resolves outside the data file's folder"),
+    ("https://example.com/a.png", "nothing is downloaded"),
+    ("missing.png", "does not exist"),
+    ("data:text/plain;base64,aGk=", "data:image/<type>;base64"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("notes.txt", "cannot be decoded"),
+])
+def test_bad_image_references_name_the_record(builder, tmp_path, ref, match):
+    (tmp_path / "outside.png").write_bytes(_png(random_image(np.random.default_rng(0), 8, 8)))
+    sub = tmp_path / "data"
+    sub.mkdir()
+    (sub / "notes.txt").write_text("not an image")
+    path = _write(sub, [{"id": "r", "messages": _conv({"type": "image", "image": ref})}])
+    with pytest.raises(DataError, match=match) as err:
+        _trees(builder, path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:1: ") and "\n" not in msg
+
+
+def test_a_symlink_out_of_the_folder_is_refused(builder, tmp_path):
+    (tmp_path / "secret.png").write_bytes(_png(random_image(np.random.default_rng(0), 8, 8)))
+    sub = tmp_path / "data"
+    sub.mkdir()
+    os.symlink(tmp_path / "secret.png", sub / "link.png")
+    path = _write(sub, [{"id": "r", "messages": _conv({"type": "image", "image": "link.png"})}])
+    with pytest.raises(DataError, match="link.png' resolves outside"):
+        _trees(builder, path)
+
+
+def test_byte_and_pixel_limits(builder, vl_dir, tmp_path):
+    img = random_image(np.random.default_rng(0), 40, 50)
+    img.save(tmp_path / "big.png")
+    path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": "big.png"})}])
+    size = (tmp_path / "big.png").stat().st_size
+    tok = builder.tok
+    small = ChatBuilder(tokenizer=tok, processor_path=vl_dir, max_image_bytes=size - 1)
+    with pytest.raises(DataError, match=rf"{path}:1: .*'big.png' has {size} bytes, more than "
+                                        rf"tree_builder.max_image_bytes={size - 1}"):
+        _trees(small, path)
+    few = ChatBuilder(tokenizer=tok, processor_path=vl_dir, max_image_pixels=1999)
+    with pytest.raises(DataError, match=r"'big.png' has 50x40 = 2000 pixels, more than tree_builder.max_image_pixels=1999"):
+        _trees(few, path)
+    uri = "data:image/png;base64," + base64.b64encode(_png(img)).decode()
+    path2 = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": uri})}])
+    with pytest.raises(DataError, match="data: URI image larger than tree_builder.max_image_bytes"):
+        _trees(ChatBuilder(tokenizer=tok, processor_path=vl_dir, max_image_bytes=100), path2)
+
+
+def test_images_without_a_processor_are_refused(builder, tmp_path):
+    path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": "a.png"})}])
+    with pytest.raises(DataError, match=r"data.jsonl:1: .*image parts; set tree_builder.processor_path"):
+        _trees(ChatBuilder(tokenizer=builder.tok), path)
+
+
+def test_bad_content_parts(builder, tmp_path):
+    path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "audio", "audio": "a.wav"})}])
+    with pytest.raises(DataError, match=r"messages\[0\].content\[0\]: a content part must be an object with type"):
+        _trees(builder, path)

@@ -1,0 +1,147 @@
+"""Tiny vision-language checkpoints and transformers as their per-branch float64 oracle.
+
+``vision_checkpoint`` writes a random Qwen2.5-VL / Qwen3-VL / Qwen3.5 (vision + Gated
+DeltaNet) checkpoint with 4-pixel patches and merge size 2; ``image_processor`` is the
+families' own image processor (transformers' PIL backend) sized to it; ``vlm_branch_loss``
+is per-branch training from the definition: each branch through the transformers model
+with its own images (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids`` as the
+processor returns them), its positions from the model's forward, one branch at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+IMAGE, VIDEO, START, END = 35, 36, 37, 38
+VOCAB = 40
+ROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=2, max_position_embeddings=256, head_dim=8, rope_parameters=ROPE)
+VISION = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4, spatial_merge_size=2,
+              temporal_patch_size=2, out_hidden_size=32)
+FAMILIES = {
+    "qwen2_5_vl": (dict(TEXT), dict(VISION, window_size=16, fullatt_block_indexes=[1])),
+    "qwen3_vl": (dict(TEXT, rope_parameters=dict(ROPE, mrope_interleaved=True)),
+                 dict(VISION, deepstack_visual_indexes=[0], num_position_embeddings=64)),
+    "qwen3_5": (dict(TEXT, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+                     linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_conv_kernel_dim=3,
+                     rope_parameters=dict(ROPE, mrope_interleaved=True, partial_rotary_factor=0.5)),
+                dict(VISION, num_position_embeddings=64)),
+}
+
+
+def vision_checkpoint(path, family: str, seed: int = 0, std: float = 0.3, **text_overrides):
+    """A random float64 checkpoint of ``family`` at ``path`` (norm weights around 1)."""
+    import transformers
+
+    text, vision = FAMILIES[family]
+    cfg = transformers.AutoConfig.for_model(family, text_config=dict(text, **text_overrides), vision_config=vision,
+                                            image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                                            vision_end_token_id=END)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(1.0 + 0.2 * r if "norm" in name and p.ndim == 1 else std * r)
+    model.save_pretrained(path)
+    return path
+
+
+def image_processor(max_pixels: int = 32 * 32):
+    import transformers
+
+    return transformers.Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64,
+                                                 max_pixels=max_pixels)
+
+
+def random_image(rng: np.random.Generator, h: int, w: int):
+    from PIL import Image
+
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def processed(proc, pil, dtype=torch.float64, name=""):
+    """A PIL image through the processor, as a treelit ProcessedImage."""
+    from treelit.tree.images import ProcessedImage
+
+    out = proc(images=[pil], return_tensors="pt")
+    grid = tuple(int(x) for x in out["image_grid_thw"][0])
+    return ProcessedImage(out["pixel_values"].to(dtype), grid, grid[0] * grid[1] * grid[2] // 4, IMAGE, name=name)
+
+
+def span(im):
+    """An image's tokens as the Qwen processors write them."""
+    return [START] + [IMAGE] * im.num_tokens + [END]
+
+
+def load_reference(path, dtype=torch.float64):
+    """The transformers model of ``path`` (sdpa; Qwen3.5's Gated DeltaNet on transformers' torch functions)."""
+    import transformers
+
+    from hf_oracle import no_hub_kernels
+    from treelit.models.hf_kernels import bind_torch_kernels
+
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                                   **no_hub_kernels()).to(dtype)
+    bind_torch_kernels(ref)
+    return ref
+
+
+def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = "token-mean") -> torch.Tensor:
+    """Per-branch loss from the definition (see the module docstring)."""
+    total = 0.0
+    n_targets = n_seq = 0
+    for br, ims, m, w in zip(branches, images, masks, weights):
+        ids = torch.tensor([list(br)])
+        kw = {}
+        if ims:
+            kw = dict(pixel_values=torch.cat([i.pixel_values for i in ims]),
+                      image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]),
+                      mm_token_type_ids=(ids == IMAGE).int())
+        model.model.rope_deltas = None  # positions from this branch alone
+        logits = model(input_ids=ids, **kw).logits[0]
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
+        mask = torch.tensor([float(v) for v in m[1:]], dtype=logits.dtype)
+        n = int(mask.sum().item())
+        n_targets += n
+        n_seq += int(n > 0)
+        s = -(logp * mask).sum() * w
+        total = total + (s / n if aggregation == "seq-mean-token-mean" and n > 0 else s)
+    Z = {"token-mean": n_targets, "seq-mean-token-mean": n_seq, "seq-mean-token-sum": n_seq, "sum": 1}[aggregation]
+    return total / Z
+
+
+def text_mask(branch):
+    """Train every text token (never an image's own tokens)."""
+    return [0 if t in (IMAGE, VIDEO, START) else 1 for t in branch]
+
+
+def random_forest(rng: np.random.Generator, pool, n_branches: int = 5):
+    """Branches that grow off random points of earlier ones (right after an image included),
+    each continuing with text and images drawn from ``pool`` (which may hold equal images)."""
+    branches, images = [], []
+    for b in range(n_branches):
+        if branches and rng.random() < 0.8:
+            src = int(rng.integers(len(branches)))
+            cut = int(rng.integers(1, len(branches[src])))  # any point: right after an image included
+            br = list(branches[src][:cut])
+            shown = sum(1 for i in range(cut) if br[i] == START)
+            ims = list(images[src][:shown])
+            if br[-1] in (START, IMAGE):  # a cut inside an image span drops the partial image
+                br = br[: len(br) - br[::-1].index(START) - 1]
+                ims = ims[:-1]
+        else:
+            br, ims = [int(rng.integers(1, 6))], []
+        for _ in range(int(rng.integers(1, 3))):
+            if rng.random() < 0.5:
+                im = pool[int(rng.integers(len(pool)))]
+                br += span(im)
+                ims.append(im)
+            br += [int(v) for v in rng.integers(1, 30, size=int(rng.integers(1, 4)))]
+        branches.append(br)
+        images.append(ims)
+    return branches, images
