@@ -51,7 +51,7 @@ from treelit.objectives.critic import (branch_values, check_critic_objective, cr
                                        critic_tree_loss, prepare_branches, prepare_tree, set_branch_advantages,
                                        set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
-from treelit.partition.context_parallel import check_cp_backend, check_cp_model, cp_logprobs, cp_micro_batch
+from treelit.partition.context_parallel import TRAFFIC, check_cp_backend, check_cp_model, cp_logprobs, cp_micro_batch
 from treelit.partition.engine import (MicroBatchResult, PartitionStats, partitioned_values, policy_logprobs,
                                      run_micro_batch)
 from treelit.partition.passes import empty_row
@@ -669,7 +669,8 @@ class TreeLitModule(pl.LightningModule):
                                                      attention=self.attention, chunk_rows=self.chunk_rows,
                                                      router_normalizer=R)
                 loss_value /= cp  # every rank of the group holds the whole loss; the step sums over ranks
-                m = {**m, "cp/imbalance": plan.imbalance}
+                stats.cp_max_cost += float(plan.work.max())
+                stats.cp_mean_cost += float(plan.work.mean())
                 stats.partitions += 1
                 stats.token_forwards += plan.size
             elif self.partition != "none" and self.mode == "tree":
@@ -693,7 +694,28 @@ class TreeLitModule(pl.LightningModule):
                  "extra_forwards": float(stats.extra_forwards), "empty_passes": float(stats.empty_passes)}
         if self.budget_tokens is not None:
             extra["budget_tokens"] = float(self.budget_tokens)
+        if cp > 1:
+            extra.update(self._cp_metrics(stats))
         return {"loss": total, **extra, **metrics}
+
+    def _cp_metrics(self, stats: PartitionStats) -> Dict[str, float]:
+        """What context parallelism cost this update, for each rank of this rank's group:
+        ``cp/received_bytes/rank{r}`` (the bytes it received: path K/V, recurrent states and
+        convolution inputs, their gradients, and partitioned passes' all-reduced captures, since
+        the last update's figure: this step's values and rollout passes included) and
+        ``cp/peak_bytes/rank{r}`` (its peak memory, as ``peak_mem_bytes``), their maxima, and
+        ``cp/imbalance`` (the passes' most loaded rank's cost over the mean, minus 1)."""
+        mine = torch.tensor([float(TRAFFIC.take()), float(_peak_memory_bytes(self.device))], dtype=torch.float64,
+                            device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self._cp_degree())]
+        dist.all_gather(every, mine, group=self._cp_group)
+        out = {"cp/imbalance": stats.cp_imbalance}
+        for r, t in enumerate(every):
+            out[f"cp/received_bytes/rank{r}"] = float(t[0])
+            out[f"cp/peak_bytes/rank{r}"] = float(t[1])
+        out["cp/received_bytes_max"] = max(float(t[0]) for t in every)
+        out["cp/peak_bytes_max"] = max(float(t[1]) for t in every)
+        return out
 
     def training_step(self, batch: StepBatch, batch_idx: int):
         try:

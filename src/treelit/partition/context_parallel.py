@@ -96,7 +96,7 @@ from treelit.partition.passes import empty_row
 from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
-__all__ = ["CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
+__all__ = ["TRAFFIC", "CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
            "check_cp_backend", "check_cp_degree", "has_recurrent_layers"]
 
 
@@ -200,6 +200,7 @@ class CPPlan:
     recv: Dict[int, np.ndarray]       # src rank -> positions in ``path`` its rows fill
     send: Dict[int, np.ndarray]       # dst rank -> local rows of this rank it needs
     imbalance: float                  # max over ranks of cost / mean cost - 1
+    work: Optional[np.ndarray] = None  # each rank's cost
 
     @property
     def start(self) -> int:
@@ -251,7 +252,7 @@ def cp_plan(batch: TreeBatch, C: int, rank: int, costs: Optional[np.ndarray] = N
             send[dst] = np.array(mine, dtype=np.int64)
     work = np.array([costs[s:e].sum() for s, e in ranges])
     imbalance = float(work.max() / work.mean() - 1.0) if work.mean() > 0 else 0.0
-    return CPPlan(ranges, rank, own, recv, send, imbalance)
+    return CPPlan(ranges, rank, own, recv, send, imbalance, work)
 
 
 @dataclass
@@ -458,8 +459,25 @@ def _global(group, r: int) -> int:
     return dist.get_global_rank(group, r) if group is not None else r
 
 
+class Traffic:
+    """Bytes this process received for context parallelism since the last :meth:`take`: the
+    point-to-point messages (path K/V and convolution inputs, states, and their gradients in the
+    backward) and the all-reduced captures of partitioned passes (counted at their size)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def take(self) -> int:
+        got, self.received = self.received, 0
+        return got
+
+
+TRAFFIC = Traffic()
+
+
 def _wait(ops) -> None:
     if ops:
+        TRAFFIC.received += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.irecv)
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
@@ -758,6 +776,7 @@ def _assembled(mine: torch.Tensor, group, grad: bool, produced: List[torch.Tenso
     ``grad`` a leaf that requires grad, noted with ``mine`` for :func:`cp_relay`."""
     whole = mine.detach().clone()
     dist.all_reduce(whole, group=group)
+    TRAFFIC.received += whole.numel() * whole.element_size()
     if grad:
         whole.requires_grad_()
         produced.append(mine)
@@ -803,6 +822,7 @@ def cp_relay(produced: List[torch.Tensor], leaves: List[torch.Tensor], group) ->
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         g = g.contiguous()
         dist.all_reduce(g, group=group)
+        TRAFFIC.received += g.numel() * g.element_size()
         if t.requires_grad:
             tensors.append(t)
             grads.append(g)

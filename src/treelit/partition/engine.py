@@ -58,6 +58,14 @@ class PartitionStats:
     tree_tokens: int = 0
     budget: Optional[int] = None
     max_chain_tokens: int = 0
+    # context parallelism: the passes' most loaded rank's cost and mean cost, summed over passes
+    cp_max_cost: float = 0.0
+    cp_mean_cost: float = 0.0
+
+    @property
+    def cp_imbalance(self) -> float:
+        """The step's cost on its most loaded rank (pass by pass) over the mean, minus 1."""
+        return self.cp_max_cost / self.cp_mean_cost - 1.0 if self.cp_mean_cost > 0 else 0.0
     per_partition: List[int] = field(default_factory=list)
 
 
@@ -116,6 +124,8 @@ class _Run:
             return h, ctx, rows, tok
         C, rank = self.cp_size
         plan = cp_plan(sub, C, rank, token_costs(sub, m))
+        self.stats.cp_max_cost += float(plan.work.max())
+        self.stats.cp_mean_cost += float(plan.work.mean())
         h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
                                  rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]),
                                  boundary=rp.boundary[i])
