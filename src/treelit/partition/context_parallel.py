@@ -85,7 +85,7 @@ import torch
 import torch.distributed as dist
 
 from treelit.attention.base import ATTENTION, resolve_backend
-from treelit.loss.logprobs import token_logprobs
+from treelit.loss.logprobs import default_chunk_rows, token_logprobs
 from treelit.loss.router import RouterTerms
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
@@ -97,7 +97,7 @@ from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["TRAFFIC", "CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
-           "check_cp_backend", "check_cp_degree", "has_recurrent_layers"]
+           "check_cp_backend", "check_cp_degree", "cp_chunk_rows", "has_recurrent_layers"]
 
 
 _ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
@@ -466,9 +466,10 @@ class Traffic:
 
     def __init__(self) -> None:
         self.received = 0
+        self.forward = 0  # of which in forward passes (even message tags; the captures' all-reduce)
 
     def take(self) -> int:
-        got, self.received = self.received, 0
+        got, self.received, self.forward = self.received, 0, 0
         return got
 
 
@@ -477,7 +478,9 @@ TRAFFIC = Traffic()
 
 def _wait(ops) -> None:
     if ops:
-        TRAFFIC.received += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.irecv)
+        got = [(op.tensor.numel() * op.tensor.element_size(), op.tag) for op in ops if op.op is dist.irecv]
+        TRAFFIC.received += sum(n for n, _ in got)
+        TRAFFIC.forward += sum(n for n, tag in got if tag % 2 == 0)
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
@@ -561,17 +564,23 @@ class _CPContext(TreeContext):
         return out, cap
 
     def attention(self, layer, q, k, v, window=None):
-        if self.cp_plan is not None:
-            dk = k.shape[-1]
-            both = _PathRows.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 4 * layer, 2)
-            E = len(self.cp_plan.path)
-            if self.external is not None:
-                ek, ev = both[:, :, :E, :dk], both[:, :, :E, dk:]
-                if self.pre is not None:
-                    ek, ev = torch.cat([self.pre.k[layer], ek], 2), torch.cat([self.pre.v[layer], ev], 2)
-                self.external.k[layer], self.external.v[layer] = ek, ev
-            k, v = both[:, :, E:, :dk], both[:, :, E:, dk:]
-        return super().attention(layer, q, k, v, window)
+        if self.cp_plan is None:
+            return super().attention(layer, q, k, v, window)
+        if q.shape[0] != 1:
+            raise ValueError("a tree row has batch size 1")
+        if self.capture_kv:  # (the rank's own rows, for the passes below)
+            self.captured[layer] = (k, v)
+        dk = k.shape[-1]
+        # [path | own] keys and values: one copy each of what the attention keeps for its backward
+        # (the exchange's joint tensor and the received rows are not held beyond this call)
+        both = _PathRows.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 4 * layer, 2)
+        if self.pre is not None:  # the partition's ancestors (earlier passes) in front
+            k = torch.cat([self.pre.k[layer], both[..., :dk]], 2)
+            v = torch.cat([self.pre.v[layer], both[..., dk:]], 2)
+        else:
+            k, v = both[..., :dk].contiguous(), both[..., dk:].contiguous()
+        del both
+        return self.backend(q, k, v, self.plan_for(window))
 
 
 def _forward_range(model, batch: TreeBatch, plan: CPPlan, group, attention, chunk_rows, with_entropy: bool):
@@ -623,6 +632,7 @@ def cp_logprobs(model, batch: TreeBatch, group, *, attention: Any = "auto", chun
     parallelism (e.g. the reference model's)."""
     C, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = cp_plan(batch, C, rank, costs)
+    chunk_rows = cp_chunk_rows(chunk_rows, model, C)
     with torch.no_grad():
         tok, logp, _, _ = _forward_range(model, batch, plan, group, attention, chunk_rows, False)
         full = _full(logp, tok, batch.num_tokens, group)
@@ -653,6 +663,7 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
     the ranges' routing counts are summed over the group, each rank adds its own tokens' share)."""
     check_cp_model(model)
     C, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk_rows = cp_chunk_rows(chunk_rows, model, C)
     if costs is None:
         costs = token_costs(batch, model)
     plan = cp_plan(batch, C, rank, costs)
@@ -694,6 +705,16 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
     # other ranks travel in that backward), whether or not it holds targets
     (surrogate + 0.0 * h.sum()).backward()
     return value, {k: float(v) for k, v in metrics.items()}, plan
+
+
+def cp_chunk_rows(chunk_rows: Optional[int], model, C: int) -> Optional[int]:
+    """Rows per logits chunk of the head under context parallelism: an explicit ``chunk_rows`` as
+    given; by default 1/C of one process's (:func:`~treelit.loss.logprobs.default_chunk_rows`), so
+    that the head's logits, a fixed size once a range has more targets than a chunk, shrink with
+    the rest of a rank's activations."""
+    if chunk_rows is not None or C <= 1:
+        return chunk_rows
+    return max(1, default_chunk_rows(int(output_weight(model).shape[0])) // C)
 
 
 def check_cp_degree(degree: Any, world: int) -> int:
@@ -777,6 +798,7 @@ def _assembled(mine: torch.Tensor, group, grad: bool, produced: List[torch.Tenso
     whole = mine.detach().clone()
     dist.all_reduce(whole, group=group)
     TRAFFIC.received += whole.numel() * whole.element_size()
+    TRAFFIC.forward += whole.numel() * whole.element_size()
     if grad:
         whole.requires_grad_()
         produced.append(mine)

@@ -37,7 +37,7 @@ from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
-from treelit.partition.context_parallel import (cp_captures, cp_forward_pass, cp_plan, cp_relay, cp_state_captures,
+from treelit.partition.context_parallel import (cp_captures, cp_chunk_rows, cp_forward_pass, cp_plan, cp_relay, cp_state_captures,
                                                 has_recurrent_layers, token_costs)
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
@@ -294,11 +294,12 @@ class _Run:
             ops = word
         emb, W_out = model.tok_embeddings.weight, None
         use_buffers = not self.sharded
-        emb_buf = torch.zeros_like(emb) if use_buffers and emb.requires_grad else None
+        # (under context parallelism the embedding's gradient flows through autograd)
+        emb_buf = _accumulator(emb) if use_buffers and self.cp_group is None else None
         out_buf = None
         if use_buffers and self.spec.fused_sft:
             W_out = output_weight(model)
-            out_buf = emb_buf if W_out is emb else (torch.zeros_like(W_out) if W_out.requires_grad else None)
+            out_buf = emb_buf if W_out is emb and emb_buf is not None else _accumulator(W_out)
         captured: Dict[int, Captures] = {}
         chain: List[_Live] = []
         empties: List[_Live] = []
@@ -324,7 +325,7 @@ class _Run:
                 self._finish(live)
                 captured.pop(i, None)
         for param, buf in ((emb, emb_buf), (W_out, out_buf if out_buf is not emb_buf else None)):
-            if buf is not None and param is not None and not self.failed:
+            if buf is not None and param is not None and not self.failed and buf is not param.grad:
                 param.grad = buf if param.grad is None else param.grad.add_(buf)
         return total
 
@@ -518,6 +519,18 @@ def run_micro_batch(
     return MicroBatchResult(value, metrics, run.failed)
 
 
+def _accumulator(param) -> Optional[torch.Tensor]:
+    """Where a trained ``param``'s gradient is added up during the passes: its ``.grad`` when it
+    has one (no second ``[V, D]`` copy; autograd adds into it in place too), else a new buffer
+    that becomes its ``.grad`` (an out-of-memory attempt clears the gradients either way)."""
+    if param is None or not param.requires_grad:
+        return None
+    g = param.grad
+    if g is not None and g.dtype == param.dtype and g.shape == param.shape and not g.is_sparse:
+        return g
+    return torch.zeros_like(param)
+
+
 def _group_sum(x: torch.Tensor, group) -> torch.Tensor:
     """The sum over ``group`` of ``x``'s values where set (NaN: unset; NaN where no rank set it)."""
     have = ~torch.isnan(x)
@@ -608,3 +621,4 @@ def _join(run: "_Run", cp_group) -> None:
     C = dist.get_world_size(cp_group) if cp_group is not None else 1
     if C > 1:
         run.cp_group, run.cp_size = cp_group, (C, dist.get_rank(cp_group))
+        run.chunk_rows = cp_chunk_rows(run.chunk_rows, run.model, C)
