@@ -37,8 +37,8 @@ from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
-from treelit.partition.context_parallel import (cp_captures, cp_chunk_rows, cp_forward_pass, cp_plan, cp_relay, cp_state_captures,
-                                                has_recurrent_layers, token_costs)
+from treelit.partition.context_parallel import (cp_captures, cp_chunk_rows, cp_forward_pass, cp_relay, cp_split,
+                                                cp_state_captures, has_recurrent_layers)
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
 from treelit.partition.schedule import FORWARD, align, align_forwards, decode, dfs_word, encode
@@ -123,7 +123,7 @@ class _Run:
             rows, tok = rp.targets(i, sub, tokens)
             return h, ctx, rows, tok
         C, rank = self.cp_size
-        plan = cp_plan(sub, C, rank, token_costs(sub, m))
+        plan = cp_split(sub, C, rank, m)
         self.stats.cp_max_cost += float(plan.work.max())
         self.stats.cp_mean_cost += float(plan.work.mean())
         h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
