@@ -795,7 +795,7 @@ def check_cp_degree(degree: Any, world: int) -> int:
 
 # -- context parallelism within a partitioned pass (see :mod:`treelit.partition.engine`) -----------------
 def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: Optional[ExternalKV] = None,
-                    capture: bool = False, boundary: Optional[np.ndarray] = None):
+                    capture: bool = False, boundary: Optional[np.ndarray] = None, embedding_grad_accumulator=None):
     """This rank's range of the partition row ``sub`` through ``model`` (call inside the model's
     forward): ``(h [range, D], ctx)``. ``pre``: the K/V of the partition's ancestors (earlier
     passes), the same on every rank and visible to every query of the range, in front of the
@@ -826,6 +826,7 @@ def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: 
     backend = resolve_backend(attention, dev, row)
     ctx = _CPContext(row, backend, external, live, group, sub, pre=pre, capture_kv=capture,
                      boundary=boundary if capture else None)
+    ctx.embedding_grad_accumulator = embedding_grad_accumulator  # (no [V, D] gradient per pass)
     h = decoder_hidden(model, row.input_ids[None], row.position_ids[None], ctx)[0]
     return h, ctx
 

@@ -128,7 +128,7 @@ class _Run:
         self.stats.cp_mean_cost += float(plan.work.mean())
         h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
                                  rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]),
-                                 boundary=rp.boundary[i])
+                                 boundary=rp.boundary[i], embedding_grad_accumulator=emb_buf)
         ctx.cp_pass, ctx.cp_tokens = plan, tokens[plan.start:plan.end]
         rows, tok = rp.targets(i, sub, tokens)
         keep = (rows >= plan.start) & (rows < plan.end)
@@ -294,8 +294,7 @@ class _Run:
             ops = word
         emb, W_out = model.tok_embeddings.weight, None
         use_buffers = not self.sharded
-        # (under context parallelism the embedding's gradient flows through autograd)
-        emb_buf = _accumulator(emb) if use_buffers and self.cp_group is None else None
+        emb_buf = _accumulator(emb) if use_buffers else None
         out_buf = None
         if use_buffers and self.spec.fused_sft:
             W_out = output_weight(model)
