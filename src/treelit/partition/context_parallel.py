@@ -1,7 +1,9 @@
 """Context parallelism for trees: one tree row split over the C ranks of a group, exact.
 
-A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
-:func:`token_costs`), and rank r runs the model on its range only. What crosses ranks:
+A tree's DFS row is cut into C contiguous ranges of about equal memory (its tokens'
+activations plus the path K/V it receives, :func:`memory_ranges`; the compute cost of
+:func:`token_costs` gives ``imbalance``), and rank r runs the model on its range only. What
+crosses ranks:
 
 * **Attention.** In a DFS row every ancestor of a token comes before it, and the keys a
   query of range ``[s, e)`` sees outside the range are exactly the ancestors of token ``s``
@@ -64,7 +66,8 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   relayed like its K/V (:func:`cp_state_captures`). A router loss takes every rank's routing
   counts in a no-gradient pass first and sums them over the group.
 
-Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers; transformers
+Supported: PPO's critic, shared or separate (through :mod:`treelit.partition.engine`, which folds
+each rank's pairs' value loss); native decoders with attention, Gated DeltaNet and Mamba2 layers; transformers
 families through the adapter, attention-only and hybrid (Qwen3.5 / Qwen3-Next / OLMo-hybrid
 Gated DeltaNet, Kimi-Linear KDA, Nemotron-H / Bamba / Granite-4 / Falcon-H1 Mamba2, LFM2 short
 convolutions); every objective; the router loss; every attention backend that takes external
