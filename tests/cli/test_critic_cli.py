@@ -106,8 +106,6 @@ def test_critic_resume_is_bit_exact(tmp_path, kind):
     (["objective.lam=-0.5"], "objective.lam=-0.5: must be a number in [0, 1]"),
     (["tree_builder.advantage=grpo"], "critic=shared with tree_builder.advantage=grpo: the critic computes"),
     (["critic.vf_coef=0"], "critic.vf_coef=0: must be a number > 0"),
-    (["partition=redundancy_free", "partition.budget_tokens=4096", "trainer=fsdp2_cpu"],
-     "critic=shared with partition=redundancy_free under FSDP2"),
 ])
 def test_bad_critic_options_are_one_line(tmp_path, args, expected):
     with pytest.raises((ValueError, SetupError)) as exc:

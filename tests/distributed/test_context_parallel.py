@@ -289,6 +289,31 @@ def test_ranges_balance_cost_and_fetch_only_the_path():
     assert cp_ranges(np.ones(2), 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
 
 
+def test_memory_ranges_balance_tokens_and_received_path():
+    """The default split: ranges of equal memory, ``tokens + weight x ancestors of the first
+    token``; with weight 0 equal tokens; the most loaded range never holds more than a split of
+    equal compute puts on one rank."""
+    from treelit.partition.context_parallel import memory_ranges
+
+    prefix = list(range(1, 40))
+    batch = treelit.TokenTree.from_branches([prefix + [50 + b] * (20 + 7 * b) for b in range(5)]).to_batch()
+    parent = batch.parent.numpy()
+    anc = np.zeros(batch.num_tokens)
+    for i in range(batch.num_tokens):
+        anc[i] = anc[parent[i]] + 1 if parent[i] >= 0 else 0
+    N = batch.num_tokens
+    for C in (2, 3, 4, 8):
+        for w in (0.0, 0.05, 0.5):
+            ranges = memory_ranges(batch, C, w)
+            assert len(ranges) == C and ranges[0][0] == 0 and ranges[-1][1] == N
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
+            mem = lambda rs: max(e - s + w * anc[s] for s, e in rs)  # noqa: E731
+            assert mem(ranges) <= mem(cp_ranges(token_costs(batch), C)) + 1e-9, (C, w)
+            if w == 0:
+                assert max(e - s for s, e in ranges) - min(e - s for s, e in ranges) <= C, ranges
+    assert memory_ranges(batch, N + 2, 0.1)[-1] == (N, N)  # fewer tokens than ranks: the last ones empty
+
+
 @pytest.mark.parametrize("C,forest,window", [(2, ONE_TOKEN, False), (2, FORK, True)], ids=["one-token", "fork-window"])
 def test_context_parallel_equals_one_process(C, forest, window, tmp_path):
     compare(("qwen2_5_tiny", forest, "sft", window), C, tmp_path)

@@ -188,6 +188,7 @@ def test_treelit_train_cp_partitioned_equals_one_process(tmp_path_factory, hybri
         assert metrics["planner/budget_tokens"] >= 35, metrics
     else:
         assert metrics["partitions"] > 1
+    assert metrics["cp/received_bytes_max"] > 0 and metrics["cp/peak_bytes/rank1"] > 0, metrics
 
 
 def test_planner_budget_is_per_rank_under_cp():

@@ -44,13 +44,29 @@ def single(data):  # noqa: F811
 
 
 def test_cp2_equals_one_process(data, single):  # noqa: F811
-    out = train(data, "cp2", "trainer=fsdp2_cpu",
-                "trainer.strategy.context_parallel_degree=2")
+    """... and what context parallelism cost is in MLflow: the cost imbalance, and per rank the
+    bytes received (rank 1 the path K/V, rank 0 their gradients) and the peak memory."""
+    from test_multinode import metric_history
+
+    db = data / "cp2_mlflow.db"
+    mlflow = [c for c in COMMON if c != "logger=none"] + ["logger=mlflow", f"logger.mlflow.tracking_uri=sqlite:///{db}"]
+    out = train(data, "cp2", "trainer=fsdp2_cpu", "trainer.strategy.context_parallel_degree=2", common=mlflow)
     close(weights(out), single, "C=2")
     summary = json.loads((out / "summary.json").read_text())
     one = json.loads((data / "cp_single" / "summary.json").read_text())
     assert summary["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-9)
     assert 0.0 <= summary["metrics"]["cp/imbalance"] < 1.0
+    logged = {k: metric_history(db, k) for k in ("cp/imbalance", "cp/received_bytes/rank0", "cp/received_bytes/rank1",
+                                                 "cp/peak_bytes/rank0", "cp/peak_bytes/rank1", "cp/peak_bytes_max",
+                                                 "cp/received_bytes_max")}
+    for k, history in logged.items():
+        assert len(history) == 2, (k, history)  # every step
+    for step in logged["cp/imbalance"]:
+        assert 0.0 <= logged["cp/imbalance"][step] < 1.0
+        recv = [logged[f"cp/received_bytes/rank{r}"][step] for r in (0, 1)]
+        peak = [logged[f"cp/peak_bytes/rank{r}"][step] for r in (0, 1)]
+        assert min(recv) > 0 and logged["cp/received_bytes_max"][step] == max(recv), recv
+        assert min(peak) > 0 and logged["cp/peak_bytes_max"][step] == max(peak), peak
 
 
 @pytest.mark.slow

@@ -272,16 +272,6 @@ def check_critic_config(cfg: DictConfig) -> None:
                           "critic.model=policy|NAME (the policy's model config, or a model group name such as tiny)")
     if kind == "separate":
         critic_model_config(cfg)  # an unknown model name is named here
-    strategy = ((cfg.get("trainer") or {}).get("strategy") or {})
-    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else ""
-    fsdp = "ModelParallelStrategy" in target or target.endswith("strategies.FSDP2")
-    if fsdp and (cfg.get("partition") or {}).get("name", "none") != "none":
-        raise ConfigError(f"critic={kind} with partition={cfg.partition.name} under FSDP2: not supported (a "
-                          "partitioned critic runs on one process or with trainer=ddp_cpu/ddp); use partition=none")
-    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
-    if isinstance(cp, int) and cp > 1:
-        raise ConfigError(f"critic={kind} with trainer.strategy.context_parallel_degree={cp}: not supported; use "
-                          "context_parallel_degree=1")
 
 
 def compose(overrides: Optional[List[str]] = None, config_name: str = "train") -> DictConfig:

@@ -52,7 +52,7 @@ from treelit.objectives.critic import (branch_values, check_critic_objective, cr
                                        critic_tree_loss, prepare_branches, prepare_tree, set_branch_advantages,
                                        set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
-from treelit.partition.context_parallel import check_cp_backend, check_cp_model, cp_logprobs, cp_micro_batch
+from treelit.partition.context_parallel import TRAFFIC, check_cp_backend, check_cp_model, cp_logprobs, cp_micro_batch
 from treelit.partition.engine import (MicroBatchResult, PartitionStats, partitioned_values, policy_logprobs,
                                      run_micro_batch)
 from treelit.partition.passes import empty_row
@@ -213,15 +213,10 @@ class TreeLitModule(pl.LightningModule):
         if mesh is None or is_sharded(self.model):
             return
         if self._cp_degree() > 1:
-            if self.critic is not None:
-                raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; "
-                                 "use critic=none or context_parallel_degree=1")
             check_cp_model(self.model)
+            if self.critic is not None and self.critic.trunk is not None:
+                check_cp_model(self.critic.trunk)
             check_cp_backend(self.attention)
-        if self.critic is not None and self.partition != "none":
-            raise ValueError(f"critic={self.critic.kind} with partition={self.partition} under FSDP2: not supported "
-                             "(a partitioned critic runs on one process or with trainer=ddp_cpu/ddp); use "
-                             "partition=none")
         if self.mode != "tree" or self.verify_every:
             raise ValueError("under FSDP2 every rank must run the same passes: mode=linear and verify_every "
                              "(per-branch passes whose number differs between ranks) need trainer=cpu or trainer=ddp_cpu/ddp")
@@ -395,16 +390,20 @@ class TreeLitModule(pl.LightningModule):
         obj, comm = self.objective, self._comm()
         linear = self.mode == "linear" or bool(self.verify_every)
         trees, lins = [], []
+        cp = self._cp_degree() > 1
         for mb in micro_batches:
-            if not mb.num_targets:
-                continue
-            if self.mode == "tree" and self.partition != "none":
+            if not mb.num_targets and not self._fsdp():
+                continue  # (under FSDP2 a padding micro-batch's pass keeps the other ranks' collectives company)
+            if self.mode == "tree" and (self.partition != "none" or cp):
                 trunk = self.model if self.critic.kind == "shared" else self.critic.trunk
-                v = partitioned_values(trunk, self.critic, mb, budget_tokens=self.budget_tokens,
-                                       attention=self.attention, comm=self._comm())
-                trees.append((mb, prepare_tree(mb, v, obj.gamma, obj.lam)))
+                v = partitioned_values(trunk, self.critic, mb, attention=self.attention, comm=comm,
+                                       budget_tokens=self.budget_tokens if self.partition != "none" else None,
+                                       cp_group=getattr(self, "_cp_group", None))
             elif self.mode == "tree":
                 v = tree_values(self.critic, self.model, mb, self.attention)
+            if not mb.num_targets:
+                continue
+            if self.mode == "tree":
                 trees.append((mb, prepare_tree(mb, v, obj.gamma, obj.lam)))
             if linear:
                 if mb.source_branches is None:
@@ -618,19 +617,23 @@ class TreeLitModule(pl.LightningModule):
         self._zero_grad()
         return found
 
-    def _partitioned(self, mb, Z: float, comm: Collectives, R: Optional[float], stats=None, failed: bool = False):
+    def _partitioned(self, mb, Z: float, comm: Collectives, R: Optional[float], stats=None, failed: bool = False,
+                     cp_group=None):
         """One micro-batch through the partition engine: the policy (with a shared critic's value
-        loss folded into its passes), then a separate critic's trunk with its value loss."""
+        loss folded into its passes), then a separate critic's trunk with its value loss.
+        ``cp_group``: each pass split over its ranks (context parallelism; with ``partition=none``
+        the whole row is one pass)."""
         shared = self.critic is not None and self.critic.kind == "shared"
+        budget = self.budget_tokens if self.partition != "none" else None
         res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
-                              budget_tokens=self.budget_tokens, attention=self.attention, chunk_rows=self.chunk_rows,
+                              budget_tokens=budget, attention=self.attention, chunk_rows=self.chunk_rows,
                               stats=stats, comm=comm, failed=failed, router_normalizer=R,
-                              critic=self.critic if shared else None)
+                              critic=self.critic if shared else None, cp_group=cp_group)
         if self.critic is None or shared:
             return res
         crit = run_micro_batch(self.critic.trunk, None, mb, aggregation=self.aggregation, normalizer=Z,
-                               budget_tokens=self.budget_tokens, attention=self.attention, stats=stats, comm=comm,
-                               failed=failed or res.failed, critic=self.critic, critic_only=True)
+                               budget_tokens=budget, attention=self.attention, stats=stats, comm=comm,
+                               failed=failed or res.failed, critic=self.critic, critic_only=True, cp_group=cp_group)
         return MicroBatchResult(res.loss + crit.loss, {**res.metrics, **crit.metrics}, res.failed or crit.failed)
 
     def compute_gradients(self, micro_batches, planner=None) -> Dict[str, float]:
@@ -666,19 +669,19 @@ class TreeLitModule(pl.LightningModule):
         self._micro_losses = []
         cp = self._cp_degree()
         for mb in micro_batches:
-            if cp > 1 and self.partition != "none" and self.mode == "tree":
-                res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
-                                      budget_tokens=self.budget_tokens, attention=self.attention,
-                                      chunk_rows=self.chunk_rows, stats=stats, comm=comm, router_normalizer=R,
-                                      cp_group=self._cp_group)
+            if cp > 1 and self.mode == "tree" and (self.partition != "none" or self.critic is not None):
+                res = self._partitioned(mb, Z, comm, R, stats=stats, cp_group=self._cp_group)
                 loss_value, m = res.loss / cp, res.metrics  # (every rank of the group holds the whole loss)
+                if "critic/value_loss" in m:  # (... and the whole value loss: the step sums over ranks)
+                    m = {**m, "critic/value_loss": m["critic/value_loss"] / cp}
             elif cp > 1:
                 loss_value, m, plan = cp_micro_batch(self.model, self.objective, mb, self._cp_group,
                                                      aggregation=self.aggregation, normalizer=Z,
                                                      attention=self.attention, chunk_rows=self.chunk_rows,
                                                      router_normalizer=R)
                 loss_value /= cp  # every rank of the group holds the whole loss; the step sums over ranks
-                m = {**m, "cp/imbalance": plan.imbalance}
+                stats.cp_max_cost += float(plan.work.max())
+                stats.cp_mean_cost += float(plan.work.mean())
                 stats.partitions += 1
                 stats.token_forwards += plan.size
             elif self.partition != "none" and self.mode == "tree":
@@ -702,7 +705,28 @@ class TreeLitModule(pl.LightningModule):
                  "extra_forwards": float(stats.extra_forwards), "empty_passes": float(stats.empty_passes)}
         if self.budget_tokens is not None:
             extra["budget_tokens"] = float(self.budget_tokens)
+        if cp > 1:
+            extra.update(self._cp_metrics(stats))
         return {"loss": total, **extra, **metrics}
+
+    def _cp_metrics(self, stats: PartitionStats) -> Dict[str, float]:
+        """What context parallelism cost this update, for each rank of this rank's group:
+        ``cp/received_bytes/rank{r}`` (the bytes it received: path K/V, recurrent states and
+        convolution inputs, their gradients, and partitioned passes' all-reduced captures, since
+        the last update's figure: this step's values and rollout passes included) and
+        ``cp/peak_bytes/rank{r}`` (its peak memory, as ``peak_mem_bytes``), their maxima, and
+        ``cp/imbalance`` (the passes' most loaded rank's cost over the mean, minus 1)."""
+        mine = torch.tensor([float(TRAFFIC.take()), float(_peak_memory_bytes(self.device))], dtype=torch.float64,
+                            device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self._cp_degree())]
+        dist.all_gather(every, mine, group=self._cp_group)
+        out = {"cp/imbalance": stats.cp_imbalance}
+        for r, t in enumerate(every):
+            out[f"cp/received_bytes/rank{r}"] = float(t[0])
+            out[f"cp/peak_bytes/rank{r}"] = float(t[1])
+        out["cp/received_bytes_max"] = max(float(t[0]) for t in every)
+        out["cp/peak_bytes_max"] = max(float(t[1]) for t in every)
+        return out
 
     def training_step(self, batch: StepBatch, batch_idx: int):
         try:

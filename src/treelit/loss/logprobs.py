@@ -50,15 +50,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logp = torch.empty(M, dtype=cd, device=hidden.device)
         lse_all = torch.empty(M, dtype=cd, device=hidden.device)
         ent = torch.empty(M if with_entropy else 0, dtype=cd, device=hidden.device)
+        Wt = W.t()
+        # one logits-sized buffer for every chunk, updated in place (two with the entropy term)
+        buf = torch.empty(min(M, chunk_rows), W.shape[0], dtype=cd, device=hidden.device) if M else None
         for s in range(0, M, chunk_rows):
             e = min(M, s + chunk_rows)
-            logits = hidden[s:e].to(cd) @ W.t()
-            lse = torch.logsumexp(logits, dim=-1)
+            z = buf[: e - s]
+            torch.mm(hidden[s:e].to(cd), Wt, out=z)
+            z_t = z.gather(1, targets[s:e, None]).squeeze(1)
+            mx = z.amax(dim=1, keepdim=True)
+            z.sub_(mx)  # logits - max
+            p = torch.exp(z) if with_entropy else z.exp_()
+            se = p.sum(dim=1, keepdim=True)
+            lse = (mx + se.log()).squeeze(1)
             lse_all[s:e] = lse
-            logp[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - lse
-            if with_entropy:
-                p = torch.exp(logits - lse[:, None])
-                ent[s:e] = lse - (p * logits).sum(-1)
+            logp[s:e] = z_t - lse
+            if with_entropy:  # H = -sum p log p = log se - sum p (logits - max) / se
+                ent[s:e] = se.log().squeeze(1) - (p * z).sum(-1) / se.squeeze(1)
+                del p
         ctx.save_for_backward(hidden, weight, targets, lse_all, ent)
         ctx.chunk_rows = chunk_rows
         ctx.with_entropy = with_entropy
@@ -76,18 +85,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(W) if need_w else None
         use_ent = ctx.with_entropy and g_ent is not None
+        Wt = W.t()
+        # one logits-sized buffer for every chunk, updated in place (two with the entropy term)
+        buf = torch.empty(min(M, ctx.chunk_rows), W.shape[0], dtype=cd, device=hidden.device) if M else None
         for s in range(0, M, ctx.chunk_rows):
             e = min(M, s + ctx.chunk_rows)
             h = hidden[s:e].to(cd)
-            logits = h @ W.t()
-            logp_all = logits - lse_all[s:e, None]
-            p = torch.exp(logp_all)
+            gl = buf[: e - s]
+            torch.mm(h, Wt, out=gl)
+            gl.sub_(lse_all[s:e, None])  # log p
             g = g_logp[s:e].to(cd) if g_logp is not None else torch.zeros(e - s, dtype=cd, device=h.device)
-            gl = p * (-g[:, None])
-            gl.scatter_add_(1, targets[s:e, None], g[:, None])
-            if use_ent:
+            if use_ent:  # d/dlogits = -p (g + g_H (log p + H)) + onehot(target) g
+                p = torch.exp(gl)
                 ge = g_ent[s:e].to(cd)
-                gl -= (ge[:, None] * p) * (logp_all + ent[s:e, None])
+                gl.add_(ent[s:e, None]).mul_(ge[:, None]).add_(g[:, None]).mul_(p).neg_()
+                del p
+            else:  # d/dlogits = -p g + onehot(target) g
+                gl.exp_().mul_(-g[:, None])
+            gl.scatter_add_(1, targets[s:e, None], g[:, None])
             if need_h:
                 grad_h[s:e] = (gl @ W).to(hidden.dtype)
             if need_w:

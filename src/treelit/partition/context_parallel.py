@@ -1,7 +1,9 @@
 """Context parallelism for trees: one tree row split over the C ranks of a group, exact.
 
-A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
-:func:`token_costs`), and rank r runs the model on its range only. What crosses ranks:
+A tree's DFS row is cut into C contiguous ranges of about equal memory (its tokens'
+activations plus the path K/V it receives, :func:`memory_ranges`; the compute cost of
+:func:`token_costs` gives ``imbalance``), and rank r runs the model on its range only. What
+crosses ranks:
 
 * **Attention.** In a DFS row every ancestor of a token comes before it, and the keys a
   query of range ``[s, e)`` sees outside the range are exactly the ancestors of token ``s``
@@ -64,7 +66,8 @@ A tree's DFS row is cut into C contiguous ranges, balanced by compute cost (see
   relayed like its K/V (:func:`cp_state_captures`). A router loss takes every rank's routing
   counts in a no-gradient pass first and sums them over the group.
 
-Supported: native decoders with attention, Gated DeltaNet and Mamba2 layers; transformers
+Supported: PPO's critic, shared or separate (through :mod:`treelit.partition.engine`, which folds
+each rank's pairs' value loss); native decoders with attention, Gated DeltaNet and Mamba2 layers; transformers
 families through the adapter, attention-only and hybrid (Qwen3.5 / Qwen3-Next / OLMo-hybrid
 Gated DeltaNet, Kimi-Linear KDA, Nemotron-H / Bamba / Granite-4 / Falcon-H1 Mamba2, LFM2 short
 convolutions); every objective; the router loss; every attention backend that takes external
@@ -85,7 +88,7 @@ import torch
 import torch.distributed as dist
 
 from treelit.attention.base import ATTENTION, resolve_backend
-from treelit.loss.logprobs import token_logprobs
+from treelit.loss.logprobs import default_chunk_rows, token_logprobs
 from treelit.loss.router import RouterTerms
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
@@ -96,8 +99,8 @@ from treelit.partition.passes import empty_row
 from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
-__all__ = ["CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
-           "check_cp_backend", "check_cp_degree", "has_recurrent_layers"]
+__all__ = ["TRAFFIC", "CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
+           "check_cp_backend", "check_cp_degree", "cp_split", "memory_ranges", "path_weight", "cp_chunk_rows", "has_recurrent_layers"]
 
 
 _ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
@@ -189,6 +192,62 @@ def cp_ranges(costs: np.ndarray, C: int) -> List[Tuple[int, int]]:
     return [(cuts[r], cuts[r + 1]) for r in range(C)]
 
 
+def _kv_width(model) -> int:
+    """K/V elements per token of one attention layer (2 x KV heads x head size); 0 when unknown."""
+    cfg = getattr(model, "config", None)
+    kv = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", None)
+    heads = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
+    dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "embed_dim", None) or getattr(cfg, "hidden_size", 0)) // max(
+        int(heads or 1), 1)
+    return 2 * int(kv or 0) * int(dim or 0)
+
+
+def path_weight(model) -> float:
+    """The memory of one received path row (its K/V in every attention layer) in units of one
+    token's activations (about twice the trunk's matrix width per token, measured on qwen2-style
+    layers: 27k elements against 2 x 12.3k)."""
+    if model is None:
+        return 0.0
+    D, layers, _, trunk = _shape(model)
+    return float(_kv_width(model) * layers) / max(2.0 * trunk / D, 1.0)
+
+
+def memory_ranges(batch: TreeBatch, C: int, weight: float) -> List[Tuple[int, int]]:
+    """C contiguous ranges of about equal memory: a range ``[s, e)`` holds the activations of
+    its ``e - s`` tokens and the received K/V of the ``a(s)`` ancestors of ``s`` within the row,
+    ``(e - s) + weight x a(s)`` in units of one token's activations (see :func:`path_weight`).
+    The smallest bound ``T`` whose greedy cover needs at most C ranges, by bisection."""
+    N = batch.num_tokens
+    if N <= C:
+        return [(min(r, N), min(r + 1, N)) for r in range(C)]
+    parent = batch.parent.cpu().numpy()
+    anc = np.zeros(N)
+    for i in range(N):  # (a DFS row: parents come first)
+        if parent[i] >= 0:
+            anc[i] = anc[parent[i]] + 1.0
+    extra = weight * anc
+
+    def cover(T: float) -> List[int]:
+        cuts, s = [0], 0
+        while s < N:
+            s = min(N, s + max(1, int(T - extra[s])))
+            cuts.append(s)
+        return cuts
+
+    lo, hi = N / C, N / C + float(extra.max()) + 1.0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if len(cover(mid)) - 1 <= C:
+            hi = mid
+        else:
+            lo = mid
+    cuts = cover(hi)
+    while len(cuts) - 1 < C:  # fewer ranges than ranks: halve the largest
+        r = int(np.argmax(np.diff(cuts)))
+        cuts.insert(r + 1, (cuts[r] + cuts[r + 1]) // 2)
+    return [(cuts[r], cuts[r + 1]) for r in range(C)]
+
+
 @dataclass
 class CPPlan:
     """Rank ``rank``'s part of one row under context parallelism (host-side, from the row's
@@ -200,6 +259,7 @@ class CPPlan:
     recv: Dict[int, np.ndarray]       # src rank -> positions in ``path`` its rows fill
     send: Dict[int, np.ndarray]       # dst rank -> local rows of this rank it needs
     imbalance: float                  # max over ranks of cost / mean cost - 1
+    work: Optional[np.ndarray] = None  # each rank's cost
 
     @property
     def start(self) -> int:
@@ -230,9 +290,21 @@ def _owner(ranges, j: int) -> int:
     raise AssertionError(j)
 
 
-def cp_plan(batch: TreeBatch, C: int, rank: int, costs: Optional[np.ndarray] = None) -> CPPlan:
+def cp_split(batch: TreeBatch, C: int, rank: int, model, costs: Optional[np.ndarray] = None) -> "CPPlan":
+    """Rank ``rank``'s plan of ``batch`` for ``model``: by default ranges of equal memory
+    (:func:`memory_ranges`; a rank's peak is what limits the longest branch), the imbalance
+    measured in compute (:func:`token_costs`); with ``costs`` given, ranges of equal ``costs``."""
+    if costs is not None:
+        return cp_plan(batch, C, rank, costs)
+    return cp_plan(batch, C, rank, token_costs(batch, model), memory_ranges(batch, C, path_weight(model)))
+
+
+def cp_plan(batch: TreeBatch, C: int, rank: int, costs: Optional[np.ndarray] = None,
+            ranges: Optional[List[Tuple[int, int]]] = None) -> CPPlan:
+    """Rank ``rank``'s plan; ``ranges`` (default: of equal ``costs``) the split, ``costs`` (default
+    :func:`token_costs` without a model) what ``imbalance`` measures."""
     costs = token_costs(batch) if costs is None else costs
-    ranges = cp_ranges(costs, C)
+    ranges = cp_ranges(costs, C) if ranges is None else ranges
     parent = batch.parent.cpu().numpy()
     paths = [(_ancestors(parent, s) if s < e else np.zeros(0, np.int64)) for s, e in ranges]
     own = paths[rank]
@@ -251,7 +323,7 @@ def cp_plan(batch: TreeBatch, C: int, rank: int, costs: Optional[np.ndarray] = N
             send[dst] = np.array(mine, dtype=np.int64)
     work = np.array([costs[s:e].sum() for s, e in ranges])
     imbalance = float(work.max() / work.mean() - 1.0) if work.mean() > 0 else 0.0
-    return CPPlan(ranges, rank, own, recv, send, imbalance)
+    return CPPlan(ranges, rank, own, recv, send, imbalance, work)
 
 
 @dataclass
@@ -458,8 +530,28 @@ def _global(group, r: int) -> int:
     return dist.get_global_rank(group, r) if group is not None else r
 
 
+class Traffic:
+    """Bytes this process received for context parallelism since the last :meth:`take`: the
+    point-to-point messages (path K/V and convolution inputs, states, and their gradients in the
+    backward) and the all-reduced captures of partitioned passes (counted at their size)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.forward = 0  # of which in forward passes (even message tags; the captures' all-reduce)
+
+    def take(self) -> int:
+        got, self.received, self.forward = self.received, 0, 0
+        return got
+
+
+TRAFFIC = Traffic()
+
+
 def _wait(ops) -> None:
     if ops:
+        got = [(op.tensor.numel() * op.tensor.element_size(), op.tag) for op in ops if op.op is dist.irecv]
+        TRAFFIC.received += sum(n for n, _ in got)
+        TRAFFIC.forward += sum(n for n, tag in got if tag % 2 == 0)
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
@@ -543,17 +635,23 @@ class _CPContext(TreeContext):
         return out, cap
 
     def attention(self, layer, q, k, v, window=None):
-        if self.cp_plan is not None:
-            dk = k.shape[-1]
-            both = _PathRows.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 4 * layer, 2)
-            E = len(self.cp_plan.path)
-            if self.external is not None:
-                ek, ev = both[:, :, :E, :dk], both[:, :, :E, dk:]
-                if self.pre is not None:
-                    ek, ev = torch.cat([self.pre.k[layer], ek], 2), torch.cat([self.pre.v[layer], ev], 2)
-                self.external.k[layer], self.external.v[layer] = ek, ev
-            k, v = both[:, :, E:, :dk], both[:, :, E:, dk:]
-        return super().attention(layer, q, k, v, window)
+        if self.cp_plan is None:
+            return super().attention(layer, q, k, v, window)
+        if q.shape[0] != 1:
+            raise ValueError("a tree row has batch size 1")
+        if self.capture_kv:  # (the rank's own rows, for the passes below)
+            self.captured[layer] = (k, v)
+        dk = k.shape[-1]
+        # [path | own] keys and values: one copy each of what the attention keeps for its backward
+        # (the exchange's joint tensor and the received rows are not held beyond this call)
+        both = _PathRows.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 4 * layer, 2)
+        if self.pre is not None:  # the partition's ancestors (earlier passes) in front
+            k = torch.cat([self.pre.k[layer], both[..., :dk]], 2)
+            v = torch.cat([self.pre.v[layer], both[..., dk:]], 2)
+        else:
+            k, v = both[..., :dk].contiguous(), both[..., dk:].contiguous()
+        del both
+        return self.backend(q, k, v, self.plan_for(window))
 
 
 def _forward_range(model, batch: TreeBatch, plan: CPPlan, group, attention, chunk_rows, with_entropy: bool):
@@ -604,7 +702,8 @@ def cp_logprobs(model, batch: TreeBatch, group, *, attention: Any = "auto", chun
     """No-gradient log-probs ``[N]`` of every target token (NaN elsewhere) under context
     parallelism (e.g. the reference model's)."""
     C, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = cp_plan(batch, C, rank, costs)
+    plan = cp_split(batch, C, rank, model, costs)
+    chunk_rows = cp_chunk_rows(chunk_rows, model, C)
     with torch.no_grad():
         tok, logp, _, _ = _forward_range(model, batch, plan, group, attention, chunk_rows, False)
         full = _full(logp, tok, batch.num_tokens, group)
@@ -635,9 +734,8 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
     the ranges' routing counts are summed over the group, each rank adds its own tokens' share)."""
     check_cp_model(model)
     C, rank = dist.get_world_size(group), dist.get_rank(group)
-    if costs is None:
-        costs = token_costs(batch, model)
-    plan = cp_plan(batch, C, rank, costs)
+    chunk_rows = cp_chunk_rows(chunk_rows, model, C)
+    plan = cp_split(batch, C, rank, model, costs)
     spec = fold_spec(objective)
     ref = None
     if spec.reference_model:
@@ -678,6 +776,16 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
     return value, {k: float(v) for k, v in metrics.items()}, plan
 
 
+def cp_chunk_rows(chunk_rows: Optional[int], model, C: int) -> Optional[int]:
+    """Rows per logits chunk of the head under context parallelism: an explicit ``chunk_rows`` as
+    given; by default 1/C of one process's (:func:`~treelit.loss.logprobs.default_chunk_rows`), so
+    that the head's logits, a fixed size once a range has more targets than a chunk, shrink with
+    the rest of a rank's activations."""
+    if chunk_rows is not None or C <= 1:
+        return chunk_rows
+    return max(1, default_chunk_rows(int(output_weight(model).shape[0])) // C)
+
+
 def check_cp_degree(degree: Any, world: int) -> int:
     """``trainer.strategy.context_parallel_degree`` checked against the world size."""
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
@@ -690,7 +798,7 @@ def check_cp_degree(degree: Any, world: int) -> int:
 
 # -- context parallelism within a partitioned pass (see :mod:`treelit.partition.engine`) -----------------
 def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: Optional[ExternalKV] = None,
-                    capture: bool = False, boundary: Optional[np.ndarray] = None):
+                    capture: bool = False, boundary: Optional[np.ndarray] = None, embedding_grad_accumulator=None):
     """This rank's range of the partition row ``sub`` through ``model`` (call inside the model's
     forward): ``(h [range, D], ctx)``. ``pre``: the K/V of the partition's ancestors (earlier
     passes), the same on every rank and visible to every query of the range, in front of the
@@ -721,6 +829,7 @@ def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: 
     backend = resolve_backend(attention, dev, row)
     ctx = _CPContext(row, backend, external, live, group, sub, pre=pre, capture_kv=capture,
                      boundary=boundary if capture else None)
+    ctx.embedding_grad_accumulator = embedding_grad_accumulator  # (no [V, D] gradient per pass)
     h = decoder_hidden(model, row.input_ids[None], row.position_ids[None], ctx)[0]
     return h, ctx
 
@@ -734,33 +843,38 @@ def cp_captures(ctx, plan: CPPlan, need: np.ndarray, group, grad: bool):
     gradients into: see :func:`cp_relay`. Returns ``(kv, produced, leaves)``."""
     lo, hi = (plan.start, plan.end) if plan.size else (0, 0)
     at = np.flatnonzero((need >= lo) & (need < hi))
-    produced: List[torch.Tensor] = []
+    produced: List[Any] = []
     leaves: List[torch.Tensor] = []
     kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in sorted(ctx.captured):
         k, v = ctx.captured[layer]
-        both = torch.cat([k, v], dim=-1)
-        shape = (both.shape[0], both.shape[1], len(need), both.shape[3])
-        mine = both.new_zeros(shape)
-        if len(at):
-            dev = both.device
-            mine = mine.index_copy(2, torch.from_numpy(at).to(dev),
-                                   both.index_select(2, torch.from_numpy(need[at] - lo).to(dev)))
-        whole = _assembled(mine, group, grad, produced, leaves)
+        dev = k.device
+        own = None
+        if len(at):  # (only the rows wanted: not a copy of the range's K/V)
+            rows = torch.from_numpy(need[at] - lo).to(dev)
+            own = torch.cat([k.index_select(2, rows), v.index_select(2, rows)], dim=-1)
+        shape = (k.shape[0], k.shape[1], len(need), k.shape[3] + v.shape[3])
+        whole = _assembled(own, torch.from_numpy(at).to(dev), shape, k, 2, group, grad, produced, leaves)
         dk = k.shape[-1]
         kv[layer] = (whole[..., :dk], whole[..., dk:])
     return kv, produced, leaves
 
 
-def _assembled(mine: torch.Tensor, group, grad: bool, produced: List[torch.Tensor],
-               leaves: List[torch.Tensor]) -> torch.Tensor:
-    """The sum over ``group`` of every rank's ``mine`` (its own rows, zeros elsewhere); with
-    ``grad`` a leaf that requires grad, noted with ``mine`` for :func:`cp_relay`."""
-    whole = mine.detach().clone()
+def _assembled(own: Optional[torch.Tensor], at: torch.Tensor, shape, like: torch.Tensor, dim: int, group, grad: bool,
+               produced: List[Any], leaves: List[torch.Tensor]) -> torch.Tensor:
+    """The ``shape`` tensor whose rows ``at`` (along ``dim``) each rank of ``group`` fills with its
+    ``own`` (None: no rows), summed over the group; with ``grad`` a leaf that requires grad,
+    noted with ``(own, dim, at)`` for :func:`cp_relay` (a rank holds its own rows, not a copy of
+    the whole with zeros elsewhere)."""
+    whole = like.new_zeros(shape)
+    if own is not None:
+        whole.index_copy_(dim, at, own.detach().to(whole.dtype))
     dist.all_reduce(whole, group=group)
+    TRAFFIC.received += whole.numel() * whole.element_size()
+    TRAFFIC.forward += whole.numel() * whole.element_size()
     if grad:
         whole.requires_grad_()
-        produced.append(mine)
+        produced.append((own, dim, at))
         leaves.append(whole)
     return whole
 
@@ -773,7 +887,7 @@ def cp_state_captures(ctx, plan: CPPlan, boundary: np.ndarray, group, grad: bool
     no captured token, or no token at all, has none of its own). Returns ``(states, produced,
     leaves)``."""
     states: Dict[int, Dict[str, torch.Tensor]] = {}
-    produced: List[torch.Tensor] = []
+    produced: List[Any] = []
     leaves: List[torch.Tensor] = []
     own = {(layer, n): (tuple(t.shape[1:]), t.dtype) for layer, named in ctx.recurrent_out.items()
            for n, t in named.items() if t is not None} if plan.size else {}
@@ -784,26 +898,31 @@ def cp_state_captures(ctx, plan: CPPlan, boundary: np.ndarray, group, grad: bool
     at = np.flatnonzero((boundary >= lo) & (boundary < hi))
     rows = np.searchsorted(ctx.captured_rows, boundary[at] - lo) if len(at) else at
     dev = ctx.batch.device
+    like = torch.zeros((), device=dev)
     for layer, n in sorted(meta):
         shape, dtype = meta[(layer, n)]
-        mine = torch.zeros((len(boundary), *shape), dtype=dtype, device=dev)
+        mine = None
         if len(at):
             t = ctx.recurrent_out[layer][n]
-            mine = mine.index_copy(0, torch.from_numpy(at).to(dev), t[torch.from_numpy(rows).to(dev)].to(dtype))
-        states.setdefault(layer, {})[n] = _assembled(mine, group, grad, produced, leaves)
+            mine = t[torch.from_numpy(rows).to(dev)].to(dtype)
+        states.setdefault(layer, {})[n] = _assembled(mine, torch.from_numpy(at).to(dev), (len(boundary), *shape),
+                                                     like.to(dtype), 0, group, grad, produced, leaves)
     return states, produced, leaves
 
 
-def cp_relay(produced: List[torch.Tensor], leaves: List[torch.Tensor], group) -> Tuple[list, list]:
+def cp_relay(produced: List[Any], leaves: List[torch.Tensor], group) -> Tuple[list, list]:
     """``(tensors, grads)`` to back-propagate for a partition's captures under context
     parallelism: each leaf's gradient summed over the group (every rank of the group calls this
-    for the same pass, in the same order), into the rank's own contribution."""
+    for the same pass, in the same order), its rows into the rank's own contribution
+    (``produced``: ``(own rows or None, dim, their positions)`` per leaf)."""
     tensors, grads = [], []
-    for t, leaf in zip(produced, leaves):
+    for (t, dim, at), leaf in zip(produced, leaves):
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        leaf.grad = None
         g = g.contiguous()
         dist.all_reduce(g, group=group)
-        if t.requires_grad:
+        TRAFFIC.received += g.numel() * g.element_size()
+        if t is not None and t.requires_grad:
             tensors.append(t)
-            grads.append(g)
+            grads.append(g.index_select(dim, at).to(t.dtype))
     return tensors, grads

@@ -37,8 +37,8 @@ from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
-from treelit.partition.context_parallel import (cp_captures, cp_forward_pass, cp_plan, cp_relay, cp_state_captures,
-                                                has_recurrent_layers, token_costs)
+from treelit.partition.context_parallel import (cp_captures, cp_chunk_rows, cp_forward_pass, cp_relay, cp_split,
+                                                cp_state_captures, has_recurrent_layers)
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
 from treelit.partition.schedule import FORWARD, align, align_forwards, decode, dfs_word, encode
@@ -58,6 +58,14 @@ class PartitionStats:
     tree_tokens: int = 0
     budget: Optional[int] = None
     max_chain_tokens: int = 0
+    # context parallelism: the passes' most loaded rank's cost and mean cost, summed over passes
+    cp_max_cost: float = 0.0
+    cp_mean_cost: float = 0.0
+
+    @property
+    def cp_imbalance(self) -> float:
+        """The step's cost on its most loaded rank (pass by pass) over the mean, minus 1."""
+        return self.cp_max_cost / self.cp_mean_cost - 1.0 if self.cp_mean_cost > 0 else 0.0
     per_partition: List[int] = field(default_factory=list)
 
 
@@ -115,10 +123,12 @@ class _Run:
             rows, tok = rp.targets(i, sub, tokens)
             return h, ctx, rows, tok
         C, rank = self.cp_size
-        plan = cp_plan(sub, C, rank, token_costs(sub, m))
+        plan = cp_split(sub, C, rank, m)
+        self.stats.cp_max_cost += float(plan.work.max())
+        self.stats.cp_mean_cost += float(plan.work.mean())
         h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
                                  rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]),
-                                 boundary=rp.boundary[i])
+                                 boundary=rp.boundary[i], embedding_grad_accumulator=emb_buf)
         ctx.cp_pass, ctx.cp_tokens = plan, tokens[plan.start:plan.end]
         rows, tok = rp.targets(i, sub, tokens)
         keep = (rows >= plan.start) & (rows < plan.end)
@@ -161,7 +171,7 @@ class _Run:
                 if self.failed and not self.aligned:
                     break
                 if step >= n_fwd or self.failed:
-                    self._empty_forward(model)
+                    self._empty_forward(model, value_head)
                     continue
                 i = order[step]
                 while chain and chain[-1] != rp.parts[i].parent:
@@ -208,24 +218,35 @@ class _Run:
                 dist.all_reduce(routing.layer_load, group=self.cp_group)
         return lp, en
 
-    def _empty_forward(self, model):
-        """An empty pass (its loss is 0; under a gradient it keeps a tiny graph)."""
+    def _empty_forward(self, model, head=None):
+        """An empty pass (its loss is 0; under a gradient it keeps a tiny graph); ``head``: the
+        critic of a values pass."""
         row = self.empty()
 
         def run(m):
             h, _ = forward_partition(m, row, self.attention, None, False, None)
-            return (h.sum() + output_weight(m).sum()) * 0
+            return self._zero(m, h, head)
 
         loss = in_forward(model, run)
         self.stats.empty_passes += 1
         return loss
+
+    def _zero(self, m, h, head=None) -> torch.Tensor:
+        """A zero loss through ``h`` and the output head (a pass without targets), and through the
+        critic's head when one runs (``head``: the critic of a values pass): under FSDP2 every rank
+        calls the same sharded modules the same number of times."""
+        zero = h.sum() + output_weight(m).sum()
+        critic = head if head is not None else self.critic
+        if critic is not None:
+            zero = zero + critic.values(h[:1] * 0).sum()
+        return zero * 0
 
     # the gradient phase -------------------------------------------------------------------
     def head_loss(self, m, h, rows, tok, emb_buf, out_buf, grads):
         """This partition's share of the loss (a tensor to backward) and its detached log-probs."""
         b = self.batch
         if not self.sel.numel():  # no targets in this micro-batch (a padding one): a zero loss
-            return (h.sum() + output_weight(m).sum()) * 0, None
+            return self._zero(m, h), None
         if self.spec.fused_sft:
             w = b.token_weights(self.aggregation)[tok]
             keep = w != 0
@@ -273,11 +294,11 @@ class _Run:
             ops = word
         emb, W_out = model.tok_embeddings.weight, None
         use_buffers = not self.sharded
-        emb_buf = torch.zeros_like(emb) if use_buffers and emb.requires_grad else None
+        emb_buf = _accumulator(emb) if use_buffers else None
         out_buf = None
         if use_buffers and self.spec.fused_sft:
             W_out = output_weight(model)
-            out_buf = emb_buf if W_out is emb else (torch.zeros_like(W_out) if W_out.requires_grad else None)
+            out_buf = emb_buf if W_out is emb and emb_buf is not None else _accumulator(W_out)
         captured: Dict[int, Captures] = {}
         chain: List[_Live] = []
         empties: List[_Live] = []
@@ -303,7 +324,7 @@ class _Run:
                 self._finish(live)
                 captured.pop(i, None)
         for param, buf in ((emb, emb_buf), (W_out, out_buf if out_buf is not emb_buf else None)):
-            if buf is not None and param is not None and not self.failed:
+            if buf is not None and param is not None and not self.failed and buf is not param.grad:
                 param.grad = buf if param.grad is None else param.grad.add_(buf)
         return total
 
@@ -315,7 +336,7 @@ class _Run:
         def run(m):
             h, ctx, rows, tok = self.forward_pass(m, i, sub, tokens, captured, emb_buf, guard)
             if guard.failed:
-                return (h.sum() + output_weight(m).sum()) * 0, None, ctx
+                return self._zero(m, h), None, ctx
             loss, got = self.head_loss(m, h, rows, tok, emb_buf, out_buf, grads)
             if self.cp_group is not None:  # every layer's backward runs (the path rows travel in it)
                 loss = loss + 0.0 * h.sum()
@@ -406,19 +427,16 @@ def run_micro_batch(
     stats.tree_tokens += N
     stats.budget = budget_tokens
     C = dist.get_world_size(cp_group) if cp_group is not None else 1
-    if C > 1 and critic is not None:
-        raise ValueError("trainer.strategy.context_parallel_degree > 1 with a critic: not supported; use critic=none")
-    chain_budget = None if budget_tokens is None else budget_tokens * C
-    plan = (whole_row_plan(batch) if chain_budget is None or chain_budget >= N
-            else plan_partitions(batch, chain_budget, per_rank=C))
+    plan = _plan(batch, budget_tokens, cp_group)
     stats.max_chain_tokens = max(stats.max_chain_tokens, -(-plan.max_chain_tokens // C))  # per rank (about)
     run = _Run(model, objective, batch, plan, spec, aggregation, float(normalizer), attention, chunk_rows, stats, comm, failed)
-    if C > 1:
-        run.cp_group, run.cp_size = cp_group, (C, dist.get_rank(cp_group))
+    _join(run, cp_group)
     if critic is not None:
         if spec.fused_sft or not spec.token_separable:
             raise ValueError("a critic's value loss folds into token-separable objectives only (objective=ppo)")
-        run.critic, run.value_terms, run.policy = critic, value_pairs(batch, aggregation, batch.device), not critic_only
+        # (a padding micro-batch, without targets, has no pairs: its passes fold nothing)
+        terms = value_pairs(batch, aggregation, batch.device) if run.sel.numel() else None
+        run.critic, run.value_terms, run.policy = critic, terms, not critic_only
     if RouterTerms.enabled(model) and run.sel.numel() and not critic_only:
         run.router = RouterTerms(model, batch, router_normalizer)
     # (under context parallelism the routing of every rank's ranges is taken first, then summed)
@@ -461,9 +479,13 @@ def run_micro_batch(
     if run.cp_group is not None and run.router is not None:  # each rank's passes' router terms: the row's
         run.router.value = _group_sum(torch.tensor([run.router.value], dtype=torch.float64, device=batch.device),
                                       run.cp_group).item()
+    if run.cp_group is not None and run.critic is not None:  # each rank's pairs' value loss: the row's
+        sums = torch.tensor([run.value_sum, run.n_clip, run.n_pairs], dtype=torch.float64, device=batch.device)
+        dist.all_reduce(sums, group=run.cp_group)
+        run.value_sum, run.n_clip, run.n_pairs = (float(x) for x in sums)
     if value is None and run.cp_group is not None:
         value = _group_sum(torch.tensor([total], dtype=torch.float64, device=batch.device), run.cp_group).item()
-        if not spec.fused_sft and run.sel.numel():  # every rank's log-probs, for the metrics
+        if not spec.fused_sft and run.sel.numel() and run.policy:  # every rank's log-probs, for the metrics
             recomputed = True
             tok, logp, ent = _gather_collected(run, spec.needs_entropy)
             with torch.no_grad():
@@ -485,8 +507,8 @@ def run_micro_batch(
     elif not spec.token_separable:
         value += _router_value(run)  # (the surrogate passes' router terms are in ``total`` only)
     if run.critic is not None:
-        if not run.policy:
-            value, metrics = total, {}
+        if not run.policy:  # (``value``: the passes' total, summed over a context-parallel group)
+            metrics = {}
         elif recomputed:  # the policy's value was recomputed from all log-probs (``total`` had the value loss)
             value += run.critic.vf_coef * run.value_sum
         metrics = {**metrics, "critic/value_loss": run.value_sum,
@@ -494,6 +516,18 @@ def run_micro_batch(
     if run.router is not None:
         metrics = {**metrics, **run.router.metrics()}
     return MicroBatchResult(value, metrics, run.failed)
+
+
+def _accumulator(param) -> Optional[torch.Tensor]:
+    """Where a trained ``param``'s gradient is added up during the passes: its ``.grad`` when it
+    has one (no second ``[V, D]`` copy; autograd adds into it in place too), else a new buffer
+    that becomes its ``.grad`` (an out-of-memory attempt clears the gradients either way)."""
+    if param is None or not param.requires_grad:
+        return None
+    g = param.grad
+    if g is not None and g.dtype == param.dtype and g.shape == param.shape and not g.is_sparse:
+        return g
+    return torch.zeros_like(param)
 
 
 def _group_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -536,15 +570,16 @@ def _dtype(model) -> torch.dtype:
 @torch.no_grad()
 def partitioned_values(trunk, critic, batch: TreeBatch, *, budget_tokens: Optional[int] = None,
                        attention: Any = "auto", comm: Optional[Collectives] = None,
-                       stats: Optional[PartitionStats] = None) -> torch.Tensor:
+                       stats: Optional[PartitionStats] = None, cp_group=None) -> torch.Tensor:
     """``[N]`` float64 values of every target token's state (NaN elsewhere): ``critic``'s head on
-    ``trunk``'s hidden states, from a no-gradient pass over the partitions of ``budget_tokens``."""
+    ``trunk``'s hidden states, from a no-gradient pass over the partitions of ``budget_tokens``
+    (``cp_group``: each pass split over its ranks, ``budget_tokens`` per rank, as in
+    :func:`run_micro_batch`; every rank gets every value)."""
     comm = comm if comm is not None else Collectives(1)
     stats = stats if stats is not None else PartitionStats()
-    N = batch.num_tokens
-    plan = whole_row_plan(batch) if budget_tokens is None or budget_tokens >= N else plan_partitions(batch, budget_tokens)
-    run = _Run(trunk, None, batch, plan, FoldSpec(False, False, False, False), "sum", 1.0, attention, None, stats,
-               comm, False)
+    run = _Run(trunk, None, batch, _plan(batch, budget_tokens, cp_group), FoldSpec(False, False, False, False), "sum",
+               1.0, attention, None, stats, comm, False)
+    _join(run, cp_group)
     values, _ = run.collect(trunk, with_entropy=False, value_head=critic)
     if comm.max(float(run.failed)) > 0:
         raise torch.OutOfMemoryError(f"out of memory computing the critic's values (budget {budget_tokens} tokens)")
@@ -560,16 +595,29 @@ def policy_logprobs(model, batch: TreeBatch, *, budget_tokens: Optional[int] = N
     each pass split over its ranks, ``budget_tokens`` per rank, as in :func:`run_micro_batch`)."""
     comm = comm if comm is not None else Collectives(1)
     stats = stats if stats is not None else PartitionStats()
-    N = batch.num_tokens
-    C = dist.get_world_size(cp_group) if cp_group is not None else 1
-    chain_budget = None if budget_tokens is None else budget_tokens * C
-    plan = (whole_row_plan(batch) if chain_budget is None or chain_budget >= N
-            else plan_partitions(batch, chain_budget, per_rank=C))
     spec = FoldSpec(False, False, False, False)
-    run = _Run(model, None, batch, plan, spec, "sum", 1.0, attention, chunk_rows, stats, comm, False)
-    if C > 1:
-        run.cp_group, run.cp_size = cp_group, (C, dist.get_rank(cp_group))
+    run = _Run(model, None, batch, _plan(batch, budget_tokens, cp_group), spec, "sum", 1.0, attention, chunk_rows,
+               stats, comm, False)
+    _join(run, cp_group)
     lp, _ = run.collect(model, with_entropy=False)
     if comm.max(float(run.failed)) > 0:
         raise torch.OutOfMemoryError(f"out of memory computing rollout log-probs (budget {budget_tokens} tokens)")
     return lp
+
+
+def _plan(batch: TreeBatch, budget_tokens: Optional[int], cp_group):
+    """The partition plan of ``batch`` under ``budget_tokens`` per rank (None: one pass); a chain
+    of a context-parallel group's passes holds C x that."""
+    C = dist.get_world_size(cp_group) if cp_group is not None else 1
+    chain_budget = None if budget_tokens is None else budget_tokens * C
+    if chain_budget is None or chain_budget >= batch.num_tokens:
+        return whole_row_plan(batch)
+    return plan_partitions(batch, chain_budget, per_rank=C)
+
+
+def _join(run: "_Run", cp_group) -> None:
+    """Split ``run``'s passes over ``cp_group``'s ranks (context parallelism; one rank: nothing)."""
+    C = dist.get_world_size(cp_group) if cp_group is not None else 1
+    if C > 1:
+        run.cp_group, run.cp_size = cp_group, (C, dist.get_rank(cp_group))
+        run.chunk_rows = cp_chunk_rows(run.chunk_rows, run.model, C)
