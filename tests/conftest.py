@@ -101,3 +101,21 @@ def _autograd_left_on():
     if not torch.is_grad_enabled():
         torch.set_grad_enabled(True)
         pytest.fail("autograd was left switched off (torch.set_grad_enabled(False) outside a context)")
+
+
+@pytest.fixture(autouse=True)
+def _torch_defaults_left_alone():
+    """The default dtype and the torch-function mode stack are process-wide: a test that leaves
+    float64 as the default (a ``KeepFloat64`` entered and not left) changes how every later test in
+    the worker initialises its models, far from the cause."""
+    import torch
+    from torch.overrides import _get_current_function_mode_stack
+
+    dtype, modes = torch.get_default_dtype(), len(_get_current_function_mode_stack())
+    yield
+    left = torch.get_default_dtype()
+    stack = _get_current_function_mode_stack()
+    if left != dtype or len(stack) != modes:
+        torch.set_default_dtype(dtype)
+        pytest.fail(f"left the default dtype {left} (was {dtype}) and {len(stack)} torch-function modes "
+                    f"(were {modes}) behind")

@@ -25,12 +25,14 @@ class KeepFloat64(TorchFunctionMode):
     """``with KeepFloat64(): ...``: float32 requests become float64 (see module docs)."""
 
     def __enter__(self):
-        self._default = torch.get_default_dtype()
+        # a stack: the same mode may be entered again while active (activation checkpointing's
+        # recompute re-enters the modes that were active in the forward)
+        self.__dict__.setdefault("_defaults", []).append(torch.get_default_dtype())
         torch.set_default_dtype(torch.float64)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.set_default_dtype(self._default)
+        torch.set_default_dtype(self._defaults.pop())
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
