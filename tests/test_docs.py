@@ -73,6 +73,11 @@ def test_reference_lists_treelit_rollouts_flags_and_the_context_parallel_degree_
     assert len(flags) >= 15
     for flag in flags:
         assert f"| `{flag}` |" in rollout, flag
+    switches = [a.option_strings[0] for a in parser()._actions if a.option_strings and a.nargs == 0
+                and a.dest != "help"]
+    assert "--record-routing" in switches
+    for flag in switches:  # a switch takes no value: its type is bool
+        assert f"| `{flag}` | bool |" in rollout, flag
     (row,) = [ln for ln in page.splitlines() if ln.startswith("| `strategy.context_parallel_degree`")]
     assert "C > 1" in row and "only 1" not in row, row
 
