@@ -165,13 +165,13 @@ PREFIX_FOREST = ([[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8, 9], [1, 2, 7, 8
                  [[0, 1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1]], [1.0, 0.5, 2.0, 1.0])
 
 
-@pytest.mark.parametrize("router", [("micro_batch", 0.5), ("sequence", 0.5)])
-def test_a_prefix_branch_takes_its_final_token_routing_from_the_longer_branch(router, tmp_path_factory):
+@pytest.mark.parametrize("kind, router", [("native", ("micro_batch", 0.5)), ("native", ("sequence", 0.5)),
+                                          ("hf_auto", ("micro_batch", 0.5))])
+def test_a_prefix_branch_takes_its_final_token_routing_from_the_longer_branch(kind, router, tmp_path_factory):
     """Records one token short, a branch a prefix of another, the router loss on: the shorter
     branch's final token is routed as the longer branch recorded it (the same token on the same
     prefix), in the tree and in the per-branch reference alike."""
-    d = compare(checkpoint("qwen3_moe", tmp_path_factory), "native", router=router, last=False,
-                forest=PREFIX_FOREST)
+    d = compare(checkpoint("qwen3_moe", tmp_path_factory), kind, router=router, last=False, forest=PREFIX_FOREST)
     assert max(d) <= LIMIT, d
 
 
