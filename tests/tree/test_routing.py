@@ -149,6 +149,21 @@ def test_bad_compact_routing_under_replay_is_one_line_naming_file_record_and_fie
 
 
 @pytest.mark.parametrize("value", [
+    {"dtype": "int16", "shape": [2**32, 2**32, 4], "b64": ""},
+    [[[1, 1]], [[0, 2]], [[0, 3]]],
+    [[[0, 1]]],
+])
+def test_bad_routing_read_without_model_limits_names_file_record_and_field(tmp_path, value):
+    """Records built without the model's limits (the builder called on its own) keep the field and
+    the tree decodes it: still one line naming the file, the record and the field."""
+    rec = {"id": "x", "branches": [{"input_ids": [5, 6]}, {"input_ids": [1, 2, 3], "routed_experts": value}]}
+    path = _write(tmp_path / "d.jsonl", [rec])
+    with pytest.raises(DataError) as info:
+        build_trees(str(path), SequencesBuilder())
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"{path}:1: branches[1].routed_experts: ")
+
+
+@pytest.mark.parametrize("value", [
     [[[9, 10]]] * 3,  # out of range for the model
     {"dtype": "int16", "shape": [2**32, 2**32, 4], "b64": ""},  # malformed: not decoded, not checked
     {"dtype": "int16", "shape": [1, 1, 1], "b64": "!!"},
