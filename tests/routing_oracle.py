@@ -36,6 +36,22 @@ def routing_for(tokens: Sequence[int], layers: int, k: int, experts: int, seed: 
     return np.array(out, dtype=np.int64).reshape(len(tokens), layers, k)
 
 
+def per_branch_records(branches: Sequence[Sequence[int]], records: Sequence[np.ndarray]) -> List[np.ndarray]:
+    """Each branch's routing over all its tokens: its own record, and for a token it did not
+    record (its final one, records one token short) the record of any branch through the same
+    prefix that did (the same token, run on the same prefix); ``-1`` (the live router) where none did."""
+    seen = {}
+    for b, r in zip(branches, records):
+        for t in range(len(r)):
+            seen.setdefault(tuple(int(x) for x in b[: t + 1]), r[t])
+    out = []
+    for b, r in zip(branches, records):
+        rows = [r[t] if t < len(r) else seen.get(tuple(int(x) for x in b[: t + 1]), np.full(r.shape[1:], -1))
+                for t in range(len(b))]
+        out.append(np.stack(rows).astype(np.int64))
+    return out
+
+
 def hf_routers(hf_model) -> List[torch.nn.Module]:
     """The MoE blocks' routers (``mlp.gate``) of a transformers model, in layer order."""
     out = []
@@ -125,8 +141,12 @@ def replay_branch_loss(hf_model, branches, masks, weights, routing, aggregation:
         s = -(logp * mask).sum() * w
         total = total + (s / n if aggregation == "seq-mean-token-mean" and n > 0 else s)
         if router is not None:
-            per_branch.append((list(out.router_logits), [torch.from_numpy(np.ascontiguousarray(r[:, i]))
-                                                         for i in range(r.shape[1])]))
+            logits = list(out.router_logits)
+            given = [torch.from_numpy(np.ascontiguousarray(r[:, i])) for i in range(r.shape[1])]
+            # a token without a record counts with the experts the router chose for it
+            used = [torch.where(g[:, :1] >= 0, g, torch.topk(lg, g.shape[1], dim=-1).indices)
+                    for lg, g in zip(logits, given)]
+            per_branch.append((logits, used))
     Z = {"token-mean": n_targets, "seq-mean-token-mean": n_seq, "seq-mean-token-sum": n_seq, "sum": 1}[aggregation]
     loss = total / Z
     if router is not None:

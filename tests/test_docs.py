@@ -73,16 +73,24 @@ def test_reference_lists_treelit_rollouts_flags_and_the_context_parallel_degree_
     assert len(flags) >= 15
     for flag in flags:
         assert f"| `{flag}` |" in rollout, flag
+    switches = [a.option_strings[0] for a in parser()._actions if a.option_strings and a.nargs == 0
+                and a.dest != "help"]
+    assert "--record-routing" in switches
+    for flag in switches:  # a switch takes no value: its type is bool
+        assert f"| `{flag}` | bool |" in rollout, flag
     (row,) = [ln for ln in page.splitlines() if ln.startswith("| `strategy.context_parallel_degree`")]
     assert "C > 1" in row and "only 1" not in row, row
 
 
 def test_quick_start_states_its_final_loss_as_approximate():
-    """The last digits of the quick start's final loss follow the installed torch build (4.804 here,
-    4.769 on a fresh install): README and Getting started say "about", not one exact number."""
+    """The quick start's final loss differed between installs (4.769 and 4.804 measured): README
+    and Getting started say "about" and give the measured range, and claim no cause they did not
+    measure."""
     for page in (REPO / "README.md", REPO / "docs" / "getting-started.md"):
         text = " ".join(page.read_text().split())
-        assert re.search(r"the loss falls from 6\.247 (\([^)]*\) )?to about 4\.8\b", text), page.name
+        assert re.search(r"the loss falls from 6\.247 (\([^)]*\) )?to about 4\.8 \(4\.769–4\.804 on the installs "
+                         r"measured\b", text), page.name
+        assert "torch build" not in text and "development environment" not in text, page.name
 
 
 def test_readme_commands_pass_validation_on_this_machine():

@@ -5,7 +5,7 @@ first update (``behavior/kl``: KL(sampler || trainer) over the sampled tokens, s
 
 Sampler and trainer share their numerics here (float64 weights, treelit's decoder on both
 sides), so live routing picks the same experts too and gives the same figure; the KL replay
-removes is the one numerics make (a bfloat16 sampler, GPU kernels): see docs/rl.md.
+removes is the one numerics make: the bfloat16-sampler case below measures it (docs/rl.md).
 """
 
 from __future__ import annotations
@@ -60,3 +60,33 @@ def test_replay_makes_the_first_update_kl_zero(tmp_path):
     print(f"first-update sampler-to-trainer KL: replay {replay['behavior/kl']:.3g}, live {live['behavior/kl']:.3g}")
     assert abs(replay["behavior/kl"]) <= 1e-12, replay
     assert live["behavior/kl"] >= replay["behavior/kl"] - 1e-15, (live, replay)
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "rl_online_replay_kl.json"
+
+
+@pytest.mark.slow
+def test_replay_lowers_the_first_update_kl_of_a_bfloat16_sampler(tmp_path):
+    """A bfloat16 sampler (transformers, ``--engine auto``, published bfloat16) and a float32
+    trainer: replay removes the part of the sampler-to-trainer KL that routing flips make, so it
+    is below live routing's. With ``TREELIT_WRITE_RESULTS=1`` the figures go to
+    benchmarks/results/rl_online_replay_kl.json (quoted in docs/rl.md)."""
+    kl = {}
+    for routing in ("replay", "live"):
+        first, recs = first_update(tmp_path, routing, dtype="float32", sampler="bfloat16", engine="auto")
+        assert recs and all(("routed_experts" in b) == (routing == "replay") for r in recs for b in r["branches"])
+        kl[routing] = first["behavior/kl"]
+    print(f"first-update sampler-to-trainer KL, bfloat16 sampler / float32 trainer: {kl}")
+    assert 0 < kl["replay"] < kl["live"], kl
+    if not os.environ.get("TREELIT_WRITE_RESULTS"):
+        return
+    RESULTS.write_text(json.dumps({
+        "command": "TREELIT_WRITE_RESULTS=1 python -m pytest -q -n 0 -m slow tests/cli/test_rl_online_replay.py"
+                   " -k bfloat16 -s",
+        "setup": "experiment=rl_online model=qwen3_moe_tiny model.config.vocab_size=16 model.dtype=float32 "
+                 "publish.dtype=bfloat16; treelit-rollout --engine auto --dtype bfloat16 --n 8 "
+                 "--max-new-tokens 6 --steps 1",
+        "metric": "behavior/kl at the first update: KL(sampler || trainer) over the sampled tokens",
+        "replay": kl["replay"], "live": kl["live"],
+        "replay_removes": 1 - kl["replay"] / kl["live"],
+    }, indent=2) + "\n")

@@ -23,9 +23,13 @@ COMMON = [*SMALL, "model=qwen3_moe_tiny", "model.config.vocab_size=16", "model.r
           "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_steps=1", "grad_clip=0"]
 
 
-def write_data(path, layers=2, k=2, experts=8, last=True):
+# a branch a prefix of another (one token short of it) in each tree
+PREFIX_TREES = [[[1, 2, 3, 4], [1, 2, 3, 4, 5, 6]], [[2, 9, 10, 3, 4], [2, 9, 10, 3], [2, 9, 4]]]
+
+
+def write_data(path, layers=2, k=2, experts=8, last=True, trees=TREES):
     lines = []
-    for i, t in enumerate(TREES):
+    for i, t in enumerate(trees):
         branches = []
         for b in t:
             r = routing_for(b, layers, k, experts)
@@ -54,6 +58,22 @@ def test_replay_step_is_the_same_in_tree_linear_and_partitioned_mode(tmp_path, d
     run(compose([f"output_dir={out}", *common]))
     live = treelit.load_hf_checkpoint(out / "hf_checkpoint", dtype=torch.float64).state_dict()
     assert any(not torch.allclose(live[k], v, rtol=1e-6) for k, v in states["tree"].items())
+
+
+def test_a_prefix_branch_with_short_records_steps_the_same_in_tree_and_linear_mode(tmp_path):
+    """Records one token short (as samplers return them), a branch a prefix of another, router
+    loss on: per-branch mode routes the shorter branch's final token as the longer branch recorded
+    it, as the tree does, so one SGD step is the same in both modes."""
+    data = write_data(tmp_path / "data.jsonl", last=False, trees=PREFIX_TREES)
+    states = {}
+    for name, extra in {"tree": [], "linear": ["mode=linear"]}.items():
+        out = tmp_path / name
+        summary = run(compose([f"output_dir={out}", *COMMON, f"data.train_path={data}", "model.moe.routing=replay",
+                               *extra]))
+        assert summary["metrics"]["router_aux_loss"] > 0
+        states[name] = treelit.load_hf_checkpoint(out / "hf_checkpoint", dtype=torch.float64).state_dict()
+    for k, v in states["tree"].items():
+        torch.testing.assert_close(states["linear"][k], v, rtol=1e-9, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_replay_options_and_data_are_checked_before_training(tmp_path):

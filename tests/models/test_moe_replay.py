@@ -22,7 +22,7 @@ import treelit
 from float64_mode import KeepFloat64
 from helpers import max_rel_grad_diff
 from hf_oracle import hf_grads, load_hf_oracle, make_exact, random_hf_checkpoint
-from routing_oracle import replay_branch_loss, routing_for
+from routing_oracle import per_branch_records, replay_branch_loss, routing_for
 from treelit.models.factory import make_model, set_moe_routing, set_router_aux_loss
 
 pytest.importorskip("transformers")
@@ -92,7 +92,7 @@ def _compare(path, kind, router, budget, aggregation, last, forest):
     else:
         value = treelit.tree_backward(ours, tree, aggregation, "redundancy_free", budget)
     ref = load_hf_oracle(path, dtype=torch.float64)
-    full = [np.concatenate([r, np.full((len(b) - len(r), *r.shape[1:]), -1)]) for b, r in zip(branches, rec)]
+    full = per_branch_records(branches, rec)
     expected = replay_branch_loss(ref, branches, masks, weights, full, aggregation, router)
     expected.backward()
     if kind == "native":
@@ -158,6 +158,49 @@ def test_unrecorded_final_tokens_route_live(kind, tmp_path_factory):
     of its own and feeds no log-prob of its branch; without a router loss the result is exact."""
     d = compare(checkpoint("qwen3_moe", tmp_path_factory), kind, last=False)
     assert max(d) <= LIMIT, d
+
+
+# branch 1 is branch 0 one token longer, branch 3 a prefix of branch 2
+PREFIX_FOREST = ([[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8, 9], [1, 2, 7, 8]],
+                 [[0, 1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1]], [1.0, 0.5, 2.0, 1.0])
+
+
+@pytest.mark.parametrize("kind, router", [("native", ("micro_batch", 0.5)), ("native", ("sequence", 0.5)),
+                                          ("hf_auto", ("micro_batch", 0.5))])
+def test_a_prefix_branch_takes_its_final_token_routing_from_the_longer_branch(kind, router, tmp_path_factory):
+    """Records one token short, a branch a prefix of another, the router loss on: the shorter
+    branch's final token is routed as the longer branch recorded it (the same token on the same
+    prefix), in the tree and in the per-branch reference alike."""
+    d = compare(checkpoint("qwen3_moe", tmp_path_factory), kind, router=router, last=False, forest=PREFIX_FOREST)
+    assert max(d) <= LIMIT, d
+
+
+def test_per_branch_mode_routes_a_prefix_branch_as_the_tree_does():
+    """The per-branch reference the trainer builds from the records (``mode=linear``,
+    ``verify_every``) gives the shorter branch's unrecorded final token the longer branch's
+    routing, as the tree does: loss and every gradient equal, float64, router loss on."""
+    from treelit.builders.base import build_tree_from_branches
+    from treelit.tree.routing import encode_routing
+
+    torch.manual_seed(0)
+    model = treelit.build_model("qwen3_moe_tiny", vocab_size=16, max_seq_len=64).double()
+    set_moe_routing(model, "replay")
+    set_router_aux_loss(model, 0.5, "micro_batch")
+    ids = [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
+    built = build_tree_from_branches(
+        [{"input_ids": b, "routed_experts": encode_routing(routing_for(b, 2, 2, 8)[:-1])} for b in ids], "t", "data")
+    tree = built.tree
+    results = []
+    for fn in (lambda: treelit.tree_loss(model, tree, attention="sdpa_dense"),
+               lambda: treelit.linear_loss(model, tree.source_branches)):
+        model.zero_grad(set_to_none=True)
+        loss = fn()
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (t, tg), (lin, lg) = results
+    assert lin != 0 and max(g.norm().item() for g in lg.values()) > 0
+    assert abs(t - lin) / abs(lin) <= LIMIT, (t, lin)
+    assert max_rel_grad_diff(tg, lg, 1e-6) <= LIMIT
 
 
 @pytest.mark.parametrize("kind", ["native", "hf_auto"])

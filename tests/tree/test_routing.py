@@ -44,6 +44,8 @@ def test_compact_encoding_round_trips(dtype):
     ({"dtype": "int16", "shape": [1, 1], "b64": "AAA="}, "shape must be"),
     ({"dtype": "int16", "shape": [1, 1, 1], "b64": "!!"}, "not valid base64"),
     ({"dtype": "int16", "shape": [1, 1, 1], "b64": "AAA=", "x": 1}, "unknown key 'x'"),
+    ({"dtype": "int16", "shape": [2**32, 2**32, 4], "b64": ""}, r"holds 0 bytes, shape \[4294967296, 4294967296, 4\] "
+                                                              r"of int16 needs 147573952589676412928"),
     ([[1, 2]], "2 levels"),
     ([[[1, 1]]], "appears twice"),
     ([[[-1, 2]]], "negative expert id"),
@@ -133,12 +135,47 @@ def test_bad_routing_is_one_line_naming_file_record_and_field(tmp_path, edit, ma
     assert "\n" not in str(info.value) and str(info.value).startswith(f"{path}:2: branches[0].routed_experts: ")
 
 
-def test_live_routing_reads_no_routing(tmp_path):
-    """Under model.moe.routing=live the field is dropped before it is checked against the model."""
-    rec = {"id": "x", "branches": [{"input_ids": [1, 2, 3], "routed_experts": [[[9, 10]]] * 3}]}
+@pytest.mark.parametrize("value", [
+    {"dtype": "int16", "shape": [2**32, 2**32, 4], "b64": ""},
+    {"dtype": "int16", "shape": [1, 1, 1], "b64": "!!"},
+    [[[1, 1]]],
+])
+def test_bad_compact_routing_under_replay_is_one_line_naming_file_record_and_field(tmp_path, value):
+    rec = {"id": "x", "branches": [{"input_ids": [1, 2, 3], "routed_experts": value}]}
+    path = _write(tmp_path / "d.jsonl", [_rec("ok", [[5, 6]], [routing_for([5, 6])]), rec])
+    with pytest.raises(DataError) as info:
+        build_trees(str(path), SequencesBuilder(), limits=REPLAY)
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"{path}:2: branches[0].routed_experts: ")
+
+
+@pytest.mark.parametrize("value", [
+    {"dtype": "int16", "shape": [2**32, 2**32, 4], "b64": ""},
+    [[[1, 1]], [[0, 2]], [[0, 3]]],
+    [[[0, 1]]],
+])
+def test_bad_routing_read_without_model_limits_names_file_record_and_field(tmp_path, value):
+    """Records built without the model's limits (the builder called on its own) keep the field and
+    the tree decodes it: still one line naming the file, the record and the field."""
+    rec = {"id": "x", "branches": [{"input_ids": [5, 6]}, {"input_ids": [1, 2, 3], "routed_experts": value}]}
+    path = _write(tmp_path / "d.jsonl", [rec])
+    with pytest.raises(DataError) as info:
+        build_trees(str(path), SequencesBuilder())
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"{path}:1: branches[1].routed_experts: ")
+
+
+@pytest.mark.parametrize("value", [
+    [[[9, 10]]] * 3,  # out of range for the model
+    {"dtype": "int16", "shape": [2**32, 2**32, 4], "b64": ""},  # malformed: not decoded, not checked
+    {"dtype": "int16", "shape": [1, 1, 1], "b64": "!!"},
+    [[[1, 1]], [[-1, 2]]],
+    "routing",
+])
+def test_live_routing_reads_no_routing(tmp_path, value):
+    """Under model.moe.routing=live the field is dropped unread: neither decoded nor checked."""
+    rec = {"id": "x", "branches": [{"input_ids": [1, 2, 3], "routed_experts": value}]}
     path = _write(tmp_path / "d.jsonl", [rec])
     trees = build_trees(str(path), SequencesBuilder(), limits=Limits(16, 64, needs={}))
-    assert trees[0].tree.token_routing is None
+    assert trees[0].tree.token_routing is None and trees[0].tree.num_tokens == 3
 
 
 def test_a_streaming_source_carries_and_checks_the_routing(tmp_path):

@@ -150,6 +150,12 @@ def build_tree_from_branches(
         [1.0 if b.get("weight") is None else b["weight"] for b in branches], advantages=adv,
         old_logprobs=lp["old_logprobs"], ref_logprobs=lp["ref_logprobs"], branch_fields=fields,
         routed_experts=lp["routed_experts"])
+    if tree.token_routing is not None:
+        # a token one branch left unrecorded (its final one) takes the routing another branch
+        # through it recorded, as in the tree: each branch reads its tokens' merged routing
+        ptr = tree.branch_ptr
+        tree.source_branches.routing = [tree.token_routing[tree.branch_tokens[ptr[b]:ptr[b + 1]]]
+                                        for b in range(len(branches))]
     return BuiltTree(tree_id, tree, source)
 
 

@@ -145,7 +145,12 @@ def _command_flags() -> List[Tuple[str, str, str, str]]:
     for action in parser()._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        kind = "choice" if action.choices else (getattr(action.type, "__name__", None) or "str")
+        if action.choices:
+            kind = "choice"
+        elif action.nargs == 0:  # store_true / store_false: a switch
+            kind = "bool"
+        else:
+            kind = getattr(action.type, "__name__", None) or "str"
         default = "required" if action.required else _show(action.default)
         text = action.help or ""
         if action.choices:

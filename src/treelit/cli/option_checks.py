@@ -6,7 +6,7 @@ constructor) fails once per process, after the MLflow run was opened, with a tra
 Everything here reads the config only - no model, no data, no process group - so a bad value
 is one ``error:`` line naming the option and the fix within seconds, before any process is
 started or any run is tracked. The objects cheap to build (the objective, the optimizer
-on a one-element parameter, the learning-rate schedule) are built here and thrown away, so
+on a two-element parameter, the learning-rate schedule) are built here and thrown away, so
 their own checks run too; what needs the model (LoRA targets, the layer kinds context
 parallelism covers) is judged when the model is built, still before launch.
 

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from treelit.data.limits import ReadLimits, ReadMemoryError, branch_count, out_of_memory, skip_blank_lines, skip_line
-from treelit.tree.routing import check_routing_shape, decode_routing
 from treelit.tree.token_tree import TreeInputError
 
 __all__ = [
@@ -207,12 +206,7 @@ def validate_token_record(rec: Any, source: str) -> None:
             for i, v in enumerate(lp):
                 if v is not None and not (finite_number(v) and v <= 0):
                     raise DataError(f"{where}.{key}[{i}]: must be a finite log-prob <= 0 or null, got {_show(v)}")
-        if br.get("routed_experts") is not None:
-            try:
-                check_routing_shape(decode_routing(br["routed_experts"], f"{where}.routed_experts"), len(ids),
-                                    f"{where}.routed_experts")
-            except TreeInputError as exc:
-                raise DataError(str(exc)) from None
+        # routed_experts is read only under model.moe.routing=replay (builders.checks.check_replay_routing)
 
 
 # reading -----------------------------------------------------------------------------------------

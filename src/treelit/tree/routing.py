@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -59,7 +60,7 @@ def decode_routing(value: Any, where: str = "routed_experts") -> np.ndarray:
         except (binascii.Error, UnicodeEncodeError, ValueError):
             raise _fail(where, "b64 is not valid base64") from None
         dt = np.dtype(dtype).newbyteorder("<")
-        n = int(np.prod(shape))
+        n = math.prod(shape)  # Python ints: no overflow, so the byte count is checked before any array is made
         if len(raw) != n * dt.itemsize:
             raise _fail(where, f"b64 holds {len(raw)} bytes, shape {shape} of {dtype} needs {n * dt.itemsize}")
         arr = np.frombuffer(raw, dtype=dt).astype(np.int64).reshape(shape)

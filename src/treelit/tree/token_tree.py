@@ -117,9 +117,11 @@ def _routing_arrays(values, arrays, source: str) -> List[Optional[np.ndarray]]:
         if v is None:
             out.append(None)
             continue
-        where = f"{source}branch {b}: routed_experts"
-        a = decode_routing(v, where)
-        check_routing_shape(a, len(arr), where)
+        try:
+            a = decode_routing(v, "routed_experts")
+            check_routing_shape(a, len(arr), "routed_experts")
+        except TreeInputError as exc:  # addressed to the branch (a record reader names its file, line, field)
+            raise TreeInputError(f"{source}branch {b}: {exc}", branches=(b,), detail=str(exc)) from None
         out.append(a)
     return out
 
