@@ -142,38 +142,68 @@ def _complete_store(tmp_path: Path) -> Path:
     return db
 
 
-def test_a_half_made_store_without_runs_is_rebuilt_and_says_so(tmp_path, caplog):
-    """An earlier version's interrupted creation: the schema short of the head revision, a
-    table already there that a later migration creates. Rebuilt, with a warning; a store in
-    the same state that holds a run is left alone."""
-    db = _complete_store(tmp_path)
-    con = sqlite3.connect(db)
-    head = con.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+def _early_revision_copy(db: Path, where: Path, *sql: str) -> Path:
+    """A copy of the complete store ``db`` in ``where``, its schema set back to an early
+    revision (an earlier version's interrupted creation), with ``sql`` run in it."""
+    where.mkdir()
+    shutil.copy(db, where / "mlflow.db")
+    con = sqlite3.connect(where / "mlflow.db")
     con.execute("UPDATE alembic_version SET version_num = '0584bdc529eb'")  # an early revision
+    for q in sql:
+        con.execute(q)
     con.commit()
     con.close()
-    held = tmp_path / "held"
-    held.mkdir()
-    shutil.copy(db, held / "mlflow.db")
-    con = sqlite3.connect(held / "mlflow.db")
-    con.execute("INSERT INTO runs (run_uuid, name, source_type, source_name, entry_point_name, user_id, status, "
-                "start_time, end_time, source_version, lifecycle_stage, artifact_uri, experiment_id) "
-                "VALUES ('r1', 'r', 'LOCAL', '', '', 'u', 'FINISHED', 0, 0, '', 'active', '', 0)")
-    con.commit()
-    con.close()
+    return where / "mlflow.db"
+
+
+def _ensure_logged(db: Path, caplog) -> list:
     uri = f"sqlite:///{db}"
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="treelit.utils.mlflow_store"), store_lock(uri):
         ensure_store(uri)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "treelit.utils.mlflow_store"]
+    return [r.getMessage() for r in caplog.records if r.name == "treelit.utils.mlflow_store"]
+
+
+def test_a_half_made_store_without_runs_is_rebuilt_and_says_so(tmp_path, caplog):
+    """An earlier version's interrupted creation: the schema short of the head revision, nothing
+    in it but MLflow's default experiment. Moved aside (never deleted) and rebuilt, with a
+    warning that says where the old file went."""
+    complete = _complete_store(tmp_path)
+    con = sqlite3.connect(complete)
+    head = con.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+    con.close()
+    db = _early_revision_copy(complete, tmp_path / "half")
+    before = db.read_bytes()
+    msgs = _ensure_logged(db, caplog)
+    asides = [p for p in db.parent.iterdir() if p.name.startswith("mlflow.db.half-made-")]
+    assert len(asides) == 1 and asides[0].read_bytes() == before, list(db.parent.iterdir())
     assert len(msgs) == 1 and f"{db.resolve()} was left half-made by an interrupted creation" in msgs[0] \
-        and "0 runs" in msgs[0] and msgs[0].endswith(": rebuilt"), msgs
+        and "it holds nothing" in msgs[0] and msgs[0].endswith(f": moved to {asides[0]} and rebuilt"), msgs
     con = sqlite3.connect(db)
     assert con.execute("SELECT version_num FROM alembic_version").fetchone()[0] == head
     con.close()
-    caplog.clear()
-    before = (held / "mlflow.db").read_bytes()
-    held_uri = f"sqlite:///{held}/mlflow.db"
-    with caplog.at_level(logging.WARNING, logger="treelit.utils.mlflow_store"), store_lock(held_uri):
-        ensure_store(held_uri)
-    assert (held / "mlflow.db").read_bytes() == before
-    assert not [r for r in caplog.records if r.name == "treelit.utils.mlflow_store"]
+
+
+_RUN = ("INSERT INTO runs (run_uuid, name, source_type, source_name, entry_point_name, user_id, status, "
+        "start_time, end_time, source_version, lifecycle_stage, artifact_uri, experiment_id) "
+        "VALUES ('r1', 'r', 'LOCAL', '', '', 'u', 'FINISHED', 0, 0, '', 'active', '', 0)")
+
+
+@pytest.mark.parametrize("what, sql, revision", [
+    ("a run", _RUN, None),
+    ("a registered model", "INSERT INTO registered_models (name, creation_time, last_updated_time) VALUES ('m', 0, 0)",
+     None),
+    ("an experiment", "INSERT INTO experiments (experiment_id, name, artifact_location, lifecycle_stage, "
+     "creation_time, last_update_time) VALUES (1, 'mine', '', 'active', 0, 0)", None),
+    ("a newer MLflow's revision", "SELECT 1", "ffffffffffff"),
+])
+def test_a_store_that_holds_something_or_is_newer_is_left_alone(tmp_path, caplog, what, sql, revision):
+    """Short of the head revision but holding a run, a registered model or an experiment of its
+    own - or at a revision this MLflow does not know: not rebuilt, not moved, no warning (MLflow
+    reports what it finds)."""
+    extra = [f"UPDATE alembic_version SET version_num = '{revision}'"] if revision else []
+    db = _early_revision_copy(_complete_store(tmp_path), tmp_path / "held", sql, *extra)
+    before = db.read_bytes()
+    assert not _ensure_logged(db, caplog), what
+    assert db.read_bytes() == before and sorted(p.name for p in db.parent.iterdir()) == ["mlflow.db",
+                                                                                            "mlflow.db.lock"], what
