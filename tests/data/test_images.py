@@ -166,3 +166,21 @@ def test_bad_content_parts(builder, tmp_path):
     path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "audio", "audio": "a.wav"})}])
     with pytest.raises(DataError, match=r"messages\[0\].content\[0\]: a content part must be an object with type"):
         _trees(builder, path)
+
+
+def test_only_common_image_formats_are_decoded(builder, tmp_path, monkeypatch):
+    """An EPS file (Pillow would hand it to Ghostscript) is refused by its signature before any
+    Pillow plugin opens it: one line naming the file, the record's field, the image and the format."""
+    from PIL import EpsImagePlugin
+
+    def ghostscript(*a, **k):
+        raise AssertionError("the EPS plugin was reached")
+
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", ghostscript)
+    (tmp_path / "doc.eps").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n")
+    path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": "doc.eps"})}])
+    with pytest.raises(DataError) as err:
+        _trees(builder, path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:1: ") and "\n" not in msg and "messages[0].content[0]" in msg \
+        and msg.endswith("image 'doc.eps' is EPS; only PNG, JPEG, WEBP, GIF, BMP images are read"), msg

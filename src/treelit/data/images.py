@@ -9,6 +9,8 @@ capability:
 * a path resolves (symbolic links followed) inside the data file's folder or is refused -
   ``../`` and absolute paths that leave it name the record and the path;
 * URLs other than ``data:`` are refused (nothing is fetched);
+* only PNG, JPEG, WEBP, GIF and BMP are decoded (no other Pillow plugin - EPS would run
+  Ghostscript - ever sees the bytes);
 * the file (or the decoded ``data:`` payload) may hold at most ``max_image_bytes`` bytes,
   checked before it is read whole;
 * the decoded image may have at most ``max_image_pixels`` pixels, checked from the header
@@ -36,6 +38,18 @@ from treelit.tree.images import ProcessedImage
 __all__ = ["ImageLimits", "ImageReader", "image_ref", "load_image_processor"]
 
 MiB = 1 << 20
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's decoders for these only: never EPS (Ghostscript) or others
+
+
+def _format_of(raw: bytes) -> Optional[str]:
+    """The Pillow format whose signature ``raw`` starts with (nothing is parsed); None: no format's."""
+    Image.init()
+    prefix = raw[:16]
+    for fmt in Image.ID:
+        accept = Image.OPEN[fmt][1]
+        if accept is not None and accept(prefix):
+            return fmt
+    return None
 
 
 @dataclass(frozen=True)
@@ -127,8 +141,11 @@ class ImageReader:
             return f.read(lim.max_image_bytes + 1), ref
 
     def decode(self, raw: bytes, name: str, where: str):
+        fmt = _format_of(raw)
+        if fmt is not None and fmt not in FORMATS:
+            raise DataError(f"{where}: image {name!r} is {fmt}; only {', '.join(FORMATS)} images are read")
         try:
-            img = Image.open(io.BytesIO(raw))
+            img = Image.open(io.BytesIO(raw), formats=list(FORMATS))
             w, h = img.size
             if w * h > self.limits.max_image_pixels:
                 raise DataError(f"{where}: image {name!r} has {w}x{h} = {w * h} pixels, more than "
