@@ -184,3 +184,36 @@ def test_only_common_image_formats_are_decoded(builder, tmp_path, monkeypatch):
     msg = str(err.value)
     assert msg.startswith(f"{path}:1: ") and "\n" not in msg and "messages[0].content[0]" in msg \
         and msg.endswith("image 'doc.eps' is EPS; only PNG, JPEG, WEBP, GIF, BMP images are read"), msg
+
+
+def test_the_processed_image_cache_is_bounded_in_bytes_least_recently_used_first(tmp_path):
+    """Processed images are kept up to ``cache_bytes`` of pixel values: the least recently used
+    one is dropped first, a cached one is not processed again, and the bound is never exceeded."""
+    from treelit.data.images import ImageReader
+
+    proc = image_processor()
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(1)
+        return proc(*a, **k)
+
+    counting.merge_size = proc.merge_size
+    rng = np.random.default_rng(0)
+    uris = {k: "data:image/png;base64," + base64.b64encode(_png(random_image(rng, 16, 16))).decode() for k in "abc"}
+    one = proc(images=[random_image(rng, 16, 16)], return_tensors="pt")["pixel_values"]
+    size = one.numel() * one.element_size()
+    reader = ImageReader(counting, cache_bytes=int(2.5 * size))
+    held = []
+    for k in "abac":  # a, b, a again (cached: now the most recent), c: b is dropped
+        reader.read(uris[k], None, "f:1: messages[0].content[0]", 7)
+        held.append(reader._cached)
+        assert reader._cached <= reader.cache_bytes
+    assert len(calls) == 3 and held == [size, 2 * size, 2 * size, 2 * size]
+    reader.read(uris["a"], None, "w", 7)
+    reader.read(uris["c"], None, "w", 7)
+    assert len(calls) == 3  # a and c kept
+    reader.read(uris["b"], None, "w", 7)
+    assert len(calls) == 4 and reader._cached == 2 * size  # b processed again, a (least recent) dropped
+    reader.read(uris["c"], None, "w", 7)
+    assert len(calls) == 4
