@@ -148,12 +148,44 @@ def test_byte_and_pixel_limits(builder, vl_dir, tmp_path):
                                         rf"tree_builder.max_image_bytes={size - 1}"):
         _trees(small, path)
     few = ChatBuilder(tokenizer=tok, processor_path=vl_dir, max_image_pixels=1999)
-    with pytest.raises(DataError, match=r"'big.png' has 50x40 = 2000 pixels, more than tree_builder.max_image_pixels=1999"):
+    with pytest.raises(DataError, match=r"'big.png' has 50x40 = 2000 pixels, more than "
+                                        r"tree_builder.max_image_pixels=1999"):
         _trees(few, path)
     uri = "data:image/png;base64," + base64.b64encode(_png(img)).decode()
     path2 = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": uri})}])
     with pytest.raises(DataError, match="data: URI image larger than tree_builder.max_image_bytes"):
         _trees(ChatBuilder(tokenizer=tok, processor_path=vl_dir, max_image_bytes=100), path2)
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` RGB pixels, with 16 bytes of pixel data."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
+def test_the_pixel_limit_is_checked_from_the_header_before_decoding(builder, tmp_path, monkeypatch):
+    """A header claiming 8000x8000 pixels (64 Mpx: over the 40 Mpx default, under Pillow's own
+    bomb limit) with no pixel data behind it: refused for its size - decoding it would fail
+    ("cannot be decoded") and is made to fail loudly - so the header check comes first."""
+    from PIL import ImageFile
+
+    def no_decoding(self):
+        raise AssertionError("pixels were decoded before the pixel limit was checked")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    (tmp_path / "huge.png").write_bytes(_png_header_only(8000, 8000))
+    path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": "huge.png"})}])
+    with pytest.raises(DataError) as err:
+        _trees(builder, path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:1: messages[0].content[0]: ") and msg.endswith(
+        "image 'huge.png' has 8000x8000 = 64000000 pixels, more than tree_builder.max_image_pixels=40000000"), msg
 
 
 def test_images_without_a_processor_are_refused(builder, tmp_path):
