@@ -269,3 +269,18 @@ def test_a_resumed_run_says_how_many_steps_kept_the_earlier_values(tmp_path, mlf
     history = MlflowClient(uri).get_metric_history(lg.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0),
                                                           (5, 15.0), (6, 16.0)]
+
+
+def test_a_checkpoint_written_over_a_hard_link_leaves_the_linked_file_alone(tmp_path):
+    """resume_from=auto makes last.ckpt.partial a hard link to step-N.ckpt; if that link
+    survived, the next write of last.ckpt.partial must make a new file, not truncate step-N."""
+    from treelit.lightning.callbacks import TreeCheckpointIO
+
+    step = tmp_path / "step-3.ckpt"
+    torch.save({"global_step": 3}, step)
+    before = step.read_bytes()
+    partial = tmp_path / "last.ckpt.partial"
+    os.link(step, partial)
+    TreeCheckpointIO().save_checkpoint({"global_step": 5}, str(partial))
+    assert step.read_bytes() == before and os.stat(step).st_nlink == 1
+    assert torch.load(partial, map_location="cpu", weights_only=False) == {"global_step": 5}
