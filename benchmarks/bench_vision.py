@@ -268,7 +268,8 @@ def main(argv=None):
     if "tree" in args.skip:
         p.error("--skip: the tree step is the reference of every row")
     res = run(args)
-    res["env"]["command"] = " ".join(["python", "benchmarks/bench_vision.py", *(sys.argv[1:] if argv is None else argv)])
+    given = sys.argv[1:] if argv is None else argv
+    res["env"]["command"] = " ".join(["python", "benchmarks/bench_vision.py", *given])
     report(res)
     if args.json:
         with open(args.json, "w") as f:
