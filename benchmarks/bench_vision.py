@@ -268,6 +268,8 @@ def main(argv=None):
     if "tree" in args.skip:
         p.error("--skip: the tree step is the reference of every row")
     res = run(args)
+    given = sys.argv[1:] if argv is None else argv
+    res["env"]["command"] = " ".join(["python", "benchmarks/bench_vision.py", *given])
     report(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -30,3 +30,5 @@ def test_quick_run_writes_every_mode(tmp_path):
     for r in rows.values():
         assert r["peak_bytes"] > 0 and r["max_rel_grad_diff"] < 1e-4, r
     assert "GUI-agent episode" in proc.stdout
+    assert data["env"]["command"] == ("python benchmarks/bench_vision.py --quick --width 224 --height 112 --turns 4 "
+                                      f"--branch-at 1,2 --json {out}")

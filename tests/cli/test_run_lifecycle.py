@@ -242,3 +242,45 @@ def test_resuming_a_run_that_is_gone_starts_a_new_one(tmp_path, mlflow_db):
         again = TreeMLFlowLogger(tracking_uri=uri, run_name="again", run_id=gone)
         assert again.run_id != gone and not again.reopened
         again.finalize("success")
+
+
+def test_a_resumed_run_says_how_many_steps_kept_the_earlier_values(tmp_path, mlflow_db, caplog):
+    """Steps a reopened run redoes keep the values logged first; one info line says how many."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    from treelit.lightning.mlflow_logger import TreeMLFlowLogger
+
+    _, uri = mlflow_db
+    lg = TreeMLFlowLogger(tracking_uri=uri, run_name="first")
+    for step in range(5):
+        lg.log_metrics({"loss": float(step)}, step=step)
+    lg.finalize("success")
+    again = TreeMLFlowLogger(tracking_uri=uri, run_name="first", run_id=lg.run_id)
+    assert again.reopened
+    with caplog.at_level(logging.INFO, logger="treelit.lightning.mlflow_logger"):
+        for step in range(2, 7):  # resumed from a checkpoint at step 2: steps 2-4 are redone
+            again.log_metrics({"loss": 10.0 + step}, step=step)
+        again.finalize("success")
+    said = [r.getMessage() for r in caplog.records if "redone" in r.getMessage()]
+    assert said == ["MLflow: resumed run kept the earlier run's values for 3 redone step(s) (2-4): each step is "
+                    "logged once; the values this run computed for them are not logged"], said
+    history = MlflowClient(uri).get_metric_history(lg.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0),
+                                                          (5, 15.0), (6, 16.0)]
+
+
+def test_a_checkpoint_written_over_a_hard_link_leaves_the_linked_file_alone(tmp_path):
+    """resume_from=auto makes last.ckpt.partial a hard link to step-N.ckpt; if that link
+    survived, the next write of last.ckpt.partial must make a new file, not truncate step-N."""
+    from treelit.lightning.callbacks import TreeCheckpointIO
+
+    step = tmp_path / "step-3.ckpt"
+    torch.save({"global_step": 3}, step)
+    before = step.read_bytes()
+    partial = tmp_path / "last.ckpt.partial"
+    os.link(step, partial)
+    TreeCheckpointIO().save_checkpoint({"global_step": 5}, str(partial))
+    assert step.read_bytes() == before and os.stat(step).st_nlink == 1
+    assert torch.load(partial, map_location="cpu", weights_only=False) == {"global_step": 5}

@@ -148,12 +148,44 @@ def test_byte_and_pixel_limits(builder, vl_dir, tmp_path):
                                         rf"tree_builder.max_image_bytes={size - 1}"):
         _trees(small, path)
     few = ChatBuilder(tokenizer=tok, processor_path=vl_dir, max_image_pixels=1999)
-    with pytest.raises(DataError, match=r"'big.png' has 50x40 = 2000 pixels, more than tree_builder.max_image_pixels=1999"):
+    with pytest.raises(DataError, match=r"'big.png' has 50x40 = 2000 pixels, more than "
+                                        r"tree_builder.max_image_pixels=1999"):
         _trees(few, path)
     uri = "data:image/png;base64," + base64.b64encode(_png(img)).decode()
     path2 = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": uri})}])
     with pytest.raises(DataError, match="data: URI image larger than tree_builder.max_image_bytes"):
         _trees(ChatBuilder(tokenizer=tok, processor_path=vl_dir, max_image_bytes=100), path2)
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` RGB pixels, with 16 bytes of pixel data."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
+def test_the_pixel_limit_is_checked_from_the_header_before_decoding(builder, tmp_path, monkeypatch):
+    """A header claiming 8000x8000 pixels (64 Mpx: over the 40 Mpx default, under Pillow's own
+    bomb limit) with no pixel data behind it: refused for its size - decoding it would fail
+    ("cannot be decoded") and is made to fail loudly - so the header check comes first."""
+    from PIL import ImageFile
+
+    def no_decoding(self):
+        raise AssertionError("pixels were decoded before the pixel limit was checked")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    (tmp_path / "huge.png").write_bytes(_png_header_only(8000, 8000))
+    path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": "huge.png"})}])
+    with pytest.raises(DataError) as err:
+        _trees(builder, path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:1: messages[0].content[0]: ") and msg.endswith(
+        "image 'huge.png' has 8000x8000 = 64000000 pixels, more than tree_builder.max_image_pixels=40000000"), msg
 
 
 def test_images_without_a_processor_are_refused(builder, tmp_path):
@@ -166,3 +198,54 @@ def test_bad_content_parts(builder, tmp_path):
     path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "audio", "audio": "a.wav"})}])
     with pytest.raises(DataError, match=r"messages\[0\].content\[0\]: a content part must be an object with type"):
         _trees(builder, path)
+
+
+def test_only_common_image_formats_are_decoded(builder, tmp_path, monkeypatch):
+    """An EPS file (Pillow would hand it to Ghostscript) is refused by its signature before any
+    Pillow plugin opens it: one line naming the file, the record's field, the image and the format."""
+    from PIL import EpsImagePlugin
+
+    def ghostscript(*a, **k):
+        raise AssertionError("the EPS plugin was reached")
+
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", ghostscript)
+    (tmp_path / "doc.eps").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n")
+    path = _write(tmp_path, [{"id": "r", "messages": _conv({"type": "image", "image": "doc.eps"})}])
+    with pytest.raises(DataError) as err:
+        _trees(builder, path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:1: ") and "\n" not in msg and "messages[0].content[0]" in msg \
+        and msg.endswith("image 'doc.eps' is EPS; only PNG, JPEG, WEBP, GIF, BMP images are read"), msg
+
+
+def test_the_processed_image_cache_is_bounded_in_bytes_least_recently_used_first(tmp_path):
+    """Processed images are kept up to ``cache_bytes`` of pixel values: the least recently used
+    one is dropped first, a cached one is not processed again, and the bound is never exceeded."""
+    from treelit.data.images import ImageReader
+
+    proc = image_processor()
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(1)
+        return proc(*a, **k)
+
+    counting.merge_size = proc.merge_size
+    rng = np.random.default_rng(0)
+    uris = {k: "data:image/png;base64," + base64.b64encode(_png(random_image(rng, 16, 16))).decode() for k in "abc"}
+    one = proc(images=[random_image(rng, 16, 16)], return_tensors="pt")["pixel_values"]
+    size = one.numel() * one.element_size()
+    reader = ImageReader(counting, cache_bytes=int(2.5 * size))
+    held = []
+    for k in "abac":  # a, b, a again (cached: now the most recent), c: b is dropped
+        reader.read(uris[k], None, "f:1: messages[0].content[0]", 7)
+        held.append(reader._cached)
+        assert reader._cached <= reader.cache_bytes
+    assert len(calls) == 3 and held == [size, 2 * size, 2 * size, 2 * size]
+    reader.read(uris["a"], None, "w", 7)
+    reader.read(uris["c"], None, "w", 7)
+    assert len(calls) == 3  # a and c kept
+    reader.read(uris["b"], None, "w", 7)
+    assert len(calls) == 4 and reader._cached == 2 * size  # b processed again, a (least recent) dropped
+    reader.read(uris["c"], None, "w", 7)
+    assert len(calls) == 4

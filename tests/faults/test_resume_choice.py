@@ -126,14 +126,16 @@ def test_an_intact_checkpoint_without_its_manifest_loads_and_the_warning_says_wh
 
 def test_a_half_written_partial_is_removed_and_never_chosen(copied, caplog):
     """A kill mid-write: step 5's ``.partial`` cut short, its manifest never written; a
-    ``.manifest.json.partial`` without its checkpoint: both removed at the next start."""
+    ``.manifest.json.partial`` without its checkpoint; a manifest's temporary ``.X.tmp-<pid>``
+    (integrity.write_text_atomic): all removed at the next start."""
     src = copied / "step-000004.ckpt"
     (copied / "step-000005.ckpt.partial").write_bytes(src.read_bytes()[: src.stat().st_size // 2])
     (copied / f"step-000006.ckpt{M}.partial").write_text("{}")
+    (copied / f".step-000006.ckpt{M}.partial.tmp-4242").write_text("{")  # a manifest write cut short
     os.utime(copied / "step-000005.ckpt.partial")
     done = tidy(copied)
-    assert len(done) == 2 and all(line.startswith("removed ") for line in done), done
-    assert not list(copied.glob("*.partial"))
+    assert len(done) == 3 and all(line.startswith("removed ") for line in done), done
+    assert not list(copied.glob("*.partial")) and not list(copied.glob(".*.tmp-*"))
     assert find_resume_checkpoint(copied)["global_step"] == 4
 
 
@@ -171,6 +173,24 @@ def test_the_commit_renames_the_manifest_before_the_checkpoint(copied, monkeypat
     assert renames == [f"{new}{M}"] and not new.exists()
     tidy(copied)
     assert verify(new, "t") is not None
+
+
+def test_the_commit_syncs_the_folder_between_the_two_renames(tmp_path, monkeypatch):
+    """The manifest's rename reaches the disk before the checkpoint's rename is made."""
+    from treelit.lightning import checkpoint_files
+
+    new = tmp_path / "step-000005.ckpt"
+    (tmp_path / "step-000005.ckpt.partial").write_bytes(b"a checkpoint")
+    write_manifest(tmp_path / "step-000005.ckpt.partial", name=new.name, where=f"{new}{M}.partial")
+    events = []
+    real_replace, real_sync = os.replace, checkpoint_files.fsync_path
+    monkeypatch.setattr(os, "replace",
+                        lambda a, b: (events.append(("rename", os.path.basename(b))), real_replace(a, b)))
+    monkeypatch.setattr(checkpoint_files, "fsync_path", lambda p: (events.append(("sync", str(p))), real_sync(p)))
+    commit(str(tmp_path / "step-000005.ckpt.partial"), str(new))
+    monkeypatch.undo()
+    assert events == [("rename", new.name + M), ("sync", str(tmp_path)), ("rename", new.name),
+                      ("sync", str(tmp_path))], events
 
 
 def test_last_ckpt_is_pointed_at_the_step_resumed_from(copied):

@@ -282,9 +282,9 @@ class ChatBuilder(TreeBuilder):
         return text.replace(_IMAGE_MARK, self._image_text) if self.images is not None else text
 
     def _encode(self, msgs: List[Dict[str, Any]], train: List[int], source: str,
-                refs: Sequence[str] = ()) -> Tuple[List[int], List[int], List[Any]]:
+                refs: Sequence[Tuple[str, str]] = ()) -> Tuple[List[int], List[int], List[Any]]:
         """Token ids, loss mask and images of ``msgs``, training the assistant messages in ``train``
-        (``refs``: the images the messages show, in order)."""
+        (``refs``: the images the messages show, in order, each with the field that names it)."""
         if refs and self.images is None:
             raise DataError(f"{source}: the conversation has image parts; set tree_builder.processor_path to the "
                             "vision checkpoint's folder to read them")
@@ -311,14 +311,14 @@ class ChatBuilder(TreeBuilder):
             return ids, mask, []
         return self._expand_images(ids, mask, refs, source)
 
-    def _expand_images(self, ids: List[int], mask: List[int], refs: Sequence[str], source: str):
+    def _expand_images(self, ids: List[int], mask: List[int], refs: Sequence[Tuple[str, str]], source: str):
         """Each image placeholder token becomes the processor's ``t*h*w / merge**2`` copies (never targets)."""
         at = [t for t, i in enumerate(ids) if i == self.image_token_id]
         if len(at) != len(refs):
             raise DataError(f"{source}: the rendered conversation has {len(at)} image placeholder(s) for {len(refs)} "
                             "image part(s) (does the chat template drop message content, or does a text part "
                             "contain the image token itself?)")
-        images = [self.images.read(r, self._record_path, source, self.image_token_id) for r in refs]
+        images = [self.images.read(r, self._record_path, where, self.image_token_id) for r, where in refs]
         out_ids: List[int] = []
         out_mask: List[int] = []
         prev = 0
@@ -340,7 +340,8 @@ class ChatBuilder(TreeBuilder):
             if self.export == "trajectory":
                 norm = [_normalise(m, keep_thinking=True) for m in msgs]
                 train = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-                ids, mask, images = self._encode(norm, train, f"{source}: {field}", _refs(msgs, range(len(msgs)), source))
+                ids, mask, images = self._encode(norm, train, f"{source}: {field}",
+                                                 _refs(msgs, range(len(msgs)), f"{source}: {field}"))
                 return [(ids, mask, field, images)]
             out = []
             for t, m in enumerate(msgs):
@@ -349,7 +350,8 @@ class ChatBuilder(TreeBuilder):
                 seen = _visible_history(msgs, t)
                 ctx = [_normalise(msgs[i], keep_thinking=False) for i in seen]
                 ids, mask, images = self._encode(ctx + [_normalise(m, keep_thinking=True)], [len(ctx)],
-                                                 f"{source}: {field}[{t}]", _refs(msgs, seen + [t], source))
+                                                 f"{source}: {field}[{t}]",
+                                                 _refs(msgs, seen + [t], f"{source}: {field}"))
                 out.append((ids, mask, f"{field}[{t}]", images))
             return out
         except DataError:
@@ -389,13 +391,17 @@ class ChatBuilder(TreeBuilder):
         return any(k is None for k in tree_keys)
 
 
-def _refs(msgs: Sequence[Dict[str, Any]], which, source: str) -> List[str]:
-    """The image references of messages ``which``, in order."""
+def _refs(msgs: Sequence[Dict[str, Any]], which, field: str) -> List[Tuple[str, str]]:
+    """The image references of messages ``which``, in order, each with where it is
+    (``<field>[i].content[j]``, ``field`` the file, line and messages field)."""
     out = []
     for i in which:
         content = msgs[i].get("content")
         if isinstance(content, list):
-            out += [r for j, p in enumerate(content) if (r := image_ref(p, f"{source}: [{i}].content[{j}]"))]
+            for j, p in enumerate(content):
+                where = f"{field}[{i}].content[{j}]"
+                if (r := image_ref(p, where)):
+                    out.append((r, where))
     return out
 
 

@@ -9,6 +9,8 @@ capability:
 * a path resolves (symbolic links followed) inside the data file's folder or is refused -
   ``../`` and absolute paths that leave it name the record and the path;
 * URLs other than ``data:`` are refused (nothing is fetched);
+* only PNG, JPEG, WEBP, GIF and BMP are decoded (no other Pillow plugin - EPS would run
+  Ghostscript - ever sees the bytes);
 * the file (or the decoded ``data:`` payload) may hold at most ``max_image_bytes`` bytes,
   checked before it is read whole;
 * the decoded image may have at most ``max_image_pixels`` pixels, checked from the header
@@ -25,8 +27,9 @@ import binascii
 import hashlib
 import io
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from PIL import Image, UnidentifiedImageError
 
@@ -36,6 +39,19 @@ from treelit.tree.images import ProcessedImage
 __all__ = ["ImageLimits", "ImageReader", "image_ref", "load_image_processor"]
 
 MiB = 1 << 20
+CACHE_BYTES = 256 * MiB  # processed pixel values kept per reader (a 1280x720 screenshot's are ~22 MB in float32)
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's decoders for these only: never EPS (Ghostscript) or others
+
+
+def _format_of(raw: bytes) -> Optional[str]:
+    """The Pillow format whose signature ``raw`` starts with (nothing is parsed); None: no format's."""
+    Image.init()
+    prefix = raw[:16]
+    for fmt in Image.ID:
+        accept = Image.OPEN[fmt][1]
+        if accept is not None and accept(prefix):
+            return fmt
+    return None
 
 
 @dataclass(frozen=True)
@@ -78,12 +94,13 @@ def load_image_processor(path: str):
 
 class ImageReader:
     """Reads, bounds and processes the images of records (one reader per builder; each image of a
-    record is processed once however many branches show it).
+    record is processed once however many branches show it; processed images are kept, least
+    recently used dropped first, up to ``cache_bytes`` of pixel values).
 
     ``processor``: the checkpoint's processor (``image_processor`` attribute) or image processor;
     ``make(pixel_values, grid_thw, name)`` turns its output into the row's image objects."""
 
-    def __init__(self, processor: Any, limits: Optional[ImageLimits] = None) -> None:
+    def __init__(self, processor: Any, limits: Optional[ImageLimits] = None, cache_bytes: int = CACHE_BYTES) -> None:
         self.image_processor = getattr(processor, "image_processor", processor)
         self.limits = limits or ImageLimits()
         merge = getattr(self.image_processor, "merge_size", None)
@@ -91,7 +108,9 @@ class ImageReader:
             raise ValueError(f"{type(self.image_processor).__name__}: treelit reads images for processors with a "
                              "merge_size (the Qwen vision families)")
         self.merge = int(merge)
-        self._cache: Dict[str, Any] = {}
+        self.cache_bytes = int(cache_bytes)
+        self._cache: "OrderedDict[str, Tuple[Any, Tuple[int, ...], int]]" = OrderedDict()  # least recently used first
+        self._cached = 0  # bytes of the pixel values held
 
     def load_bytes(self, ref: str, data_path: Optional[str], where: str) -> Tuple[bytes, str]:
         """The encoded bytes of ``ref`` and a short name for messages."""
@@ -127,8 +146,11 @@ class ImageReader:
             return f.read(lim.max_image_bytes + 1), ref
 
     def decode(self, raw: bytes, name: str, where: str):
+        fmt = _format_of(raw)
+        if fmt is not None and fmt not in FORMATS:
+            raise DataError(f"{where}: image {name!r} is {fmt}; only {', '.join(FORMATS)} images are read")
         try:
-            img = Image.open(io.BytesIO(raw))
+            img = Image.open(io.BytesIO(raw), formats=list(FORMATS))
             w, h = img.size
             if w * h > self.limits.max_image_pixels:
                 raise DataError(f"{where}: image {name!r} has {w}x{h} = {w * h} pixels, more than "
@@ -144,13 +166,29 @@ class ImageReader:
         """The :class:`~treelit.tree.images.ProcessedImage` of ``ref`` (processed once per content)."""
         raw, name = self.load_bytes(ref, data_path, where)
         key = hashlib.sha256(raw).hexdigest()
-        if key not in self._cache:
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            pv, grid, n = self._cache[key]
+        else:
             img = self.decode(raw, name, where)
             out = self.image_processor(images=[img], return_tensors="pt")
+            pv = out["pixel_values"]
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             n = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
-            if len(self._cache) > 256:
-                self._cache.clear()
-            self._cache[key] = (out["pixel_values"], grid, n)
-        pv, grid, n = self._cache[key]
+            self._remember(key, (pv, grid, n))
         return ProcessedImage(pv, grid, n, int(token_id), name=name)
+
+    def _remember(self, key: str, entry: Tuple[Any, Tuple[int, ...], int]) -> None:
+        """Keep ``entry`` while the cache holds at most ``cache_bytes`` of pixel values, dropping the
+        least recently used first (one larger than the whole bound is not kept)."""
+        size = _nbytes(entry[0])
+        if size > self.cache_bytes:
+            return
+        while self._cache and self._cached + size > self.cache_bytes:
+            self._cached -= _nbytes(self._cache.popitem(last=False)[1][0])
+        self._cache[key] = entry
+        self._cached += size
+
+
+def _nbytes(pixel_values: Any) -> int:
+    return int(pixel_values.numel()) * int(pixel_values.element_size())

@@ -312,14 +312,18 @@ class TreeCheckpoint(ModelCheckpoint):
 
 class TreeCheckpointIO(TorchCheckpointIO):
     """Lightning's single-file checkpoint writer, with ``torch.save`` streaming into the file
-    itself (then fsync): no second copy of the checkpoint in memory, no staging elsewhere."""
+    itself (then fsync): no second copy of the checkpoint in memory, no staging elsewhere. The
+    file is always a new one (a name already there is unlinked first, not truncated)."""
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("TreeCheckpointIO takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
+        # a new file, never one opened in place: a name left as a hard link to another checkpoint
+        # (``resume_from=auto`` links ``last.ckpt.partial`` to ``step-N.ckpt``) would truncate that one
+        path.unlink(missing_ok=True)
+        with open(path, "xb") as f:
             torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())

@@ -2,13 +2,15 @@
 
 A single-file checkpoint is written as ``X.partial`` and its manifest as
 ``X.manifest.json.partial`` (:class:`~treelit.lightning.callbacks.TreeCheckpoint`); the commit
-(:func:`commit`) then renames the **manifest first** and the checkpoint second. A kill between
+(:func:`commit`) then renames the **manifest first**, syncs the folder, and renames the
+checkpoint second (so the manifest's rename reaches the disk first). A kill between
 the two leaves the manifest under its final name and the complete ``X.partial`` beside it:
 for a new name nothing final lacks its manifest, and an overwritten ``last.ckpt`` is, for a
 moment, the previous file beside the new manifest. The next start finishes that commit
 (:func:`tidy`): an ``X.partial`` that matches ``X.manifest.json`` byte for byte is renamed to
 ``X``; every other ``.partial`` left in the folder (a write that was cut, a manifest whose
-checkpoint never came) is removed, and a manifest whose file is gone goes with it. (Earlier
+checkpoint never came) is removed, and so are the temporary ``.X.tmp-<pid>`` files of a manifest
+write that was cut; a manifest whose file is gone goes with it. (Earlier
 versions renamed the file first: a checkpoint in place whose ``.manifest.json.partial``
 matches it gets that manifest renamed into place.) A sharded
 checkpoint is a folder with its manifest inside and is renamed in one step.
@@ -58,6 +60,7 @@ def commit(partial: str, filepath: str) -> None:
             remove_path(filepath)
         if os.path.exists(f"{manifest}{PARTIAL}"):
             os.replace(f"{manifest}{PARTIAL}", manifest)
+            fsync_path(os.path.dirname(os.path.abspath(filepath)))  # the manifest's rename is on disk before the file's
         else:
             remove_path(manifest)  # never beside a file it does not describe
         os.replace(partial, filepath)
@@ -132,6 +135,9 @@ def tidy(directory: Union[str, Path]) -> List[str]:
     for p in sorted(d.glob(".*.old-*")):
         remove_path(p)
         done.append(f"removed {p}, left by an interrupted commit")
+    for p in sorted(d.glob(".*.tmp-*")):  # integrity.write_text_atomic's temporary files (manifests)
+        remove_path(p)
+        done.append(f"removed {p}, left by an interrupted write")
     if done:
         fsync_path(d)
     return done

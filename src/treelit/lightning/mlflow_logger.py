@@ -144,17 +144,30 @@ class TreeMLFlowLogger(MLFlowLogger):
     def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
         """A reopened run logs a metric only past the last step its history holds for it:
         the steps a stopped run logged after its last checkpoint, which the resumed run redoes,
-        keep the values logged first (each step once; with deterministic training they are
-        the same values)."""
+        keep the values logged first (each step once). Redone steps match those values only
+        where training is deterministic (on CPU, or with deterministic settings); one info line
+        says how many steps kept the earlier run's values."""
         before = getattr(self, "_logged_before", None) if self.reopened else None
         if before is None and self.reopened:
             self.experiment  # noqa: B018  (opens the run, reads its history)
             before = getattr(self, "_logged_before", None)
         if before:
-            metrics = {k: v for k, v in metrics.items() if (step or 0) > before.get(self._prefixed(k), -1)}
+            kept = {k: v for k, v in metrics.items() if (step or 0) > before.get(self._prefixed(k), -1)}
+            if len(kept) < len(metrics):
+                self._kept_steps = getattr(self, "_kept_steps", set()) | {step or 0}
+            metrics = kept
             if not metrics:
                 return
+            self._say_kept_steps()
         super().log_metrics(metrics, step)
+
+    def _say_kept_steps(self) -> None:
+        kept = getattr(self, "_kept_steps", None)
+        if kept and not getattr(self, "_said_kept", False):
+            self._said_kept = True
+            log.info("MLflow: resumed run kept the earlier run's values for %d redone step(s) (%d-%d): each step is "
+                     "logged once; the values this run computed for them are not logged", len(kept), min(kept),
+                     max(kept))
 
     def _prefixed(self, key: str) -> str:
         return f"{self._prefix}{self.LOGGER_JOIN_CHAR}{key}" if self._prefix else key
@@ -186,6 +199,7 @@ class TreeMLFlowLogger(MLFlowLogger):
     def finalize(self, status: str = "success") -> None:
         if not self._initialized:
             return
+        self._say_kept_steps()
         exc = sys.exc_info()[1]  # Lightning finalizes inside its exception handler
         if status == "failed" and exc is not None:
             if _interrupted(exc):

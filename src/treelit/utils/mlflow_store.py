@@ -26,9 +26,11 @@ name", "table ... already exists"), MLflow's own client included. :func:`ensure_
 (called under the lock) builds a missing store as ``.<name>.creating-<pid>`` beside it and
 renames it into place once MLflow has finished with it: an interrupted creation leaves no
 store (the next run removes the leftover and builds again), never half a store. A store
-that an earlier version left half-made - its schema not at MLflow's head revision, no run
-in it - is rebuilt the same way, with a warning that says so; one that holds runs is never
-touched.
+that an earlier version left half-made - its schema revision missing or older than MLflow's
+head, nothing in it but MLflow's default experiment and workspace - is renamed aside
+(``<name>.half-made-<time>``) and rebuilt the same way, with a warning that says so. Nothing
+is ever deleted: a store that holds anything (runs, experiments, registered models, traces)
+or whose revision this MLflow does not know (a newer MLflow's) is left as it is.
 
 Artifacts of a local sqlite store go to ``mlruns/`` beside the database file (not
 to the working directory), so the database and its artifacts stay together.
@@ -43,7 +45,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from treelit.utils.dir_lock import holder_text, read_holder, write_holder
 from treelit.utils.integrity import fsync_path
@@ -142,10 +144,17 @@ def store_lock(uri: str, timeout: float = 600.0, report_every: float = 10.0) -> 
         os.close(fd)
 
 
-def _store_state(path: Path) -> Optional[str]:
-    """None when ``path`` is a complete MLflow store (its schema at MLflow's head revision);
-    else what is wrong with it, and whether it holds runs (``"... ; N runs"``)."""
-    from mlflow.store.db.utils import _get_latest_schema_revision  # heavy: only with a local store
+_DEFAULT_ROWS = {"experiments": "experiment_id = 0", "workspaces": "name = 'default'"}  # MLflow's own rows
+
+
+def _store_state(path: Path) -> Tuple[Optional[str], bool]:
+    """``(None, False)`` when ``path`` is a complete MLflow store (its schema at MLflow's head
+    revision); else what is wrong with it, and whether it is a half-made one that may be
+    rebuilt: its schema revision missing or an ancestor of the head (not one from a newer
+    MLflow) and every table but ``alembic_version`` empty, MLflow's default experiment and
+    workspace aside."""
+    from alembic.script import ScriptDirectory  # heavy: only with a local store
+    from mlflow.store.db.utils import _get_alembic_config, _get_latest_schema_revision  # heavy: as above
 
     try:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -153,31 +162,67 @@ def _store_state(path: Path) -> Optional[str]:
             tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             version = (con.execute("SELECT version_num FROM alembic_version").fetchone() or [None])[0] \
                 if "alembic_version" in tables else None
-            runs = con.execute("SELECT count(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+            held = []
+            for t in sorted(tables):
+                if t == "alembic_version" or t.startswith("sqlite_"):
+                    continue
+                q = f'SELECT count(*) FROM "{t}"' + (f" WHERE NOT ({_DEFAULT_ROWS[t]})" if t in _DEFAULT_ROWS else "")
+                n = con.execute(q).fetchone()[0]
+                if n:
+                    held.append(f"{n} {t}")
         finally:
             con.close()
     except sqlite3.Error as exc:
-        return f"not readable as a store ({exc}); runs unknown"
+        return f"not readable as a store ({exc})", False
     head = _get_latest_schema_revision()
     if version == head:
-        return None
-    return f"schema version {version or 'none'}, MLflow's is {head}; {runs} runs"
+        return None, False
+    older = version is None
+    if not older:
+        try:
+            older = ScriptDirectory.from_config(_get_alembic_config(db_url="")).get_revision(version) is not None
+        except Exception:  # noqa: BLE001 - alembic raises its own errors for an unknown revision
+            older = False
+    why = f"schema version {version or 'none'}, MLflow's is {head}"
+    if not older:
+        why += " (not one this MLflow knows: a newer MLflow's?)"
+    why += f"; it holds {', '.join(held)}" if held else "; it holds nothing"
+    return why, older and not held
+
+
+def _sqlite_files(path: Path) -> List[Path]:
+    return [path, path.with_name(path.name + "-journal"), path.with_name(path.name + "-wal"),
+            path.with_name(path.name + "-shm")]
 
 
 def _remove_sqlite(path: Path) -> None:
-    for f in (path, path.with_name(path.name + "-journal"), path.with_name(path.name + "-wal"),
-              path.with_name(path.name + "-shm")):
+    for f in _sqlite_files(path):
         try:
             f.unlink()
         except FileNotFoundError:
             pass
 
 
+def _move_aside(path: Path) -> Path:
+    """Rename a store (and its journal files) to ``<name>.half-made-<time>`` beside it; the new name."""
+    aside = path.with_name(f"{path.name}.half-made-{time.strftime('%Y%m%dT%H%M%S')}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.half-made-{time.strftime('%Y%m%dT%H%M%S')}-{n}")
+    for f, g in zip(_sqlite_files(path), _sqlite_files(aside)):
+        if f.exists():
+            os.replace(f, g)
+    fsync_path(path.parent)
+    return aside
+
+
 def ensure_store(uri: str) -> None:
     """A local sqlite store at ``uri`` that is complete before MLflow opens it (call under
     :func:`store_lock`; a no-op for other stores). A missing (or empty) one is built under a
     temporary name and renamed into place; leftovers of an interrupted build are removed; a
-    half-made one that holds no runs is rebuilt, with a warning."""
+    half-made one (an older schema revision, nothing in it but MLflow's defaults) is renamed
+    aside and rebuilt, with a warning. Anything else is left for MLflow to report."""
     path = sqlite_path(uri)
     if path is None:
         return
@@ -185,12 +230,12 @@ def ensure_store(uri: str) -> None:
     for left in path.parent.glob(f".{path.name}.creating-*"):  # a build that was interrupted: under our lock, dead
         _remove_sqlite(left)
     if path.is_file() and path.stat().st_size > 0:
-        why = _store_state(path)
-        if why is None:
-            return
-        if not why.endswith("; 0 runs"):
-            return  # it holds runs (or cannot be read): MLflow reports what it finds, nothing is removed
-        log.warning("MLflow: %s was left half-made by an interrupted creation (%s): rebuilt", path, why)
+        why, rebuild = _store_state(path)
+        if why is None or not rebuild:
+            return  # complete, or it holds something (or is newer, or unreadable): MLflow reports what it finds
+        aside = _move_aside(path)
+        log.warning("MLflow: %s was left half-made by an interrupted creation (%s): moved to %s and rebuilt",
+                    path, why, aside)
     _build(path, uri)
 
 
