@@ -5,16 +5,19 @@ holds ``budget = available / bytes_per_token`` tokens of a chain of partitions, 
 C x that, so the longest branch a run of C context-parallel ranks accepts is ``C x budget``.
 Here, per C (gloo processes on CPU, one thread each):
 
-1. *calibration*: one SFT step on a branch of ``--calibrate`` x C tokens (the planner's first
-   step); each rank's ``bytes_per_token`` = its activation peak / its share of the chain (the
-   planner's own rule, without its safety margin);
-2. *plan*: ``budget = min over ranks of floor(--budget-mib / bytes_per_token)``, the longest
-   branch ``L = C x budget``;
+1. *calibration*: one SFT step on a branch of ``--calibrate`` x C tokens (after one unmeasured
+   warm-up step of the same branch: a process's first step allocates one-time buffers); each rank's ``bytes_per_token`` = (its activation peak - ``score_bytes`` x its queries
+   x its received path keys) / its share of the chain (the planner's own rule, without its
+   safety margin; ``score_bytes`` from the model: :func:`score_pair_bytes`);
+2. *plan*: the planner's budget for ``--budget-mib`` (:meth:`MemoryPlanner.tokens_for`: the
+   last rank's queries receive ``(C - 1) x budget`` keys), the smallest over ranks, and the
+   longest branch ``L = C x budget``;
 3. *the step at L*: one SFT forward + backward of a single branch of L tokens through
    ``run_micro_batch`` (budget per rank, each pass split over the C ranks); per rank its
    activation peak (as in ``bench_cp_memory.py``: weights, gradients and optimizer state apart)
-   against the planner's prediction ``bytes_per_token x L / C``, and the step's wall time;
-   the ranks' summed gradients against one process on the same branch.
+   against the planner's prediction ``bytes_per_token x L / C + score_bytes x queries x
+   received keys`` (:meth:`MemoryPlanner.predicted_peak`), and the step's wall time; the ranks'
+   summed gradients against one process on the same branch.
 
     python benchmarks/bench_cp_longest.py --json benchmarks/results/bench_cp_longest.json
 """
@@ -63,8 +66,21 @@ def _step(model, batch, budget, cp_group, args):
     return live.peak, time.perf_counter() - t0
 
 
+def _pairs(batch, world: int, rank: int, model) -> int:
+    """This rank's queries x received path keys (the pass's split, as the engine makes it)."""
+    if world == 1:
+        return 0
+    from treelit.partition.context_parallel import cp_split
+
+    plan = cp_split(batch, world, rank, model)
+    return plan.size * len(plan.path)
+
+
 def _worker(rank: int, world: int, port: int, args, out_dir: str):
     import torch.distributed as dist
+
+    from treelit.lightning.planner import MemoryPlanner
+    from treelit.partition.context_parallel import score_pair_bytes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -72,10 +88,16 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str):
     try:
         group = dist.group.WORLD if world > 1 else None
         model = _model(args.model, args)
+        planner = MemoryPlanner(margin=1.0)
+        planner.score_bytes = score_pair_bytes(model, torch.device("cpu")) if world > 1 else 0.0
         L0 = args.calibrate * world
-        peak0, _ = _step(model, _branch(L0, args), args.calibrate, group, args)
-        bpt = peak0 / (L0 / world)  # the planner's rule: peak over this rank's share of the chain
-        budget = torch.tensor([int(args.budget_mib * MIB // bpt)])
+        batch0 = _branch(L0, args)
+        _step(model, batch0, args.calibrate, group, args)  # warm-up: a first step's one-time buffers apart
+        peak0, _ = _step(model, batch0, args.calibrate, group, args)
+        pairs0 = _pairs(batch0, world, rank, model)
+        # the planner's rule: the peak less the scores' term, over this rank's share of the chain
+        planner.bytes_per_token = max(0.0, peak0 - planner.score_bytes * pairs0) / (L0 / world)
+        budget = torch.tensor([planner.tokens_for(args.budget_mib * MIB, world)])
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
         budget = int(budget)
         L = world * budget
@@ -84,7 +106,11 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str):
         grads = [p.grad for p in model.parameters()]
         for g in grads:
             dist.all_reduce(g)
-        m = {"rank": rank, "bytes_per_token": bpt, "predicted": bpt * L / world, "peak": peak, "seconds": seconds}
+        pairs = _pairs(batch, world, rank, model)
+        m = {"rank": rank, "bytes_per_token": planner.bytes_per_token, "score_bytes": planner.score_bytes,
+             "score_pairs": pairs, "predicted": planner.predicted_peak(L / world, pairs), "peak": peak,
+             "predicted_per_token_only": peak0 / (L0 / world) * L / world,  # the model without the scores' term
+             "seconds": seconds}
         ranks = [None] * world
         dist.all_gather_object(ranks, m)
         if rank == 0:
@@ -120,7 +146,9 @@ def run(args):
             r["max_rel_grad_diff_vs_one"] = None if world == 1 else _reference_diff(grads, r["longest"], args)
             for x in r["ranks"]:
                 x["measured_over_predicted"] = x["peak"] / x["predicted"]
+                x["measured_over_per_token_only"] = x["peak"] / x["predicted_per_token_only"]
             r["worst_prediction_error"] = max(abs(x["measured_over_predicted"] - 1) for x in r["ranks"])
+            r["worst_per_token_only_error"] = max(abs(x["measured_over_per_token_only"] - 1) for x in r["ranks"])
             r["seconds"] = max(x["seconds"] for x in r["ranks"])
             rows.append(r)
             print(f"C={world}: budget {r['budget_per_rank']} tokens/rank, longest branch {r['longest']}, step "
@@ -150,7 +178,9 @@ def main(argv=None):
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--model", choices=["attention", "hybrid"], default="attention")
     p.add_argument("--budget-mib", type=float, default=48.0, help="activation memory per rank")
-    p.add_argument("--calibrate", type=int, default=256, help="tokens per rank of the calibration step")
+    p.add_argument("--calibrate", type=int, default=304,
+                   help="tokens per rank of the calibration step (at 48 MiB every rank's range is on the same side "
+                        "as at L of the segment backend's 256-query cut and of the head's logits chunk, 1024 / C rows)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

@@ -682,6 +682,7 @@ class TreeLitModule(pl.LightningModule):
                 loss_value /= cp  # every rank of the group holds the whole loss; the step sums over ranks
                 stats.cp_max_cost += float(plan.work.max())
                 stats.cp_mean_cost += float(plan.work.mean())
+                stats.cp_score_pairs = max(stats.cp_score_pairs, plan.size * len(plan.path))
                 stats.partitions += 1
                 stats.token_forwards += plan.size
             elif self.partition != "none" and self.mode == "tree":

@@ -22,7 +22,16 @@ margin). Each rank's budget is ``available / (bytes_per_token * margin)``; the b
 used is the **minimum over ranks**, so every rank plans with the same budget and (under
 FSDP2) runs aligned passes. Under context parallelism (C ranks share each pass) the
 budget is per rank: a chain of partitions holds C x the budget, a path up to C x longer than
-one rank holds; the chain tokens a rank measures against are its own share, a chain's / C. On an out-of-memory error on any rank, every rank asks
+one rank holds; the chain tokens a rank measures against are its own share, a chain's / C.
+A rank's queries also attend to the path keys it receives, and the backward pass holds one
+layer's scores of those pairs, so under context parallelism the model is
+``peak = bytes_per_token * chain_tokens + score_bytes * queries * received_keys``
+(``score_bytes``: :func:`~treelit.partition.context_parallel.score_pair_bytes`, from the model's
+heads and the device: 0 on CPU, whose attention kernels run blockwise; the pairs are the step's
+largest pass on this rank). On one branch that fills a
+chain the last rank's ``budget`` queries receive ``(C - 1) x budget`` keys (at most the longest
+branch), so the budget solves ``bytes_per_token * b + score_bytes * b * min((C - 1) b, longest)
+= available / margin``. On an out-of-memory error on any rank, every rank asks
 :meth:`shrink` for a smaller budget and retries the update. The chosen budget and the
 observed peak are logged.
 """
@@ -30,11 +39,13 @@ observed peak are logged.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import lightning.pytorch as pl
 import torch
 
+from treelit.partition.context_parallel import score_pair_bytes
 from treelit.partition.plan import BudgetError
 from treelit.utils.memory import LiveBytes
 
@@ -85,6 +96,7 @@ class MemoryPlanner(pl.Callback):
         self._tracker: Optional[LiveBytes] = None
         self._shrunk = False
         self._resident = 0.0  # bytes allocated on the device when the step started (CUDA)
+        self.score_bytes = 0.0  # bytes per (query, received key) pair under context parallelism
 
     # memory available ------------------------------------------------------------------------
     def _limit(self, pl_module) -> Optional[float]:
@@ -122,10 +134,10 @@ class MemoryPlanner(pl.Callback):
         comm = pl_module._comm()
         longest = max(int(mb.position_ids.max()) + 1 for mb in micro_batches)
         avail = self.available_bytes(pl_module)
-        local = int(avail / (self.bytes_per_token * self.margin))
-        budget = int(comm.min(local))
-        longest = int(comm.max(longest))
         C = pl_module._cp_degree() if hasattr(pl_module, "_cp_degree") else 1
+        self.score_bytes = score_pair_bytes(getattr(pl_module, "model", None), pl_module.device) if C > 1 else 0.0
+        longest = int(comm.max(longest))
+        budget = int(comm.min(self.tokens_for(avail, C, longest)))
         if budget * C < longest:
             per = f" per rank x {C} context-parallel ranks" if C > 1 else ""
             raise MemoryBudgetError(
@@ -134,6 +146,23 @@ class MemoryPlanner(pl.Callback):
                 f"token), less than the longest branch ({longest} tokens)"
             )
         return budget
+
+    def predicted_peak(self, chain_tokens: float, score_pairs: float = 0.0) -> float:
+        """The model's peak of a rank whose chain share is ``chain_tokens`` and whose queries x
+        received keys are ``score_pairs`` (no margin)."""
+        return self.bytes_per_token * chain_tokens + self.score_bytes * score_pairs
+
+    def tokens_for(self, avail: float, C: int = 1, longest: int = 0) -> int:
+        """The largest budget ``b`` per rank whose predicted peak times the margin fits ``avail``:
+        ``b`` queries receiving ``min((C - 1) b, longest)`` keys (none at C = 1)."""
+        cap = avail / self.margin
+        a, s = self.bytes_per_token, self.score_bytes * (C - 1)
+        if s <= 0:
+            return int(cap / a)
+        b = (-a + math.sqrt(a * a + 4.0 * s * cap)) / (2.0 * s)  # a b + s b^2 = cap
+        if (C - 1) * b > longest > 0:  # the path is at most the longest branch
+            b = cap / (a + self.score_bytes * longest)
+        return int(b)
 
     # hooks ------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -158,8 +187,11 @@ class MemoryPlanner(pl.Callback):
         chain = max(1, stats.max_chain_tokens if stats is not None and stats.max_chain_tokens else 1)
         # the initial guess gives way to the first measurement, unless an out-of-memory error raised it
         keep = self.history or self._shrunk
-        self.bytes_per_token = max(self.bytes_per_token if keep else 0.0, peak / chain)
-        row = {"step": trainer.global_step, "budget": pl_module.budget_tokens, "peak": peak, "chain_tokens": chain}
+        pairs = stats.cp_score_pairs if stats is not None and self.score_bytes else 0
+        per = max(0.0, peak - self.score_bytes * pairs) / chain  # the scores' term apart
+        self.bytes_per_token = max(self.bytes_per_token if keep else 0.0, per)
+        row = {"step": trainer.global_step, "budget": pl_module.budget_tokens, "peak": peak, "chain_tokens": chain,
+               "score_pairs": pairs}
         self.history.append(row)
         pl_module.log_dict({"planner/budget_tokens": float(row["budget"]), "planner/peak_bytes": peak,
                             "planner/bytes_per_token": self.bytes_per_token})

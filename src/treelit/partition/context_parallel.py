@@ -100,7 +100,7 @@ from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
 __all__ = ["TRAFFIC", "CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
-           "check_cp_backend", "check_cp_degree", "cp_split", "memory_ranges", "path_weight", "cp_chunk_rows", "has_recurrent_layers"]
+           "check_cp_backend", "check_cp_degree", "cp_split", "memory_ranges", "path_weight", "score_pair_bytes", "cp_chunk_rows", "has_recurrent_layers"]
 
 
 _ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
@@ -210,6 +210,23 @@ def path_weight(model) -> float:
         return 0.0
     D, layers, _, trunk = _shape(model)
     return float(_kv_width(model) * layers) / max(2.0 * trunk / D, 1.0)
+
+
+def score_pair_bytes(model, device=None) -> float:
+    """Bytes per (local query, received path key) pair of a rank's step under context
+    parallelism: what the attention over the received path holds per pair beyond its K/V. On
+    CPU none: the segment backend's CPU kernels run blockwise (measured: ``bench_cp_longest.py``
+    predicts every rank within 6% without it). Elsewhere its math path materialises one
+    layer's scores per query head in float32 at a time, four such tensors at once in the
+    backward pass (scores, probabilities, their gradients): ``16 x heads``. A rank's peak then
+    grows with its queries x its received keys, on a long branch with the branch length squared
+    on the last ranks, which a per-token cost does not follow. 0 when the model's heads are
+    unknown."""
+    if model is None or device is None or torch.device(device).type == "cpu":
+        return 0.0
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None) or 0
+    return float(16 * int(heads))
 
 
 def memory_ranges(batch: TreeBatch, C: int, weight: float) -> List[Tuple[int, int]]:

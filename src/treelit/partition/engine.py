@@ -61,6 +61,9 @@ class PartitionStats:
     # context parallelism: the passes' most loaded rank's cost and mean cost, summed over passes
     cp_max_cost: float = 0.0
     cp_mean_cost: float = 0.0
+    # context parallelism: the largest (this rank's queries) x (received path keys) of a pass,
+    # the attention-score term of the memory planner's model (:func:`score_pair_bytes`)
+    cp_score_pairs: int = 0
 
     @property
     def cp_imbalance(self) -> float:
@@ -126,6 +129,7 @@ class _Run:
         plan = cp_split(sub, C, rank, m)
         self.stats.cp_max_cost += float(plan.work.max())
         self.stats.cp_mean_cost += float(plan.work.mean())
+        self.stats.cp_score_pairs = max(self.stats.cp_score_pairs, plan.size * len(plan.path))
         h, ctx = cp_forward_pass(m, sub, plan, self.cp_group, self.attention,
                                  rp.external(i, captured, self.cp_rows), capture=bool(rp.children[i]),
                                  boundary=rp.boundary[i], embedding_grad_accumulator=emb_buf)
