@@ -156,6 +156,7 @@ DEFERRABLE = {
     "triton": "optional, GPU kernels",
     "mlflow": "~1 s CPU: with the MLflow logger only",
     "sqlalchemy": "MLflow's database layer: only when a local MLflow store is built",
+    "alembic": "MLflow's schema migrations: only when a local MLflow store is checked or built",
     "lightning": "~5 s CPU: below the Lightning layer only where a run is built",
     "torchtune": "loads torchao and datasets (~5 s CPU): only where a decoder is built",
     "torchao": "heavy, reached through torchtune",

@@ -153,7 +153,7 @@ def _store_state(path: Path) -> Tuple[Optional[str], bool]:
     rebuilt: its schema revision missing or an ancestor of the head (not one from a newer
     MLflow) and every table but ``alembic_version`` empty, MLflow's default experiment and
     workspace aside."""
-    from alembic.script import ScriptDirectory  # heavy: only with a local store
+    from alembic.script import ScriptDirectory  # MLflow's migrations: only with a local store
     from mlflow.store.db.utils import _get_alembic_config, _get_latest_schema_revision  # heavy: as above
 
     try:
