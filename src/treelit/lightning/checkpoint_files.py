@@ -77,16 +77,21 @@ def _matches(manifest: Path, f: Path, name: str) -> bool:
     return int(expected.get("bytes", -1)) == got["bytes"] and expected.get(ALGORITHM) == got[ALGORITHM]
 
 
+def _into_place(partial: Path, final: Path) -> None:
+    """Rename ``partial`` to ``final``; another process of this run may have done it first."""
+    try:
+        os.replace(partial, final)
+    except FileNotFoundError:
+        pass
+
+
 def _finish(partial: Path, final: Path) -> bool:
     """Whether ``partial`` is the file ``final``'s manifest describes (then it is renamed; by
     another process of the run, if that one was first)."""
     manifest = final.with_name(final.name + MANIFEST_SUFFIX)
     if partial.is_dir() or not manifest.is_file() or not _matches(manifest, partial, final.name):
         return False
-    try:
-        os.replace(partial, final)
-    except FileNotFoundError:
-        pass  # another process of this run renamed it
+    _into_place(partial, final)
     return True
 
 
@@ -96,10 +101,7 @@ def _finish_manifest(partial: Path, final: Path) -> bool:
     target = final.with_name(final.name[: -len(MANIFEST_SUFFIX)])
     if final.exists() or not target.is_file() or not _matches(partial, target, target.name):
         return False
-    try:
-        os.replace(partial, final)
-    except FileNotFoundError:
-        pass  # another process of this run renamed it
+    _into_place(partial, final)
     return True
 
 
