@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cp_memory import _model  # noqa: E402
+from bench_cp_memory import _model, report  # noqa: E402
 from bench_scale import _existing, _free_port  # noqa: E402
 
 MIB = 2**20
@@ -196,15 +196,7 @@ def main(argv=None):
             print(table(json.load(f)))
         return
     args.prefix, args.branch_len = 0, 16384  # (the model's max_seq_len)
-    t0 = time.perf_counter()
-    result = run(args)
-    result["command"] = " ".join(["python", "benchmarks/bench_cp_longest.py", *(argv if argv is not None else sys.argv[1:])])
-    result["torch"] = torch.__version__
-    result["seconds"] = time.perf_counter() - t0
-    print(table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(run, table, args, "bench_cp_longest.py", argv)
 
 
 if __name__ == "__main__":

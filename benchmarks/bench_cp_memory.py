@@ -196,9 +196,15 @@ def main(argv=None):
         with open(args.table) as f:
             print(table(json.load(f)))
         return
+    report(run, table, args, "bench_cp_memory.py", argv)
+
+
+def report(run, table, args, script: str, argv) -> None:
+    """Run ``run(args)``, add the command, torch's version and the seconds taken, print
+    ``table`` of the result and write it to ``args.json`` (this file's and bench_cp_longest's)."""
     t0 = time.perf_counter()
     result = run(args)
-    result["command"] = " ".join(["python", "benchmarks/bench_cp_memory.py", *(argv if argv is not None else sys.argv[1:])])
+    result["command"] = " ".join(["python", f"benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])])
     result["torch"] = torch.__version__
     result["seconds"] = time.perf_counter() - t0
     print(table(result))
