@@ -101,14 +101,14 @@ def load_hf_oracle(path, dtype=torch.float64, exact: Optional[bool] = None, **kw
 
 
 def hf_branch_loss(hf_model, branches: Sequence[Sequence[int]], masks: Sequence[Sequence[int]],
-                   weights: Sequence[float], aggregation: str, extra=None) -> torch.Tensor:
-    """Per-branch loss from the definition, one branch at a time (``extra(out, mask)`` may add a
-    per-branch term, e.g. a router loss)."""
+                   weights: Sequence[float], aggregation: str, inputs=None) -> torch.Tensor:
+    """Per-branch loss from the definition, one branch at a time (``inputs(b, ids)``: branch b's
+    further forward arguments, e.g. its images)."""
     total = 0.0
     n_targets = n_seq = 0
-    for br, m, w in zip(branches, masks, weights):
+    for b, (br, m, w) in enumerate(zip(branches, masks, weights)):
         ids = torch.tensor([list(br)])
-        out = hf_model(input_ids=ids)
+        out = hf_model(input_ids=ids, **(inputs(b, ids) if inputs is not None else {}))
         logits = out.logits[0]
         logp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
         mask = torch.tensor([float(v) for v in m[1:]], dtype=logits.dtype)

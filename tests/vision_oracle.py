@@ -93,26 +93,18 @@ def load_reference(path, dtype=torch.float64):
 
 def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = "token-mean") -> torch.Tensor:
     """Per-branch loss from the definition (see the module docstring)."""
-    total = 0.0
-    n_targets = n_seq = 0
-    for br, ims, m, w in zip(branches, images, masks, weights):
-        ids = torch.tensor([list(br)])
-        kw = {}
-        if ims:
-            kw = dict(pixel_values=torch.cat([i.pixel_values for i in ims]),
-                      image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]),
-                      mm_token_type_ids=(ids == IMAGE).int())
+    from hf_oracle import hf_branch_loss
+
+    def inputs(b, ids):
         model.model.rope_deltas = None  # positions from this branch alone
-        logits = model(input_ids=ids, **kw).logits[0]
-        logp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
-        mask = torch.tensor([float(v) for v in m[1:]], dtype=logits.dtype)
-        n = int(mask.sum().item())
-        n_targets += n
-        n_seq += int(n > 0)
-        s = -(logp * mask).sum() * w
-        total = total + (s / n if aggregation == "seq-mean-token-mean" and n > 0 else s)
-    Z = {"token-mean": n_targets, "seq-mean-token-mean": n_seq, "seq-mean-token-sum": n_seq, "sum": 1}[aggregation]
-    return total / Z
+        ims = images[b]
+        if not ims:
+            return {}
+        return dict(pixel_values=torch.cat([i.pixel_values for i in ims]),
+                    image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]),
+                    mm_token_type_ids=(ids == IMAGE).int())
+
+    return hf_branch_loss(model, branches, masks, weights, aggregation, inputs=inputs)
 
 
 def text_mask(branch):
