@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import treelit
+from treelit.cli.config import compose
+from treelit.cli.train import run
 
 HERE = Path(__file__).resolve().parent
 EXE = str(Path(sys.executable).with_name("treelit-train"))
@@ -40,6 +42,13 @@ def write_trees(path: Path, n: int = 8, huge_weight: Optional[int] = None, token
                 branches[1]["input_ids"][-1] = TOKEN
             f.write(json.dumps({"id": f"t{t}", "branches": branches}) + "\n")
     return path
+
+
+def checkpointed_run(out: Path, data: Path, steps: int = 4) -> Path:
+    """A run of ``steps`` steps in-process, never interrupted, a checkpoint after every step."""
+    run(compose([*TINY, f"data.train_path={data}", f"output_dir={out}", f"trainer.max_steps={steps}",
+                 "callbacks.checkpoint.every_n_train_steps=1"]))
+    return out
 
 
 def inject(name: str, target: str, **options) -> List[str]:

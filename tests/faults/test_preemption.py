@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_runs import TINY, assert_same_weights, inject, one_error_line, train, weights, write_trees
-from treelit.cli.config import compose
-from treelit.cli.train import find_resume_checkpoint, run
+from fault_runs import (TINY, assert_same_weights, checkpointed_run, inject, one_error_line, train, weights,
+                         write_trees)
+from treelit.cli.train import find_resume_checkpoint
 
 EXIT = 75
 STEPS = ["trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=100"]
@@ -36,10 +36,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
     """The run never interrupted, a checkpoint after every step."""
-    out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run(compose([*TINY, f"data.train_path={data}", f"output_dir={out}", "trainer.max_steps=4",
-                 "callbacks.checkpoint.every_n_train_steps=1"]))
-    return out
+    return checkpointed_run(tmp_path_factory.mktemp("uninterrupted") / "run", data)
 
 
 def _cli(cli_main, capsys, *args):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_runs import TINY, assert_same_weights, weights, write_trees
+from fault_runs import TINY, assert_same_weights, checkpointed_run, weights, write_trees
 from treelit.cli.config import compose
 from treelit.cli.resume import find_resume_checkpoint, point_last_at, read_resume_checkpoint, step_of
 from treelit.cli.train import run
@@ -38,10 +38,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def source(data, tmp_path_factory):
     """A 4-step run, a checkpoint (and its manifest) after every step."""
-    out = tmp_path_factory.mktemp("choice_run") / "run"
-    run(compose([*TINY, f"data.train_path={data}", f"output_dir={out}", "trainer.max_steps=4",
-                 "callbacks.checkpoint.every_n_train_steps=1"]))
-    return out
+    return checkpointed_run(tmp_path_factory.mktemp("choice_run") / "run", data)
 
 
 @pytest.fixture

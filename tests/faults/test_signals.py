@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fault_runs import TINY, assert_same_weights, inject, one_error_line, train, weights, write_trees
-from treelit.cli.config import compose
-from treelit.cli.train import run
+from fault_runs import (TINY, assert_same_weights, checkpointed_run, inject, one_error_line, train, weights,
+                         write_trees)
 from treelit.utils.integrity import verify
 
 EXIT = 75
@@ -28,9 +27,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("signals_full") / "run"
-    run(compose([*TINY, f"data.train_path={data}", f"output_dir={out}", *STEPS]))
-    return out
+    return checkpointed_run(tmp_path_factory.mktemp("signals_full") / "run", data)
 
 
 def _printed(cwd: Path, text: str):
