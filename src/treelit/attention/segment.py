@@ -258,7 +258,6 @@ class _SegmentLayer(torch.autograd.Function):
         N, H, D = Q.shape
         out = Q.new_empty(N + 1, H, D)  # row N: the dummy row of padded slots
         lse = None
-        saved = []
         for w in works:
             parts = [w.own] if w.pre is None else [w.own, w.pre]
             res = []
@@ -270,7 +269,6 @@ class _SegmentLayer(torch.autograd.Function):
                 kp, vp = (_heads_first(_take(X, p.k), p.n, p.lk) for X in (K, V))
                 o, l = _fwd(qp, kp, vp, p.causal, p.bias_for(q.dtype))
                 res.append((_tokens_first(o), _tokens_first(l)))
-                saved.append((qp, kp, vp))
             o, l = res[0]
             if lse is None:
                 lse = l.new_empty(N + 1, H)
@@ -293,25 +291,31 @@ class _SegmentLayer(torch.autograd.Function):
                 lse.index_copy_(0, w.own.rows, l)
         out[N].zero_()
         lse[N].fill_(float("inf"))
-        ctx.works, ctx.saved, ctx.shapes = works, saved, (q.shape, k.shape, v.shape)
-        ctx.save_for_backward(out, lse)
+        # q, k and v themselves are kept, not the parts' gathered rows: a gather copies (a prefix's
+        # rows once per group that reads them), and the backward gathers each part again in turn
+        ctx.works, ctx.shapes = works, (q.shape, k.shape, v.shape)
+        ctx.save_for_backward(q, k, v, out, lse)
         return out[:N].transpose(0, 1).unsqueeze(0)
 
     @staticmethod
     def backward(ctx, grad):
-        out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
+        Q, K, V = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
         qs, ks, vs = ctx.shapes
         G = torch.cat([grad[0].transpose(0, 1), grad.new_zeros(1, qs[1], qs[3])])  # row N: zero gradient
         acc = torch.float32 if G.dtype in (torch.float16, torch.bfloat16) else G.dtype  # parts summed in float32
         dQ = G.new_zeros(qs[2] + 1, qs[1], qs[3], dtype=acc)
         dK = G.new_zeros(ks[2], ks[1], ks[3], dtype=acc)
         dV = G.new_zeros(vs[2], vs[1], vs[3], dtype=acc)
-        saved = iter(ctx.saved)
         lse = lse.unsqueeze(-1)
         for w in ctx.works:
             taken: Dict[int, tuple] = {}
+            queries: Dict[int, torch.Tensor] = {}
             for p in [w.own] if w.pre is None else [w.own, w.pre]:
-                qp, kp, vp = next(saved)
+                if id(p.q) not in queries:
+                    queries[id(p.q)] = _take(Q, p.q)
+                qp = _heads_first(queries[id(p.q)], p.n, p.lq)
+                kp, vp = (_heads_first(_take(X, p.k), p.n, p.lk) for X in (K, V))
                 if id(p.rows) not in taken:
                     taken[id(p.rows)] = tuple(_take(X, p.rows) for X in (G, out, lse))
                 g, o, l = (_heads_first(x, p.n, p.lq) for x in taken[id(p.rows)])

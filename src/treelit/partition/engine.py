@@ -326,6 +326,9 @@ class _Run:
                 if i >= 0 and live.index != i:
                     raise AssertionError(f"pass schedule out of order: backward of {i}, chain top {live.index}")
                 self._finish(live)
+                # (the pass's graph, and what its nodes keep beyond their saved tensors, goes now,
+                # not when the next pass's forward has replaced it)
+                del live
                 captured.pop(i, None)
         for param, buf in ((emb, emb_buf), (W_out, out_buf if out_buf is not emb_buf else None)):
             if buf is not None and param is not None and not self.failed and buf is not param.grad:
