@@ -95,7 +95,7 @@ from treelit.models.forward import decoder_hidden, in_forward, output_weight
 from treelit.models.hf_kernels import TREE_KERNELS, WRAPPER_KERNELS
 from treelit.models.moe import collecting
 from treelit.objectives.folding import fold_spec, loss_from_logprobs, target_selection
-from treelit.partition.passes import empty_row
+from treelit.partition.passes import ShardedRows, empty_row
 from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
@@ -595,8 +595,10 @@ class _CPContext(TreeContext):
         super().__init__(sub, backend, external=external, capture_kv=capture_kv, capture_tokens=in_range)
         self.cp_plan, self.group, self.full = plan, group, full
         # a partitioned pass below another: its ancestors' K/V, and its root's state and convolution
-        # context (the same on every rank)
-        self.pre = pre
+        # context (the same on every rank); a rank whose range of the pass is empty keeps them
+        # apart (``idle_pre``): it still takes part in assembling the ancestors' K/V
+        self.pre = pre if plan is not None else None
+        self.idle_pre = pre if plan is None else None
         self.external_root = pre is not None and bool(pre.state)
         self.boundary = boundary  # row tokens whose states the passes below start from (captured)
         self._recurrent: Dict[int, _Recurrent] = {}
@@ -653,7 +655,11 @@ class _CPContext(TreeContext):
 
     def attention(self, layer, q, k, v, window=None):
         if self.cp_plan is None:
-            return super().attention(layer, q, k, v, window)
+            out = super().attention(layer, q, k, v, window)
+            idle = self.idle_pre.k.get(layer) if self.idle_pre is not None else None
+            if isinstance(idle, ShardedRows):  # an empty range: still a part of the ancestors' assembly
+                out = out + _AncestorsIdle.apply(q, idle, self.group, *(sh.own for sh, _ in idle.parts))
+            return out
         if q.shape[0] != 1:
             raise ValueError("a tree row has batch size 1")
         if self.capture_kv:  # (the rank's own rows, for the passes below)
@@ -662,13 +668,16 @@ class _CPContext(TreeContext):
         # [path | own] keys and values: one copy each of what the attention keeps for its backward
         # (the exchange's joint tensor and the received rows are not held beyond this call)
         both = _PathRows.apply(torch.cat([k, v], dim=-1), self.cp_plan, self.group, 4 * layer, 2)
-        if self.pre is not None:  # the partition's ancestors (earlier passes) in front
-            k = torch.cat([self.pre.k[layer], both[..., :dk]], 2)
-            v = torch.cat([self.pre.v[layer], both[..., dk:]], 2)
-        else:
-            k, v = both[..., :dk].contiguous(), both[..., dk:].contiguous()
+        k, v = both[..., :dk].contiguous(), both[..., dk:].contiguous()
         del both
-        return self.backend(q, k, v, self.plan_for(window))
+        plan = self.plan_for(window)
+        pre = self.pre.k[layer] if self.pre is not None else None
+        if isinstance(pre, ShardedRows):  # the partition's ancestors (earlier passes), assembled in front
+            return _WithAncestors.apply(q, k, v, lambda q_, k_, v_: self.backend(q_, k_, v_, plan), pre, self.group,
+                                        *(sh.own for sh, _ in pre.parts))
+        if pre is not None:
+            k, v = torch.cat([pre, k], 2), torch.cat([self.pre.v[layer], v], 2)
+        return self.backend(q, k, v, plan)
 
 
 def _forward_range(model, batch: TreeBatch, plan: CPPlan, group, attention, chunk_rows, with_entropy: bool):
@@ -826,8 +835,8 @@ def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: 
     range is empty runs an empty row (its captured K/V give the shapes of what it contributes:
     nothing)."""
     dev = sub.device
-    if plan.size == 0:
-        row, external, pre, live = empty_row(dev, sub), None, None, None
+    if plan.size == 0:  # (``pre`` stays: the ancestors' K/V are assembled with every rank of the group)
+        row, external, live = empty_row(dev, sub), None, None
     else:
         live = plan
         row = sub if plan.size == sub.num_tokens else sub.subset(torch.arange(plan.start, plan.end, device=dev))
@@ -862,19 +871,136 @@ def cp_captures(ctx, plan: CPPlan, need: np.ndarray, group, grad: bool):
     at = np.flatnonzero((need >= lo) & (need < hi))
     produced: List[Any] = []
     leaves: List[torch.Tensor] = []
-    kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+    kv: Dict[int, KVShard] = {}
     for layer in sorted(ctx.captured):
         k, v = ctx.captured[layer]
         dev = k.device
-        own = None
-        if len(at):  # (only the rows wanted: not a copy of the range's K/V)
-            rows = torch.from_numpy(need[at] - lo).to(dev)
-            own = torch.cat([k.index_select(2, rows), v.index_select(2, rows)], dim=-1)
-        shape = (k.shape[0], k.shape[1], len(need), k.shape[3] + v.shape[3])
-        whole = _assembled(own, torch.from_numpy(at).to(dev), shape, k, 2, group, grad, produced, leaves)
-        dk = k.shape[-1]
-        kv[layer] = (whole[..., :dk], whole[..., dk:])
+        # (only the rows wanted: not a copy of the range's K/V)
+        rows = torch.from_numpy(need[at] - lo).to(dev)
+        own = torch.cat([k.index_select(2, rows), v.index_select(2, rows)], dim=-1)
+        leaf = own.detach()
+        if grad:
+            leaf.requires_grad_()
+            produced.append((own if len(at) else None, None, None))  # (its gradient arrives summed)
+            leaves.append(leaf)
+        kv[layer] = KVShard(leaf, torch.from_numpy(at).to(dev), len(need), k.shape[-1])
     return kv, produced, leaves
+
+
+@dataclass
+class KVShard:
+    """One attention layer's captures of a partitioned pass under context parallelism, as one
+    rank holds them: ``own [1, Hkv, n_own, Dk + Dv]`` (keys and values side by side) are the
+    rows ``at`` of the ``size`` rows the passes below read (:meth:`RowPlan.needed`) that lie in
+    this rank's range. A pass below assembles them from every rank of the group in each attention
+    layer as it runs, and again in its backward (:func:`_WithAncestors`), so that no rank holds
+    the whole path above the pass beyond one layer at a time; the gradients of the rows come
+    back summed over the group into each owner's ``own``."""
+
+    own: torch.Tensor
+    at: torch.Tensor
+    size: int
+    dk: int
+
+
+def _ancestor_rows(pre: ShardedRows, group) -> torch.Tensor:
+    """The ancestors' K/V ``[1, Hkv, E, Dk + Dv]`` of one attention layer, from the shards of
+    every rank of ``group`` (one all-reduce of each ancestor partition's captured rows, each rank
+    filling its own)."""
+    first = pre.parts[0][0].own
+    whole = first.new_zeros(*first.shape[:2], sum(sh.size for sh, _ in pre.parts), first.shape[-1])
+    off = 0
+    for sh, _ in pre.parts:
+        whole[:, :, off:off + sh.size].index_copy_(2, sh.at, sh.own.detach())
+        off += sh.size
+    dist.all_reduce(whole, group=group)
+    n = whole.numel() * whole.element_size()
+    TRAFFIC.received += n
+    TRAFFIC.forward += n
+    out, off = [], 0
+    for sh, idx in pre.parts:
+        out.append(whole[:, :, off:off + sh.size].index_select(2, idx))
+        off += sh.size
+    return out[0] if len(out) == 1 else torch.cat(out, 2)
+
+
+def _ancestor_grads(gk: Optional[torch.Tensor], gv: Optional[torch.Tensor], pre: ShardedRows,
+                    group) -> List[torch.Tensor]:
+    """Each shard's gradient from the gradients ``gk [1, Hkv, E, Dk]``, ``gv [1, Hkv, E, Dv]`` of
+    the assembled rows (None: zero) on every rank of ``group``: summed over the group, the rank's
+    own rows."""
+    first = pre.parts[0][0].own
+    dk = pre.parts[0][0].dk
+    whole = first.new_zeros(*first.shape[:2], sum(sh.size for sh, _ in pre.parts), first.shape[-1])
+    e = off = 0
+    for sh, idx in pre.parts:
+        for g, cols in ((gk, slice(0, dk)), (gv, slice(dk, None))):
+            if g is not None:
+                whole[:, :, off:off + sh.size, cols].index_add_(2, idx, g[:, :, e:e + len(idx)].to(whole.dtype))
+        off += sh.size
+        e += len(idx)
+    dist.all_reduce(whole, group=group)
+    TRAFFIC.received += whole.numel() * whole.element_size()
+    out, off = [], 0
+    for sh, _ in pre.parts:
+        out.append(whole[:, :, off:off + sh.size].index_select(2, sh.at).to(sh.own.dtype))
+        off += sh.size
+    return out
+
+
+class _WithAncestors(torch.autograd.Function):
+    """One attention layer of a partitioned pass under context parallelism:
+    ``attend(q, [ancestors | k], [ancestors | v])`` with the ancestors' K/V (``pre``, earlier
+    passes) assembled from the ranks' shards for the call and dropped after it. The backward
+    assembles them again and recomputes the attention with its graph (one more attention forward
+    per layer), and the ancestors' gradients go back to the shards' owners summed over the group.
+    So a rank holds its share of the path above the pass, not all of it in every layer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attend, pre: ShardedRows, group, *owns):
+        ctx.attend, ctx.pre, ctx.group = attend, pre, group
+        dk = pre.parts[0][0].dk
+        with torch.no_grad():
+            anc = _ancestor_rows(pre, group)
+            out = attend(q, torch.cat([anc[..., :dk].to(k.dtype), k], 2), torch.cat([anc[..., dk:].to(v.dtype), v], 2))
+        del anc
+        ctx.save_for_backward(q, k, v)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        pre, group = ctx.pre, ctx.group
+        dk = pre.parts[0][0].dk
+        anc = _ancestor_rows(pre, group)
+        # keys and values apart (a slice of the joint rows would have a joint-sized gradient per half)
+        ak, av = (x.to(t.dtype).contiguous().requires_grad_() for x, t in ((anc[..., :dk], k), (anc[..., dk:], v)))
+        del anc
+        with torch.enable_grad():
+            qd, kd, vd = (x.detach().requires_grad_(x.requires_grad) for x in (q, k, v))
+            out = ctx.attend(qd, torch.cat([ak, kd], 2), torch.cat([av, vd], 2))
+            wrt = [t for t in (qd, kd, vd, ak, av) if t.requires_grad]
+            got = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
+        gq, gk, gv, gak, gav = (next(got) if t.requires_grad else None for t in (qd, kd, vd, ak, av))
+        del out, ak, av
+        return (gq, gk, gv, None, None, None, *_ancestor_grads(gak, gav, pre, group))
+
+
+class _AncestorsIdle(torch.autograd.Function):
+    """A rank whose range of a partitioned pass is empty: its part of :class:`_WithAncestors`'s
+    assemblies, forward and backward (its shards' rows may be read by the other ranks, and their
+    gradients come back to it). Returns a zero that ``q`` (the layer's graph) carries."""
+
+    @staticmethod
+    def forward(ctx, q, pre: ShardedRows, group, *owns):
+        ctx.pre, ctx.group = pre, group
+        _ancestor_rows(pre, group)
+        return q.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ancestor_rows(ctx.pre, ctx.group)  # (the others' recomputation)
+        return (None, None, None, *_ancestor_grads(None, None, ctx.pre, ctx.group))
 
 
 def _assembled(own: Optional[torch.Tensor], at: torch.Tensor, shape, like: torch.Tensor, dim: int, group, grad: bool,
@@ -936,6 +1062,11 @@ def cp_relay(produced: List[Any], leaves: List[torch.Tensor], group) -> Tuple[li
     for (t, dim, at), leaf in zip(produced, leaves):
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         leaf.grad = None
+        if dim is None:  # a K/V shard: its gradient came back summed over the group (``_WithAncestors``)
+            if t is not None and t.requires_grad:
+                tensors.append(t)
+                grads.append(g.to(t.dtype))
+            continue
         g = g.contiguous()
         dist.all_reduce(g, group=group)
         TRAFFIC.received += g.numel() * g.element_size()

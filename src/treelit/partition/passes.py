@@ -15,7 +15,7 @@ nothing: ranks use it to take part in the collectives of a pass they have no wor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -51,11 +51,23 @@ def empty_row(device, like: Optional[TreeBatch] = None) -> TreeBatch:
 @dataclass
 class Captures:
     """What a forwarded partition hands its descendants: per attention layer ``(k, v)``
-    ``[1, Hkv, n, D]`` over its tokens, per recurrent layer named states ``[slots, ...]`` at
-    its boundary tokens (one slot per distinct parent token of a child partition)."""
+    ``[1, Hkv, n, D]`` over its tokens (under context parallelism a
+    :class:`~treelit.partition.context_parallel.KVShard`: the rank's own rows of them), per
+    recurrent layer named states ``[slots, ...]`` at its boundary tokens (one slot per distinct
+    parent token of a child partition)."""
 
-    kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]]
+    kv: Dict[int, Any]
     states: Dict[int, Dict[str, torch.Tensor]]
+
+
+@dataclass
+class ShardedRows:
+    """A pass's ancestors' K/V for one attention layer under context parallelism, not yet
+    assembled: per ancestor partition (chain order) its capture's shard and the positions of
+    the ancestors among the capture's rows. The attention layer assembles them from the group's
+    ranks when it runs (:func:`treelit.partition.context_parallel.attention_with_ancestors`)."""
+
+    parts: List[Tuple[Any, torch.Tensor]]
 
 
 class RowPlan:
@@ -141,20 +153,28 @@ class RowPlan:
         dev = self.batch.device
         ks: Dict[int, List[torch.Tensor]] = {}
         vs: Dict[int, List[torch.Tensor]] = {}
+        shards: Dict[int, List[Tuple[Any, torch.Tensor]]] = {}
         for q in np.unique(self.owner[anc]):  # ancestor partitions in chain (= index) order
             local = self.local[anc[self.owner[anc] == q]]
-            idx = torch.from_numpy(local if rows is None else np.searchsorted(rows[int(q)], local)).to(dev)
-            for layer, (kl, vl) in captured[int(q)].kv.items():
-                ks.setdefault(layer, []).append(kl.index_select(2, idx))
-                vs.setdefault(layer, []).append(vl.index_select(2, idx))
+            pos = local if rows is None else np.searchsorted(rows[int(q)], local)
+            idx = torch.from_numpy(pos).to(dev)
+            for layer, kv in captured[int(q)].kv.items():
+                if not isinstance(kv, tuple):  # a shard (context parallelism): assembled when the layer runs
+                    shards.setdefault(layer, []).append((kv, idx))
+                    continue
+                kl, vl = kv
+                every = len(pos) == kl.shape[2] and bool((pos == np.arange(len(pos))).all())
+                ks.setdefault(layer, []).append(kl if every else kl.index_select(2, idx))  # (all rows: no copy)
+                vs.setdefault(layer, []).append(vl if every else vl.index_select(2, idx))
         E = len(anc)
         parent_part = self.parts[i].parent
         slot = self.slot[i]
         states = {layer: {name: t[slot] for name, t in named.items()}
                   for layer, named in captured[parent_part].states.items()}
+        join = lambda x: x[0] if len(x) == 1 else torch.cat(x, 2)  # noqa: E731  (one ancestor partition: no copy)
         return ExternalKV(
-            {layer: torch.cat(x, 2) for layer, x in ks.items()},
-            {layer: torch.cat(x, 2) for layer, x in vs.items()},
+            {**{layer: join(x) for layer, x in ks.items()}, **{layer: ShardedRows(x) for layer, x in shards.items()}},
+            {layer: join(x) for layer, x in vs.items()},
             torch.zeros(E, dtype=torch.long, device=dev),
             torch.full((E,), self.parts[i].size, dtype=torch.long, device=dev),
             state=states,
