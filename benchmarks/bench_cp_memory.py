@@ -16,7 +16,8 @@ Per rank, each share apart:
   parameters, buffers and the gradient buffers exist before it and are not counted, nor views
   of them), i.e. the step peak minus weights, gradients and optimizer state;
 * **received K/V**: the bytes the rank received in the forward (path K/V and recurrent states
-  and convolution inputs; a partitioned pass's all-reduced captures), part of the activations.
+  and convolution inputs; a partitioned pass's all-reduced boundary states and each per-layer
+  assembly of its ancestors' K/V).
 
 The activation peak of rank r over one process's, and the target ``1.15 / C``; the ranks'
 summed gradients against C = 1.

@@ -45,11 +45,34 @@ def _case(case):
     return model, batch, obj, budget
 
 
-def _worker(rank, C, port, case, out, attention="sdpa_dense"):
+def _probe_shards(seen):
+    """Record, per captured attention layer, the rows this rank keeps of the capture (``own``)
+    and the capture's size; and count the assemblies a rank with an empty range takes part in."""
+    import treelit.partition.context_parallel as cpm
+    import treelit.partition.engine as eng
+
+    captures, idle_forward = eng.cp_captures, cpm._AncestorsIdle.forward
+
+    def recorded(ctx, plan, need, group, grad):
+        kv, produced, leaves = captures(ctx, plan, need, group, grad)
+        seen["shards"] += [(sh.size, int(sh.own.shape[2]), isinstance(sh, cpm.KVShard)) for sh in kv.values()]
+        return kv, produced, leaves
+
+    def idle(ctx, *a):
+        seen["idle"] += 1
+        return idle_forward(ctx, *a)
+
+    eng.cp_captures, cpm._AncestorsIdle.forward = recorded, staticmethod(idle)
+
+
+def _worker(rank, C, port, case, out, attention="sdpa_dense", probe=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=C)
     try:
+        seen = {"shards": [], "idle": 0}
+        if probe:
+            _probe_shards(seen)
         model, batch, obj, budget = _case(case)
         Z = obj.norm_contribution(batch, "token-mean")
         from treelit.partition.engine import PartitionStats
@@ -63,17 +86,19 @@ def _worker(rank, C, port, case, out, attention="sdpa_dense"):
             dist.all_reduce(g)
         forwards = torch.tensor([float(stats.token_forwards)])
         dist.all_reduce(forwards)
+        every = [None] * C
+        dist.all_gather_object(every, seen)
         if rank == 0:
             torch.save({"value": res.loss, "metrics": res.metrics, "grads": [g.clone() for g in grads],
-                        "partitions": stats.partitions, "forwards": float(forwards)}, out)
+                        "partitions": stats.partitions, "forwards": float(forwards), "seen": every}, out)
         dist.barrier()  # every rank done with its messages before the group goes
     finally:
         dist.destroy_process_group()
 
 
-def compare(case, C, tmp_path, attention="sdpa_dense"):
+def compare(case, C, tmp_path, attention="sdpa_dense", probe=False):
     out = tmp_path / f"cpp{C}.pt"
-    mp.spawn(_worker, args=(C, _port(), case, str(out), attention), nprocs=C, join=True)
+    mp.spawn(_worker, args=(C, _port(), case, str(out), attention, probe), nprocs=C, join=True)
     got = torch.load(out, weights_only=True)
     model, batch, obj, _ = _case(case)
     Z = obj.norm_contribution(batch, "token-mean")
@@ -115,6 +140,23 @@ def test_cp_partitioned_windows_moe_families(name, window, tmp_path):
 @pytest.mark.slow
 def test_cp_partitioned_one_token_forest(tmp_path):
     compare(("qwen2_5_tiny", ONE_TOKEN, "sft", 3), 2, tmp_path)
+
+
+def test_ancestors_stay_sharded_and_an_empty_range_takes_part(tmp_path):
+    """At C = 3 with a budget of 2 tokens per rank, passes of one or two tokens leave ranges
+    empty. Each captured layer's rows are split over the ranks (each keeps its own, none the
+    whole path), the ranks with an empty range take part in assembling the ancestors' K/V, and
+    loss and every gradient equal one process's."""
+    got = compare(("qwen2_5_tiny", ONE_TOKEN, "sft", 2), 3, tmp_path, probe=True)
+    seen = got["seen"]
+    per_rank = [s["shards"] for s in seen]
+    assert all(len(s) == len(per_rank[0]) for s in per_rank) and per_rank[0], "every rank captures every layer"
+    assert all(kind for s in per_rank for _, _, kind in s), "captures under context parallelism are shards"
+    for layer_capture in zip(*per_rank):
+        size = layer_capture[0][0]
+        assert sum(own for _, own, _ in layer_capture) == size, "each captured row is kept by exactly one rank"
+    assert any(max(own for _, own, _ in c) < c[0][0] for c in zip(*per_rank)), "no capture split over ranks"
+    assert sum(s["idle"] for s in seen) > 0, "the case must leave some rank's range of a pass with ancestors empty"
 
 
 def test_budget_is_per_rank():
