@@ -32,10 +32,12 @@ DEEP = ([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 9, 10, 0, 3], [1, 2, 3, 4, 5,
 def _case(case):
     name, forest, objective, budget, *extra = case
     window = bool(extra) and extra[0] is True
-    router = extra[0] if extra and isinstance(extra[0], str) else None
+    router = extra[0] if extra and extra[0] in ("micro_batch", "sequence") else None
     kw = dict(sliding_window=3, sliding_window_layers=[0]) if window else {}
     model = treelit.load_hf_model(name[3:], dtype=torch.float64) if name.startswith("hf:") else \
         tiny_model(name, torch.float64, **kw)
+    if "checkpointing" in extra:  # each layer recomputed in the backward, its exchanges and assemblies too
+        model.activation_checkpointing = True
     if router is not None:  # the router load-balancing loss on (micro_batch | sequence)
         from treelit.models.factory import set_router_aux_loss
 
@@ -157,6 +159,14 @@ def test_ancestors_stay_sharded_and_an_empty_range_takes_part(tmp_path):
         assert sum(own for _, own, _ in layer_capture) == size, "each captured row is kept by exactly one rank"
     assert any(max(own for _, own, _ in c) < c[0][0] for c in zip(*per_rank)), "no capture split over ranks"
     assert sum(s["idle"] for s in seen) > 0, "the case must leave some rank's range of a pass with ancestors empty"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2_5_tiny", "hybrid_tiny"])
+def test_cp_partitioned_with_activation_checkpointing(name, tmp_path):
+    """A checkpointed layer runs its forward again in the backward: the ancestors' assembly
+    (and, in the hybrid, the state hand-off) happens once more on every rank."""
+    compare((name, DEEP, "grpo", 4, "checkpointing"), 3, tmp_path)
 
 
 def test_budget_is_per_rank():
