@@ -713,8 +713,9 @@ class TreeLitModule(pl.LightningModule):
     def _cp_metrics(self, stats: PartitionStats) -> Dict[str, float]:
         """What context parallelism cost this update, for each rank of this rank's group:
         ``cp/received_bytes/rank{r}`` (the bytes it received: path K/V, recurrent states and
-        convolution inputs, their gradients, and partitioned passes' all-reduced captures, since
-        the last update's figure: this step's values and rollout passes included) and
+        convolution inputs, their gradients, and partitioned passes' all-reduced boundary states
+        and ancestor K/V assemblies, since the last update's figure: this step's values and
+        rollout passes included) and
         ``cp/peak_bytes/rank{r}`` (its peak memory, as ``peak_mem_bytes``), their maxima, and
         ``cp/imbalance`` (the passes' most loaded rank's cost over the mean, minus 1)."""
         mine = torch.tensor([float(TRAFFIC.take()), float(_peak_memory_bytes(self.device))], dtype=torch.float64,

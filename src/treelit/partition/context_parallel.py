@@ -57,13 +57,15 @@ crosses ranks:
 
 * **Partitioned passes** (:func:`cp_forward_pass`, used by :mod:`treelit.partition.engine`):
   each pass of a partition plan is split the same way; the pass's ancestor K/V (rows of
-  earlier passes, the same on every rank: :func:`cp_captures` sums each rank's own rows over
-  the group) sit in front of the path rows and are visible to the whole range; their
-  gradients are summed over the group before they go into each owner's graph
-  (:func:`cp_relay`). Recurrent layers: the pass's root continues its partition's outside
-  state (one more slot, after the received ones) and convolution context (context rows after
-  the received ones); the states and contexts at the pass's boundary tokens are assembled and
-  relayed like its K/V (:func:`cp_state_captures`). A router loss takes every rank's routing
+  earlier passes) sit in front of the path rows and are visible to the whole range. Each rank
+  keeps only its own rows of them (:func:`cp_captures`, :class:`KVShard`); every attention
+  layer of a pass below assembles them from the group as it runs and again in its backward
+  (:class:`_WithAncestors`), and their gradients come back summed over the group into each
+  owner's graph (:func:`cp_relay`). Recurrent layers: the pass's root continues its partition's
+  outside state (one more slot, after the received ones) and convolution context (context rows
+  after the received ones); the states and contexts at the pass's boundary tokens are
+  assembled once, the same on every rank, their gradients summed over the group
+  (:func:`cp_state_captures`). A router loss takes every rank's routing
   counts in a no-gradient pass first and sums them over the group.
 
 Supported: PPO's critic, shared or separate (through :mod:`treelit.partition.engine`, which folds
@@ -550,7 +552,8 @@ def _global(group, r: int) -> int:
 class Traffic:
     """Bytes this process received for context parallelism since the last :meth:`take`: the
     point-to-point messages (path K/V and convolution inputs, states, and their gradients in the
-    backward) and the all-reduced captures of partitioned passes (counted at their size)."""
+    backward) and, in partitioned passes, the all-reduced boundary states and each assembly of
+    a pass's ancestor K/V (counted at their size)."""
 
     def __init__(self) -> None:
         self.received = 0
@@ -862,11 +865,11 @@ def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: 
 
 def cp_captures(ctx, plan: CPPlan, need: np.ndarray, group, grad: bool):
     """What a partition's pass hands the passes below, under context parallelism: per attention
-    layer the K/V ``[1, Hkv, len(need), D]`` of its rows ``need`` (the ancestors of its child
-    partitions' roots), assembled from the ranks that hold them and the same on every rank (a
-    sum over the group of each rank's own rows, zeros elsewhere). With ``grad``, leaf copies that
-    require grad, and each rank's own contribution (a tensor of its graph) to relay their
-    gradients into: see :func:`cp_relay`. Returns ``(kv, produced, leaves)``."""
+    layer a :class:`KVShard` of the K/V of its rows ``need`` (the ancestors of its child
+    partitions' roots): the rows of them in this rank's range (none: an empty shard). With
+    ``grad``, the shards are leaves that require grad, and each rank's own rows (a tensor of its
+    graph) are noted to relay their gradients into: see :func:`cp_relay`. Returns ``(kv,
+    produced, leaves)``."""
     lo, hi = (plan.start, plan.end) if plan.size else (0, 0)
     at = np.flatnonzero((need >= lo) & (need < hi))
     produced: List[Any] = []
@@ -1057,7 +1060,8 @@ def cp_relay(produced: List[Any], leaves: List[torch.Tensor], group) -> Tuple[li
     """``(tensors, grads)`` to back-propagate for a partition's captures under context
     parallelism: each leaf's gradient summed over the group (every rank of the group calls this
     for the same pass, in the same order), its rows into the rank's own contribution
-    (``produced``: ``(own rows or None, dim, their positions)`` per leaf)."""
+    (``produced``: ``(own rows or None, dim, their positions)`` per leaf; a K/V shard's,
+    ``(own rows or None, None, None)``, already summed when the passes below ran)."""
     tensors, grads = [], []
     for (t, dim, at), leaf in zip(produced, leaves):
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
