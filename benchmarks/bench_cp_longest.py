@@ -1,25 +1,30 @@
 """The longest branch that trains on a fixed per-rank memory budget, at C = 1, 2, 4, 8.
 
 The memory planner's arithmetic (:class:`treelit.lightning.planner.MemoryPlanner`): a rank
-holds ``budget = available / bytes_per_token`` tokens of a chain of partitions, a chain holds
-C x that, so the longest branch a run of C context-parallel ranks accepts is ``C x budget``.
-Here, per C (gloo processes on CPU, one thread each):
+holds ``budget`` tokens of a chain of partitions, a chain holds C x that, so the longest branch
+a run of C context-parallel ranks accepts is ``C x budget``. Here, per C (gloo processes on
+CPU, one thread each):
 
 1. *calibration*: one SFT step on a branch of ``--calibrate`` x C tokens (after one unmeasured
-   warm-up step of the same branch: a process's first step allocates one-time buffers); each rank's ``bytes_per_token`` = (its activation peak - ``score_bytes`` x its queries
-   x its received path keys) / its share of the chain (the planner's own rule, without its
-   safety margin; ``score_bytes`` from the model: :func:`score_pair_bytes`);
+   warm-up step of the same branch: a process's first step allocates one-time buffers); each
+   rank's ``bytes_per_token`` by the planner's own rule (:meth:`MemoryPlanner.calibrate`, no
+   safety margin): its activation peak less ``score_bytes`` x its queries x its received path
+   keys and less ``head_bytes`` x the rows of the head's logits (its pass's targets up to the
+   head's chunk, then the chunks' size), over its share of the chain; ``score_bytes``,
+   ``head_bytes`` and the chunk from the model and the run (:meth:`MemoryPlanner.set_model_terms`);
 2. *plan*: the planner's budget for ``--budget-mib`` (:meth:`MemoryPlanner.tokens_for`: the
-   last rank's queries receive ``(C - 1) x budget`` keys), the smallest over ranks, and the
-   longest branch ``L = C x budget``;
+   last rank's queries receive ``(C - 1) x budget`` keys, a pass has ``budget`` targets), the
+   smallest over ranks, and the longest branch ``L = C x budget``;
 3. *the step at L*: one SFT forward + backward of a single branch of L tokens through
    ``run_micro_batch`` (budget per rank, each pass split over the C ranks); per rank its
    activation peak (as in ``bench_cp_memory.py``: weights, gradients and optimizer state apart)
-   against the planner's prediction ``bytes_per_token x L / C + score_bytes x queries x
-   received keys`` (:meth:`MemoryPlanner.predicted_peak`), and the step's wall time; the ranks'
-   summed gradients against one process on the same branch.
+   against the planner's prediction for what the step's statistics say the rank held
+   (:meth:`MemoryPlanner.predicted_peak`: its chain share, score pairs and pass targets), and
+   the step's wall time; the ranks' summed gradients against one process on the same branch.
 
     python benchmarks/bench_cp_longest.py --json benchmarks/results/bench_cp_longest.json
+    python benchmarks/bench_cp_longest.py --budget-mib 64 --json benchmarks/results/bench_cp_longest_64mib.json
+    python benchmarks/bench_cp_longest.py --calibrate 256 --json benchmarks/results/bench_cp_longest_calibrate256.json
 """
 
 from __future__ import annotations
@@ -172,9 +177,7 @@ def main(argv=None):
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--model", choices=["attention", "hybrid"], default="attention")
     p.add_argument("--budget-mib", type=float, default=48.0, help="activation memory per rank")
-    p.add_argument("--calibrate", type=int, default=304,
-                   help="tokens per rank of the calibration step (at 48 MiB every rank's range is on the same side "
-                        "as at L of the segment backend's 256-query cut and of the head's logits chunk, 1024 / C rows)")
+    p.add_argument("--calibrate", type=int, default=304, help="tokens per rank of the calibration step")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

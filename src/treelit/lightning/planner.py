@@ -9,30 +9,47 @@ blocks an earlier step freed), at most what a cap set with
 ``memory_limit_bytes`` (one number, or one per rank), the memory a step may use. Measured
 after sharding: under FSDP2 a rank holds 1/world of the parameters and optimizer state,
 under HSDP (``replicate_degree`` R) 1/(world/R), and that resident state is already
-allocated when the step starts, so it is not available. The cost model is
-linear in the tokens alive along a chain of partitions, ``peak = bytes_per_token *
-chain_tokens``, where ``peak`` is what the step allocates above what was allocated when it
-started (the resident state is counted once: out of the memory available, not again per
-token). What a step allocates besides its activations is folded into that per-token cost:
-the gradients' shards (freed after every update, ``zero_grad(set_to_none=True)``) and, in
-the first step, the optimizer state (created by its first update): the cost of chains at
-least as long as the ones measured is over-estimated, not under-estimated.
-``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on each rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
-margin). Each rank's budget is ``available / (bytes_per_token * margin)``; the budget
-used is the **minimum over ranks**, so every rank plans with the same budget and (under
+allocated when the step starts, so it is not available.
+
+The cost model has a per-token term and the head's logits, ``peak = bytes_per_token *
+chain_tokens + head_bytes * head_rows``, where ``peak`` is what the step allocates above what
+was allocated when it started (the resident state is counted once: out of the memory
+available, not again per token). The head (:mod:`treelit.loss.logprobs`) computes a pass's
+log-probs in chunks of at most ``chunk_rows`` rows of logits, cut into equal chunks, so the
+rows it holds are the targets of the rank's largest pass up to a chunk and the chunks' size
+above it (``head_rows``: :func:`~treelit.loss.logprobs.even_chunk_rows`; the targets:
+``PartitionStats.max_pass_targets``) - per token up to the chunk, then at most a constant.
+``head_bytes`` (:func:`head_row_bytes`) is one row in the compute dtype (float32 for half
+models) times the logits-sized buffers a pass holds at its peak, as measured on a step: one
+for the fused SFT loss, two for log-probs with entropies, one and a row of the hidden
+states' gradient for log-probs alone. ``chunk_rows`` is the run's: ``chunk_rows`` as set, or
+:func:`~treelit.loss.logprobs.default_chunk_rows` (1/C of it under context parallelism,
+:func:`~treelit.partition.context_parallel.cp_chunk_rows`). What a step allocates besides its
+activations and the head is folded into the per-token cost: the gradients' shards (freed after
+every update, ``zero_grad(set_to_none=True)``) and, in the first step, the optimizer state
+(created by its first update): the cost of chains at least as long as the ones measured is
+over-estimated, not under-estimated. ``bytes_per_token`` starts from
+``initial_bytes_per_token`` and is calibrated on each rank from the peaks it observed in
+earlier steps (:meth:`MemoryPlanner.calibrate`: the peak less the head's term, over the
+chain; the largest value seen, with a safety margin). Each rank's budget is the largest ``b``
+whose prediction, ``b`` tokens of a chain and ``b`` targets in a pass, times the margin fits
+its memory; the prediction is not monotone in ``b`` (one target past a chunk halves the
+rows), so :meth:`MemoryPlanner.tokens_for` searches each count of chunks on its own. The
+budget used is the **minimum over ranks**, so every rank plans with the same budget and (under
 FSDP2) runs aligned passes. Under context parallelism (C ranks share each pass) the
 budget is per rank: a chain of partitions holds C x the budget, a path up to C x longer than
-one rank holds; the chain tokens a rank measures against are its own share, a chain's / C.
-A rank's queries also attend to the path keys it receives, and the backward pass holds one
-layer's scores of those pairs, so under context parallelism the model is
-``peak = bytes_per_token * chain_tokens + score_bytes * queries * received_keys``
+one rank holds; the chain tokens a rank measures against are its own share, a chain's / C,
+and the targets its own share of a pass's. A rank's queries also attend to the path keys it
+receives, and the backward pass holds one layer's scores of those pairs, so under context
+parallelism the model adds ``score_bytes * queries * received_keys``
 (``score_bytes``: :func:`~treelit.partition.context_parallel.score_pair_bytes`, from the model's
 heads and the device: 0 on CPU, whose attention kernels run blockwise; the pairs are the step's
-largest pass on this rank). On one branch that fills a
+largest pass on this rank), calibrated apart like the head's term. On one branch that fills a
 chain the last rank's ``budget`` queries receive ``(C - 1) x budget`` keys (at most the longest
-branch), so the budget solves ``bytes_per_token * b + score_bytes * b * min((C - 1) b, longest)
-= available / margin``. On an out-of-memory error on any rank, every rank asks
-:meth:`shrink` for a smaller budget and retries the update. The chosen budget and the
+branch), so the budget is the largest ``b`` with ``bytes_per_token * b + head_bytes *
+head_rows(b) + score_bytes * b * min((C - 1) b, longest) <= available / margin``. On an
+out-of-memory error on any rank, every rank asks :meth:`shrink` for a smaller budget and
+retries the update. The chosen budget and the
 observed peak are logged.
 """
 
