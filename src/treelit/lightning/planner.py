@@ -299,7 +299,7 @@ class MemoryPlanner(pl.Callback):
                "score_pairs": pairs, "head_rows": self.head_rows(targets)}
         self.history.append(row)
         pl_module.log_dict({"planner/budget_tokens": float(row["budget"]), "planner/peak_bytes": peak,
-                            "planner/bytes_per_token": self.bytes_per_token})
+                            "planner/bytes_per_token": self.bytes_per_token, "planner/head_bytes": self.head_bytes})
 
     def shrink(self, pl_module, micro_batches) -> int:
         """A smaller budget after an out-of-memory error (the cost model is raised to match)."""
