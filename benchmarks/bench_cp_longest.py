@@ -25,6 +25,7 @@ CPU, one thread each):
     python benchmarks/bench_cp_longest.py --json benchmarks/results/bench_cp_longest.json
     python benchmarks/bench_cp_longest.py --budget-mib 64 --json benchmarks/results/bench_cp_longest_64mib.json
     python benchmarks/bench_cp_longest.py --calibrate 256 --json benchmarks/results/bench_cp_longest_calibrate256.json
+    python benchmarks/bench_cp_longest.py --model hybrid --json benchmarks/results/bench_cp_longest_hybrid.json
 """
 
 from __future__ import annotations

@@ -233,7 +233,8 @@ class MemoryPlanner(pl.Callback):
         ``b`` queries receiving ``min((C - 1) b, longest)`` keys (none at C = 1), and ``b`` targets
         in its largest pass. The head's rows grow with ``b`` up to a chunk and then stay within
         one (:meth:`head_rows`: not monotone, ``c + 1`` targets make two chunks of about ``c / 2``);
-        between chunk counts they do not fall, so each range of ``k`` chunks is searched on its own."""
+        for a given count of chunks they grow with ``b``, so each range of ``k`` chunks is searched
+        on its own, from the largest down."""
         cap = avail / self.margin
         a, sc = self.bytes_per_token, self.score_bytes
 
