@@ -67,14 +67,23 @@ TWO = [
 ADAPTER = dict(objective="sft", limits=[50000, 80000], router_coef=0.05,
                router_definition="sequence")  # + family="hf:<dir>" (qwen3_moe)
 
-FOUR = [
-    dict(family="hybrid_tiny", objective="sft", limits=[90000, 40000, 70000, 300000], n_trees=8, micro_tokens=120),
+
+
+def _limits(budgets, head_bytes):
+    """Memory limits whose planner budgets are ``budgets`` tokens: 1000 bytes per token and the
+    head's row of logits per target (:func:`~treelit.lightning.planner.head_row_bytes` of the
+    case's model and objective; half a token's bytes of slack)."""
+    return [b * (1000 + head_bytes) + (1000 + head_bytes) // 2 for b in budgets]
+
+
+FOUR = [  # (vocabulary 11: rows of 88 bytes in float64 (sft), 344 (log-probs, dim 32), 172 in float32)
+    dict(family="hybrid_tiny", objective="sft", limits=_limits([90, 40, 70, 300], 88), n_trees=8, micro_tokens=120),
     dict(family="qwen2_tiny", objective="gspo", data="rl", options=dict(clip_low=0.5, clip_high=0.5), n_trees=8,
-         limits=[50000, 50000, 35000, 80000], checkpointing=True),
+         limits=_limits([50, 50, 35, 80], 344), checkpointing=True),
     dict(family="hybrid_tiny", objective="dpo", data="dpo", options=dict(beta=0.3, loss="ipo"), n_trees=8,
-         limits=[45000, 90000, 60000, 45000]),
+         limits=_limits([45, 90, 60, 45], 344)),
     dict(family="qwen2_tiny", objective="grpo", data="rl", rollout=True, dtype=torch.float32, n_trees=8,
-         limits=[60000, 36000, 36000, 200000]),
+         limits=_limits([60, 36, 36, 200], 172)),
 ]
 
 
