@@ -1,25 +1,31 @@
 """The longest branch that trains on a fixed per-rank memory budget, at C = 1, 2, 4, 8.
 
 The memory planner's arithmetic (:class:`treelit.lightning.planner.MemoryPlanner`): a rank
-holds ``budget = available / bytes_per_token`` tokens of a chain of partitions, a chain holds
-C x that, so the longest branch a run of C context-parallel ranks accepts is ``C x budget``.
-Here, per C (gloo processes on CPU, one thread each):
+holds ``budget`` tokens of a chain of partitions, a chain holds C x that, so the longest branch
+a run of C context-parallel ranks accepts is ``C x budget``. Here, per C (gloo processes on
+CPU, one thread each):
 
 1. *calibration*: one SFT step on a branch of ``--calibrate`` x C tokens (after one unmeasured
-   warm-up step of the same branch: a process's first step allocates one-time buffers); each rank's ``bytes_per_token`` = (its activation peak - ``score_bytes`` x its queries
-   x its received path keys) / its share of the chain (the planner's own rule, without its
-   safety margin; ``score_bytes`` from the model: :func:`score_pair_bytes`);
+   warm-up step of the same branch: a process's first step allocates one-time buffers); each
+   rank's ``bytes_per_token`` by the planner's own rule (:meth:`MemoryPlanner.calibrate`, no
+   safety margin): its activation peak less ``score_bytes`` x its queries x its received path
+   keys and less ``head_bytes`` x the rows of the head's logits (its pass's targets up to the
+   head's chunk, then the chunks' size), over its share of the chain; ``score_bytes``,
+   ``head_bytes`` and the chunk from the model and the run (:meth:`MemoryPlanner.set_model_terms`);
 2. *plan*: the planner's budget for ``--budget-mib`` (:meth:`MemoryPlanner.tokens_for`: the
-   last rank's queries receive ``(C - 1) x budget`` keys), the smallest over ranks, and the
-   longest branch ``L = C x budget``;
+   last rank's queries receive ``(C - 1) x budget`` keys, a pass has ``budget`` targets), the
+   smallest over ranks, and the longest branch ``L = C x budget``;
 3. *the step at L*: one SFT forward + backward of a single branch of L tokens through
    ``run_micro_batch`` (budget per rank, each pass split over the C ranks); per rank its
    activation peak (as in ``bench_cp_memory.py``: weights, gradients and optimizer state apart)
-   against the planner's prediction ``bytes_per_token x L / C + score_bytes x queries x
-   received keys`` (:meth:`MemoryPlanner.predicted_peak`), and the step's wall time; the ranks'
-   summed gradients against one process on the same branch.
+   against the planner's prediction for what the step's statistics say the rank held
+   (:meth:`MemoryPlanner.predicted_peak`: its chain share, score pairs and pass targets), and
+   the step's wall time; the ranks' summed gradients against one process on the same branch.
 
     python benchmarks/bench_cp_longest.py --json benchmarks/results/bench_cp_longest.json
+    python benchmarks/bench_cp_longest.py --budget-mib 64 --json benchmarks/results/bench_cp_longest_64mib.json
+    python benchmarks/bench_cp_longest.py --calibrate 256 --json benchmarks/results/bench_cp_longest_calibrate256.json
+    python benchmarks/bench_cp_longest.py --model hybrid --json benchmarks/results/bench_cp_longest_hybrid.json
 """
 
 from __future__ import annotations
@@ -48,13 +54,12 @@ def _branch(L: int, args):
     return treelit.TokenTree.from_branches([torch.randint(16, args.vocab, (L,), generator=g).tolist()]).to_batch()
 
 
-def _step(model, batch, budget, cp_group, args):
-    """One SFT step: ``(activation peak, seconds)`` of this rank (gradients in ``.grad``)."""
-    from treelit.objectives import make_objective
-    from treelit.partition.engine import run_micro_batch
+def _step(model, obj, batch, budget, cp_group, args):
+    """One SFT step: ``(activation peak, seconds, PartitionStats)`` of this rank (gradients in ``.grad``)."""
+    from treelit.partition.engine import PartitionStats, run_micro_batch
     from treelit.utils.memory import LiveBytes
 
-    obj = make_objective("sft")
+    stats = PartitionStats()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     live = LiveBytes()
@@ -62,25 +67,15 @@ def _step(model, batch, budget, cp_group, args):
     t0 = time.perf_counter()
     with live:
         run_micro_batch(model, obj, batch, aggregation="token-mean", normalizer=obj.norm_contribution(batch, "token-mean"),
-                        budget_tokens=budget, attention=args.attention, cp_group=cp_group)
-    return live.peak, time.perf_counter() - t0
-
-
-def _pairs(batch, world: int, rank: int, model) -> int:
-    """This rank's queries x received path keys (the pass's split, as the engine makes it)."""
-    if world == 1:
-        return 0
-    from treelit.partition.context_parallel import cp_split
-
-    plan = cp_split(batch, world, rank, model)
-    return plan.size * len(plan.path)
+                        budget_tokens=budget, attention=args.attention, cp_group=cp_group, stats=stats)
+    return live.peak, time.perf_counter() - t0, stats
 
 
 def _worker(rank: int, world: int, port: int, args, out_dir: str):
     import torch.distributed as dist
 
     from treelit.lightning.planner import MemoryPlanner
-    from treelit.partition.context_parallel import score_pair_bytes
+    from treelit.objectives import make_objective
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -88,28 +83,33 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str):
     try:
         group = dist.group.WORLD if world > 1 else None
         model = _model(args.model, args)
+        obj = make_objective("sft")
         planner = MemoryPlanner(margin=1.0)
-        planner.score_bytes = score_pair_bytes(model, torch.device("cpu")) if world > 1 else 0.0
+        planner.set_model_terms(model, obj, None, world, torch.device("cpu"))  # score_bytes, head_bytes, chunk_rows
         L0 = args.calibrate * world
         batch0 = _branch(L0, args)
-        _step(model, batch0, args.calibrate, group, args)  # warm-up: a first step's one-time buffers apart
-        peak0, _ = _step(model, batch0, args.calibrate, group, args)
-        pairs0 = _pairs(batch0, world, rank, model)
-        # the planner's rule: the peak less the scores' term, over this rank's share of the chain
-        planner.bytes_per_token = max(0.0, peak0 - planner.score_bytes * pairs0) / (L0 / world)
+        _step(model, obj, batch0, args.calibrate, group, args)  # warm-up: a first step's one-time buffers apart
+        peak0, _, st0 = _step(model, obj, batch0, args.calibrate, group, args)
+        # the planner's rule: the peak less the scores' and the head's terms, over this rank's share of the chain
+        planner.bytes_per_token = planner.calibrate(peak0, st0.max_chain_tokens, st0.cp_score_pairs,
+                                                    st0.max_pass_targets)
         budget = torch.tensor([planner.tokens_for(args.budget_mib * MIB, world)])
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
         budget = int(budget)
         L = world * budget
         batch = _branch(L, args)
-        peak, seconds = _step(model, batch, budget, group, args)
+        peak, seconds, st = _step(model, obj, batch, budget, group, args)
         grads = [p.grad for p in model.parameters()]
         for g in grads:
             dist.all_reduce(g)
-        pairs = _pairs(batch, world, rank, model)
         m = {"rank": rank, "bytes_per_token": planner.bytes_per_token, "score_bytes": planner.score_bytes,
-             "score_pairs": pairs, "predicted": planner.predicted_peak(L / world, pairs), "peak": peak,
-             "predicted_per_token_only": peak0 / (L0 / world) * L / world,  # the model without the scores' term
+             "score_pairs": st.cp_score_pairs, "head_bytes": planner.head_bytes, "chunk_rows": planner.chunk_rows,
+             "calibration_targets": st0.max_pass_targets, "targets": st.max_pass_targets,
+             "head_rows": planner.head_rows(st.max_pass_targets), "chain_tokens": st.max_chain_tokens,
+             "predicted": planner.predicted_peak(st.max_chain_tokens, st.cp_score_pairs, st.max_pass_targets),
+             "peak": peak, "calibration_peak": peak0,
+             # the model without the scores' and the head's terms: the calibration's bytes per token, all of it
+             "predicted_per_token_only": peak0 / st0.max_chain_tokens * st.max_chain_tokens,
              "seconds": seconds}
         ranks = [None] * world
         dist.all_gather_object(ranks, m)
@@ -178,9 +178,7 @@ def main(argv=None):
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--model", choices=["attention", "hybrid"], default="attention")
     p.add_argument("--budget-mib", type=float, default=48.0, help="activation memory per rank")
-    p.add_argument("--calibrate", type=int, default=304,
-                   help="tokens per rank of the calibration step (at 48 MiB every rank's range is on the same side "
-                        "as at L of the segment backend's 256-query cut and of the head's logits chunk, 1024 / C rows)")
+    p.add_argument("--calibrate", type=int, default=304, help="tokens per rank of the calibration step")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

@@ -348,6 +348,7 @@ def planner_row(built: dict, args, dev) -> dict:
     """Three partitioned steps on the deep tree with the planner choosing the budget, the process
     capped at half the memory the unpartitioned step needed above the resident state."""
     from treelit.lightning.planner import MemoryPlanner
+    from treelit.objectives import make_objective
     from treelit.partition import PartitionStats
     from treelit.utils.distributed import Collectives
     from treelit.utils.memory import LiveBytes
@@ -382,7 +383,9 @@ def planner_row(built: dict, args, dev) -> dict:
         planner = MemoryPlanner(fraction=0.9, margin=1.1, initial_bytes_per_token=per_token)
     else:
         planner = MemoryPlanner(memory_limit_bytes=whole // 2, fraction=0.9, margin=1.1, initial_bytes_per_token=per_token)
-    module = SimpleNamespace(device=dev, budget_tokens=None, last_partition_stats=None,
+    # (the model and the objective: the planner's head term, one row of logits per target up to a chunk)
+    module = SimpleNamespace(device=dev, budget_tokens=None, last_partition_stats=None, model=model,
+                             objective=make_objective("sft"), chunk_rows=None,
                              _comm=lambda: Collectives(device=dev), log_dict=lambda metrics: None)
     mb = SimpleNamespace(micro_batches=[batch])
     try:
@@ -397,9 +400,11 @@ def planner_row(built: dict, args, dev) -> dict:
             module.last_partition_stats = stats
             planner.on_train_batch_end(SimpleNamespace(global_step=step + 1), module, None, mb, step)
             measured = planner.history[-1]["peak"]
-            predicted = predicted_per_token * stats.max_chain_tokens
+            head = planner.head_bytes * planner.head_rows(stats.max_pass_targets)
+            predicted = predicted_per_token * stats.max_chain_tokens + head
             row["steps"].append(dict(budget=module.budget_tokens, partitions=stats.partitions,
-                                     chain_tokens=stats.max_chain_tokens, loss=loss, seconds=time.perf_counter() - t0,
+                                     chain_tokens=stats.max_chain_tokens, pass_targets=stats.max_pass_targets,
+                                     head_bytes=head, loss=loss, seconds=time.perf_counter() - t0,
                                      predicted_peak_bytes=predicted, measured_peak_bytes=measured,
                                      measured_over_predicted=measured / predicted if predicted else None,
                                      within_10pct=bool(predicted) and abs(measured / predicted - 1) <= PLANNER_TOLERANCE))

@@ -237,6 +237,7 @@ def _exact_step(rank, world, spec, module, model, trees, micro, micro_tokens, dt
                                  / torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values()))),
         "partitions": [r[0] for r in per_rank], "token_forwards": [r[1] for r in per_rank],
         "empty_passes": [r[2] for r in per_rank], "budget": [r[3] for r in per_rank],
+        "head_bytes": planner.head_bytes, "chunk_rows": planner.chunk_rows,
         "rank_tokens": [r[4] for r in per_rank], "tree_tokens": sum(mb.num_tokens for mb in ref_micro),
         "longest": max(int(mb.position_ids.max()) + 1 for mb in ref_micro),
     }

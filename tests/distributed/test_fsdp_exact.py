@@ -30,7 +30,10 @@ def check(res, spec, world):
     assert sum(res["token_forwards"]) == res["tree_tokens"], f"{what}: every tree token forwarded once"
     assert len(set(res["budget"])) == 1, f"{what}: ranks planned with different budgets {res['budget']}"
     if "oom_rank_above" not in spec:
-        expected = int(min(spec["limits"]) / 1000)  # the planner's budget: the smallest rank's
+        # the planner's budget: the smallest rank's; 1000 bytes per token and the head's logits row
+        # (a tiny vocabulary: every target is a row, far below a chunk)
+        assert res["head_bytes"] >= 11 * 4 and res["chunk_rows"] > min(spec["limits"]) / 1000
+        expected = int(min(spec["limits"]) / (1000 + res["head_bytes"]))
         assert res["budget"][0] == expected, f"{what}: budget {res['budget'][0]}, expected {expected}"
 
 
@@ -48,7 +51,8 @@ TWO = [
          checkpointing=True, options=dict(kl_coef=0.1, reference="initial", entropy_coef=0.01)),
     dict(family="hybrid_tiny", objective="gspo", data="rl", sharded=False, options=dict(clip_low=0.5, clip_high=0.5),
          limits=[45000, 60000]),
-    dict(family="qwen2_tiny", objective="sft", limits=[120000, 120000], oom_rank_above=(1, 60)),
+    # 1000 bytes per token and 88 per row of logits: a budget of 115, halved to 60 after the error
+    dict(family="qwen2_tiny", objective="sft", limits=[126000, 126000], oom_rank_above=(1, 60)),
     dict(family="qwen2_tiny", objective="sft", dtype=torch.float32, limits=[60000, 60000],
          mp=("bfloat16", "float32")),  # trainer=fsdp2's mixed precision policy
     # experts no token of a rank reached are reduced as zeros; the router loss per branch
@@ -63,14 +67,23 @@ TWO = [
 ADAPTER = dict(objective="sft", limits=[50000, 80000], router_coef=0.05,
                router_definition="sequence")  # + family="hf:<dir>" (qwen3_moe)
 
-FOUR = [
-    dict(family="hybrid_tiny", objective="sft", limits=[90000, 40000, 70000, 300000], n_trees=8, micro_tokens=120),
+
+
+def _limits(budgets, head_bytes):
+    """Memory limits whose planner budgets are ``budgets`` tokens: 1000 bytes per token and the
+    head's row of logits per target (:func:`~treelit.lightning.planner.head_row_bytes` of the
+    case's model and objective; half a token's bytes of slack)."""
+    return [b * (1000 + head_bytes) + (1000 + head_bytes) // 2 for b in budgets]
+
+
+FOUR = [  # (vocabulary 11: rows of 88 bytes in float64 (sft), 344 (log-probs, dim 32), 172 in float32)
+    dict(family="hybrid_tiny", objective="sft", limits=_limits([90, 40, 70, 300], 88), n_trees=8, micro_tokens=120),
     dict(family="qwen2_tiny", objective="gspo", data="rl", options=dict(clip_low=0.5, clip_high=0.5), n_trees=8,
-         limits=[50000, 50000, 35000, 80000], checkpointing=True),
+         limits=_limits([50, 50, 35, 80], 344), checkpointing=True),
     dict(family="hybrid_tiny", objective="dpo", data="dpo", options=dict(beta=0.3, loss="ipo"), n_trees=8,
-         limits=[45000, 90000, 60000, 45000]),
+         limits=_limits([45, 90, 60, 45], 344)),
     dict(family="qwen2_tiny", objective="grpo", data="rl", rollout=True, dtype=torch.float32, n_trees=8,
-         limits=[60000, 36000, 36000, 200000]),
+         limits=_limits([60, 36, 36, 200], 172)),
 ]
 
 
@@ -122,6 +135,7 @@ def test_ranks_ran_different_numbers_of_partitions(two_ranks):
 def test_out_of_memory_on_one_rank_retries_on_every_rank(two_ranks):
     res = two_ranks[0][7]
     assert "oom_rank_above" in TWO[7]
+    assert int(126000 / (1000 + res["head_bytes"])) == 115  # the budget before the error
     assert res["budget"] == [60, 60], f"both ranks retried with the halved budget: {res['budget']}"
 
 

@@ -9,30 +9,47 @@ blocks an earlier step freed), at most what a cap set with
 ``memory_limit_bytes`` (one number, or one per rank), the memory a step may use. Measured
 after sharding: under FSDP2 a rank holds 1/world of the parameters and optimizer state,
 under HSDP (``replicate_degree`` R) 1/(world/R), and that resident state is already
-allocated when the step starts, so it is not available. The cost model is
-linear in the tokens alive along a chain of partitions, ``peak = bytes_per_token *
-chain_tokens``, where ``peak`` is what the step allocates above what was allocated when it
-started (the resident state is counted once: out of the memory available, not again per
-token). What a step allocates besides its activations is folded into that per-token cost:
-the gradients' shards (freed after every update, ``zero_grad(set_to_none=True)``) and, in
-the first step, the optimizer state (created by its first update): the cost of chains at
-least as long as the ones measured is over-estimated, not under-estimated.
-``bytes_per_token`` starts from ``initial_bytes_per_token`` and is calibrated on each rank from the peaks it observed in earlier steps (the largest ratio seen, with a safety
-margin). Each rank's budget is ``available / (bytes_per_token * margin)``; the budget
-used is the **minimum over ranks**, so every rank plans with the same budget and (under
+allocated when the step starts, so it is not available.
+
+The cost model has a per-token term and the head's logits, ``peak = bytes_per_token *
+chain_tokens + head_bytes * head_rows``, where ``peak`` is what the step allocates above what
+was allocated when it started (the resident state is counted once: out of the memory
+available, not again per token). The head (:mod:`treelit.loss.logprobs`) computes a pass's
+log-probs in chunks of at most ``chunk_rows`` rows of logits, cut into equal chunks, so the
+rows it holds are the targets of the rank's largest pass up to a chunk and the chunks' size
+above it (``head_rows``: :func:`~treelit.loss.logprobs.even_chunk_rows`; the targets:
+``PartitionStats.max_pass_targets``) - per token up to the chunk, then at most a constant.
+``head_bytes`` (:func:`head_row_bytes`) is one row in the compute dtype (float32 for half
+models) times the logits-sized buffers a pass holds at its peak, as measured on a step: one
+for the fused SFT loss, two for log-probs with entropies, one and a row of the hidden
+states' gradient for log-probs alone. ``chunk_rows`` is the run's: ``chunk_rows`` as set, or
+:func:`~treelit.loss.logprobs.default_chunk_rows` (1/C of it under context parallelism,
+:func:`~treelit.partition.context_parallel.cp_chunk_rows`). What a step allocates besides its
+activations and the head is folded into the per-token cost: the gradients' shards (freed after
+every update, ``zero_grad(set_to_none=True)``) and, in the first step, the optimizer state
+(created by its first update): the cost of chains at least as long as the ones measured is
+over-estimated, not under-estimated. ``bytes_per_token`` starts from
+``initial_bytes_per_token`` and is calibrated on each rank from the peaks it observed in
+earlier steps (:meth:`MemoryPlanner.calibrate`: the peak less the head's term, over the
+chain; the largest value seen, with a safety margin). Each rank's budget is the largest ``b``
+whose prediction, ``b`` tokens of a chain and ``b`` targets in a pass, times the margin fits
+its memory; the prediction is not monotone in ``b`` (one target past a chunk halves the
+rows), so :meth:`MemoryPlanner.tokens_for` searches each count of chunks on its own. The
+budget used is the **minimum over ranks**, so every rank plans with the same budget and (under
 FSDP2) runs aligned passes. Under context parallelism (C ranks share each pass) the
 budget is per rank: a chain of partitions holds C x the budget, a path up to C x longer than
-one rank holds; the chain tokens a rank measures against are its own share, a chain's / C.
-A rank's queries also attend to the path keys it receives, and the backward pass holds one
-layer's scores of those pairs, so under context parallelism the model is
-``peak = bytes_per_token * chain_tokens + score_bytes * queries * received_keys``
+one rank holds; the chain tokens a rank measures against are its own share, a chain's / C,
+and the targets its own share of a pass's. A rank's queries also attend to the path keys it
+receives, and the backward pass holds one layer's scores of those pairs, so under context
+parallelism the model adds ``score_bytes * queries * received_keys``
 (``score_bytes``: :func:`~treelit.partition.context_parallel.score_pair_bytes`, from the model's
 heads and the device: 0 on CPU, whose attention kernels run blockwise; the pairs are the step's
-largest pass on this rank). On one branch that fills a
+largest pass on this rank), calibrated apart like the head's term. On one branch that fills a
 chain the last rank's ``budget`` queries receive ``(C - 1) x budget`` keys (at most the longest
-branch), so the budget solves ``bytes_per_token * b + score_bytes * b * min((C - 1) b, longest)
-= available / margin``. On an out-of-memory error on any rank, every rank asks
-:meth:`shrink` for a smaller budget and retries the update. The chosen budget and the
+branch), so the budget is the largest ``b`` with ``bytes_per_token * b + head_bytes *
+head_rows(b) + score_bytes * b * min((C - 1) b, longest) <= available / margin``. On an
+out-of-memory error on any rank, every rank asks :meth:`shrink` for a smaller budget and
+retries the update. The chosen budget and the
 observed peak are logged.
 """
 
@@ -45,11 +62,15 @@ from typing import Optional
 import lightning.pytorch as pl
 import torch
 
-from treelit.partition.context_parallel import score_pair_bytes
+from treelit.loss.logprobs import default_chunk_rows, even_chunk_rows
+from treelit.models.forward import output_weight
+from treelit.objectives.folding import fold_spec
+from treelit.partition.context_parallel import cp_chunk_rows, score_pair_bytes
 from treelit.partition.plan import BudgetError
 from treelit.utils.memory import LiveBytes
+from treelit.utils.numerics import compute_dtype
 
-__all__ = ["MemoryPlanner", "MemoryBudgetError"]
+__all__ = ["MemoryPlanner", "MemoryBudgetError", "head_row_bytes", "head_chunk_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +80,36 @@ def _process_fraction(dev) -> float:
     (``torch.cuda.set_per_process_memory_fraction``; 1 where torch cannot say)."""
     get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     return 1.0 if get is None else float(get(dev))
+
+
+def head_row_bytes(model, objective) -> float:
+    """Bytes the head holds per row of logits at a pass's peak, in the compute dtype (float32 for
+    half models): ``V`` elements for the fused SFT loss (one buffer, updated in place),
+    ``2 V`` for log-probs with entropies (the logits and their probabilities), ``V + D`` for
+    log-probs alone (one buffer, and a row of the hidden states' gradient in its backward). 0
+    without a model or an objective."""
+    if model is None or objective is None:
+        return 0.0
+    W = output_weight(model)
+    V, D = int(W.shape[0]), int(W.shape[1])
+    size = torch.empty((), dtype=compute_dtype(W)).element_size()
+    try:
+        spec = fold_spec(objective)
+    except NotImplementedError:  # (an objective that cannot run partitioned: log-probs alone)
+        return float(size * (V + D))
+    if spec.fused_sft:
+        return float(size * V)
+    return float(size * (2 * V if spec.needs_entropy else V + D))
+
+
+def head_chunk_rows(model, chunk_rows: Optional[int], C: int = 1) -> int:
+    """Rows per logits chunk of the head as a run of C context-parallel ranks uses it
+    (:func:`~treelit.partition.context_parallel.cp_chunk_rows`; one process:
+    :func:`~treelit.loss.logprobs.default_chunk_rows` unless ``chunk_rows`` is set)."""
+    if model is None:
+        return 0
+    rows = cp_chunk_rows(chunk_rows, model, C)
+    return int(rows) if rows else default_chunk_rows(int(output_weight(model).shape[0]))
 
 
 class MemoryBudgetError(BudgetError):
@@ -97,6 +148,8 @@ class MemoryPlanner(pl.Callback):
         self._shrunk = False
         self._resident = 0.0  # bytes allocated on the device when the step started (CUDA)
         self.score_bytes = 0.0  # bytes per (query, received key) pair under context parallelism
+        self.head_bytes = 0.0  # bytes per row of the head's logits (:func:`head_row_bytes`)
+        self.chunk_rows = 0  # rows per logits chunk of the head (0: not chunked)
 
     # memory available ------------------------------------------------------------------------
     def _limit(self, pl_module) -> Optional[float]:
@@ -135,7 +188,8 @@ class MemoryPlanner(pl.Callback):
         longest = max(int(mb.position_ids.max()) + 1 for mb in micro_batches)
         avail = self.available_bytes(pl_module)
         C = pl_module._cp_degree() if hasattr(pl_module, "_cp_degree") else 1
-        self.score_bytes = score_pair_bytes(getattr(pl_module, "model", None), pl_module.device) if C > 1 else 0.0
+        self.set_model_terms(getattr(pl_module, "model", None), getattr(pl_module, "objective", None),
+                             getattr(pl_module, "chunk_rows", None), C, pl_module.device)
         longest = int(comm.max(longest))
         budget = int(comm.min(self.tokens_for(avail, C, longest)))
         if budget * C < longest:
@@ -147,22 +201,73 @@ class MemoryPlanner(pl.Callback):
             )
         return budget
 
-    def predicted_peak(self, chain_tokens: float, score_pairs: float = 0.0) -> float:
-        """The model's peak of a rank whose chain share is ``chain_tokens`` and whose queries x
-        received keys are ``score_pairs`` (no margin)."""
-        return self.bytes_per_token * chain_tokens + self.score_bytes * score_pairs
+    def set_model_terms(self, model, objective, chunk_rows: Optional[int], C: int, device) -> None:
+        """The terms the model and the run fix: ``score_bytes`` (context parallelism off CPU),
+        ``head_bytes`` and the head's ``chunk_rows`` (as the run of C ranks uses them)."""
+        self.score_bytes = score_pair_bytes(model, device) if C > 1 else 0.0
+        self.head_bytes = head_row_bytes(model, objective)
+        self.chunk_rows = head_chunk_rows(model, chunk_rows, C) if self.head_bytes else 0
+
+    def head_rows(self, targets: int) -> int:
+        """Rows of the head's logits buffer for a pass of ``targets`` targets: all of them up to
+        a chunk, then the chunks' (equal) size (:func:`~treelit.loss.logprobs.even_chunk_rows`)."""
+        targets = int(targets)
+        if targets <= 0:
+            return 0
+        return even_chunk_rows(targets, self.chunk_rows) if self.chunk_rows else targets
+
+    def predicted_peak(self, chain_tokens: float, score_pairs: float = 0.0, targets: int = 0) -> float:
+        """The model's peak of a rank whose chain share is ``chain_tokens``, whose queries x
+        received keys are ``score_pairs`` and whose largest pass has ``targets`` targets (no margin)."""
+        return (self.bytes_per_token * chain_tokens + self.score_bytes * score_pairs
+                + self.head_bytes * self.head_rows(targets))
+
+    def calibrate(self, peak: float, chain_tokens: float, score_pairs: float = 0.0, targets: int = 0) -> float:
+        """The bytes per token a measured ``peak`` gives: the scores' and the head's terms apart,
+        over the rank's share of the chain."""
+        rest = peak - self.score_bytes * score_pairs - self.head_bytes * self.head_rows(targets)
+        return max(0.0, rest) / max(1.0, float(chain_tokens))
 
     def tokens_for(self, avail: float, C: int = 1, longest: int = 0) -> int:
         """The largest budget ``b`` per rank whose predicted peak times the margin fits ``avail``:
-        ``b`` queries receiving ``min((C - 1) b, longest)`` keys (none at C = 1)."""
+        ``b`` queries receiving ``min((C - 1) b, longest)`` keys (none at C = 1), and ``b`` targets
+        in its largest pass. The head's rows grow with ``b`` up to a chunk and then stay within
+        one (:meth:`head_rows`: not monotone, ``c + 1`` targets make two chunks of about ``c / 2``);
+        for a given count of chunks they grow with ``b``, so each range of ``k`` chunks is searched
+        on its own, from the largest down."""
         cap = avail / self.margin
-        a, s = self.bytes_per_token, self.score_bytes * (C - 1)
+        a, sc = self.bytes_per_token, self.score_bytes
+
+        def rest(b: int) -> float:  # the prediction without the head's term
+            keys = (C - 1) * b if longest <= 0 else min((C - 1) * b, longest)
+            return a * b + sc * b * keys
+
+        s = sc * (C - 1)
         if s <= 0:
-            return int(cap / a)
-        b = (-a + math.sqrt(a * a + 4.0 * s * cap)) / (2.0 * s)  # a b + s b^2 = cap
-        if (C - 1) * b > longest > 0:  # the path is at most the longest branch
-            b = cap / (a + self.score_bytes * longest)
-        return int(b)
+            hi = int(cap / a)
+        else:
+            hi = (-a + math.sqrt(a * a + 4.0 * s * cap)) / (2.0 * s)  # a b + s b^2 = cap
+            if (C - 1) * hi > longest > 0:  # the path is at most the longest branch
+                hi = cap / (a + sc * longest)
+            hi = int(hi)
+        while hi > 0 and rest(hi) > cap:  # (rounding)
+            hi -= 1
+        if self.head_bytes <= 0 or hi <= 0:
+            return max(0, hi)
+
+        def fits(b: int) -> bool:
+            return rest(b) + self.head_bytes * self.head_rows(b) <= cap
+
+        c = self.chunk_rows or hi
+        for k in range(-(-hi // c), 0, -1):  # k chunks: b in ((k - 1) c, k c], rows ceil(b / k)
+            lo, top = (k - 1) * c + 1, min(k * c, hi)
+            if not fits(lo):
+                continue
+            while lo < top:  # the largest b of this range that fits
+                mid = (lo + top + 1) // 2
+                lo, top = (mid, top) if fits(mid) else (lo, mid - 1)
+            return lo
+        return 0
 
     # hooks ------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -188,13 +293,14 @@ class MemoryPlanner(pl.Callback):
         # the initial guess gives way to the first measurement, unless an out-of-memory error raised it
         keep = self.history or self._shrunk
         pairs = stats.cp_score_pairs if stats is not None and self.score_bytes else 0
-        per = max(0.0, peak - self.score_bytes * pairs) / chain  # the scores' term apart
+        targets = getattr(stats, "max_pass_targets", 0) if stats is not None and self.head_bytes else 0
+        per = self.calibrate(peak, chain, pairs, targets)  # the scores' and the head's terms apart
         self.bytes_per_token = max(self.bytes_per_token if keep else 0.0, per)
         row = {"step": trainer.global_step, "budget": pl_module.budget_tokens, "peak": peak, "chain_tokens": chain,
-               "score_pairs": pairs}
+               "score_pairs": pairs, "head_rows": self.head_rows(targets)}
         self.history.append(row)
         pl_module.log_dict({"planner/budget_tokens": float(row["budget"]), "planner/peak_bytes": peak,
-                            "planner/bytes_per_token": self.bytes_per_token})
+                            "planner/bytes_per_token": self.bytes_per_token, "planner/head_bytes": self.head_bytes})
 
     def shrink(self, pl_module, micro_batches) -> int:
         """A smaller budget after an out-of-memory error (the cost model is raised to match)."""

@@ -66,7 +66,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse_all[s:e] = lse
             logp[s:e] = z_t - lse
             if with_entropy:  # H = -sum p log p = log se - sum p (logits - max) / se
-                ent[s:e] = se.log().squeeze(1) - (p * z).sum(-1) / se.squeeze(1)
+                ent[s:e] = se.log().squeeze(1) - p.mul_(z).sum(-1) / se.squeeze(1)  # (in place: two buffers)
                 del p
         ctx.save_for_backward(hidden, weight, targets, lse_all, ent)
         ctx.chunk_rows = chunk_rows

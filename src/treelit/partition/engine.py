@@ -64,6 +64,9 @@ class PartitionStats:
     # context parallelism: the largest (this rank's queries) x (received path keys) of a pass,
     # the attention-score term of the memory planner's model (:func:`score_pair_bytes`)
     cp_score_pairs: int = 0
+    # the most targets of a pass on this rank: the rows of the head's logits (in chunks), the
+    # memory planner's head term
+    max_pass_targets: int = 0
 
     @property
     def cp_imbalance(self) -> float:
@@ -124,6 +127,7 @@ class _Run:
             h, ctx = forward_partition(m, sub, self.attention, rp.external(i, captured), bool(rp.children[i]),
                                        rp.boundary[i], embedding_grad_accumulator=emb_buf, oom_guard=guard)
             rows, tok = rp.targets(i, sub, tokens)
+            self.stats.max_pass_targets = max(self.stats.max_pass_targets, int((self.batch.target_count[tok] > 0).sum()))
             return h, ctx, rows, tok
         C, rank = self.cp_size
         plan = cp_split(sub, C, rank, m)
@@ -136,6 +140,7 @@ class _Run:
         ctx.cp_pass, ctx.cp_tokens = plan, tokens[plan.start:plan.end]
         rows, tok = rp.targets(i, sub, tokens)
         keep = (rows >= plan.start) & (rows < plan.end)
+        self.stats.max_pass_targets = max(self.stats.max_pass_targets, int((self.batch.target_count[tok[keep]] > 0).sum()))
         return h, ctx, rows[keep] - plan.start, tok[keep]
 
     def captures(self, i, ctx, grad: bool):
