@@ -16,10 +16,10 @@ same code in one process), without partitioning (``cp_micro_batch``) and with it
 (``run_micro_batch`` with ``cp_group``, ``ceil(L / C)`` tokens per rank for the longest branch
 L). Both hand-offs run in the same processes, taking turns (``--warmup`` steps of each, then
 ``--repeats`` rounds, each round one step of each in alternating order). Per hand-off: the
-slowest rank's step time, median over the rounds; after / before; the seconds the slowest rank
+slowest rank's step time, median over the rounds; after / before; the seconds a rank
 spent waiting in the exchanges during its step (receives, and sends where they are waited on:
 path rows, recurrent states, and the drain of the sends still in flight at a pass's end),
-medians over the rounds; and whether the two hand-offs gave bitwise the same gradients.
+per kind the longest of any rank, and each rank's total, medians over the rounds; and whether the two hand-offs gave bitwise the same gradients.
 
     python benchmarks/bench_cp_recurrent.py --json benchmarks/results/bench_cp_recurrent.json
     python benchmarks/bench_cp_recurrent.py --table benchmarks/results/bench_cp_recurrent.json
@@ -104,20 +104,17 @@ def _worker(rank: int, world: int, port: int, args, partitioned: bool, out: str)
 
 
 def _summary(r) -> dict:
-    """Per hand-off: the slowest rank's step seconds (median over rounds) and that rank's waits."""
+    """Per hand-off: the slowest rank's step seconds and, per kind, the longest wait of a rank
+    (medians over rounds)."""
     out = {}
     for mode in MODES:
-        rounds = len(r["ranks"][0]["times"][mode])
-        slow, waits = [], {}
-        for i in range(rounds):
-            sec, w = max((x["times"][mode][i] for x in r["ranks"]), key=lambda t: t[0])
-            slow.append(sec)
-            for k in set(waits) | set(w):
-                waits.setdefault(k, []).append(w.get(k, 0.0))
-        for k in waits:  # (a kind absent in some round waited 0 there)
-            waits[k] += [0.0] * (rounds - len(waits[k]))
-        out[mode] = {"seconds": statistics.median(slow), "rounds": slow,
-                     "waits": {k: statistics.median(v) for k, v in sorted(waits.items())}}
+        rounds = range(len(r["ranks"][0]["times"][mode]))
+        slow = [max(x["times"][mode][i][0] for x in r["ranks"]) for i in rounds]
+        kinds = sorted({k for x in r["ranks"] for _, w in x["times"][mode] for k in w})
+        waits = {k: statistics.median(max(x["times"][mode][i][1].get(k, 0.0) for x in r["ranks"]) for i in rounds)
+                 for k in kinds}
+        per_rank = [statistics.median(sum(x["times"][mode][i][1].values()) for i in rounds) for x in r["ranks"]]
+        out[mode] = {"seconds": statistics.median(slow), "rounds": slow, "waits": waits, "waits_per_rank": per_rank}
     out["after_over_before"] = out["after"]["seconds"] / out["before"]["seconds"]
     out["same_gradients"] = all(x["same"] for x in r["ranks"])
     return out
@@ -151,7 +148,7 @@ def run(args):
 def table(d) -> str:
     lines = [f"# {d['tree']}; {d['model']}; attention={d['attention']}; {d['threads_per_rank']} thread per rank on "
              f"{d['cores']} cores; seconds per SFT step (slowest rank, median of {d['repeats']} rounds); waits: "
-             "the slowest rank's seconds in the exchanges (rows, states, drain)",
+             "the longest wait of a rank in the exchanges, seconds (rows/states/drain)",
              f"{'partitioned':>11s}{'C':>3s}{'before':>9s}{'after':>9s}{'after/before':>14s}"
              f"{'waits before':>22s}{'waits after':>22s}{'same grads':>12s}"]
 

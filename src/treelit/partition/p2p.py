@@ -76,6 +76,7 @@ class _InFlight:
     def __init__(self) -> None:
         self.works: List[Tuple[Any, torch.Tensor]] = []
         self.task = -1  # the backward run whose end drains them (its graph task id; -1: none queued)
+        self.deferred = 0  # sends left in flight so far (a count for tests)
 
     def __len__(self) -> int:
         return len(self.works)
@@ -97,6 +98,7 @@ def post(ops: List[dist.P2POp], kind: str) -> None:
             work.wait()
         else:
             SENDS.works.append((work, op.tensor))
+            SENDS.deferred += 1
     WAITS.add(kind, time.perf_counter() - t0)
     task = torch._C._current_graph_task_id()
     if SENDS.works and task != -1 and SENDS.task != task:
