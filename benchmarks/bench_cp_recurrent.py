@@ -16,7 +16,8 @@ same code in one process), without partitioning (``cp_micro_batch``) and with it
 (``run_micro_batch`` with ``cp_group``, ``ceil(L / C)`` tokens per rank for the longest branch
 L). Both hand-offs run in the same processes, taking turns (``--warmup`` steps of each, then
 ``--repeats`` rounds, each round one step of each in alternating order). Per hand-off: the
-slowest rank's step time, median over the rounds; after / before; the seconds a rank
+slowest rank's step time, median over the rounds; after / before, of those medians and per
+round (the two steps of a round share the machine's load: median, lowest and highest); the seconds a rank
 spent waiting in the exchanges during its step (receives, and sends where they are waited on:
 path rows, recurrent states, and the drain of the sends still in flight at a pass's end),
 per kind the longest of any rank, and each rank's total, medians over the rounds; and whether the two hand-offs gave bitwise the same gradients.
@@ -116,6 +117,8 @@ def _summary(r) -> dict:
         per_rank = [statistics.median(sum(x["times"][mode][i][1].values()) for i in rounds) for x in r["ranks"]]
         out[mode] = {"seconds": statistics.median(slow), "rounds": slow, "waits": waits, "waits_per_rank": per_rank}
     out["after_over_before"] = out["after"]["seconds"] / out["before"]["seconds"]
+    paired = [a / b for a, b in zip(out["after"]["rounds"], out["before"]["rounds"])]  # (the same round's load)
+    out["paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
     out["same_gradients"] = all(x["same"] for x in r["ranks"])
     return out
 
@@ -148,17 +151,22 @@ def run(args):
 def table(d) -> str:
     lines = [f"# {d['tree']}; {d['model']}; attention={d['attention']}; {d['threads_per_rank']} thread per rank on "
              f"{d['cores']} cores; seconds per SFT step (slowest rank, median of {d['repeats']} rounds); waits: "
-             "the longest wait of a rank in the exchanges, seconds (rows/states/drain)",
-             f"{'partitioned':>11s}{'C':>3s}{'before':>9s}{'after':>9s}{'after/before':>14s}"
-             f"{'waits before':>22s}{'waits after':>22s}{'same grads':>12s}"]
+             "the longest wait of a rank in the exchanges, seconds (rows/states/drain); per round: after/before of "
+             "each round's two steps, median [lowest-highest]",
+             f"{'partitioned':>11s}{'C':>3s}{'before':>9s}{'after':>9s}{'after/before':>14s}{'per round':>19s}"
+             f"{'waits before':>17s}{'waits after':>17s}{'same grads':>12s}"]
 
     def waits(w):
         return "/".join(f"{w.get(k, 0.0):.2f}" for k in ("rows", "states", "drain"))
 
+    def paired(p):
+        return f"{p['median']:.3f} [{p['min']:.2f}-{p['max']:.2f}]"
+
     for r in d["rows"]:
         lines.append(f"{('yes' if r['partitioned'] else 'no'):>11s}{r['world']:>3d}{r['before']['seconds']:>9.2f}"
-                     f"{r['after']['seconds']:>9.2f}{r['after_over_before']:>14.3f}{waits(r['before']['waits']):>22s}"
-                     f"{waits(r['after']['waits']):>22s}{('yes' if r['same_gradients'] else 'NO'):>12s}")
+                     f"{r['after']['seconds']:>9.2f}{r['after_over_before']:>14.3f}{paired(r['paired']):>19s}"
+                     f"{waits(r['before']['waits']):>17s}{waits(r['after']['waits']):>17s}"
+                     f"{('yes' if r['same_gradients'] else 'NO'):>12s}")
     return "\n".join(lines)
 
 

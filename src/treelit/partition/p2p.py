@@ -89,17 +89,16 @@ _LOST: List[Tuple[Any, torch.Tensor]] = []  # sends abandoned before they comple
 def post(ops: List[dist.P2POp], kind: str) -> None:
     """Post ``ops`` (sends and receives), wait for the receives, and keep the sends in flight
     (unless :data:`BLOCKING`); inside a backward run, queue the drain for its end."""
-    if not ops:
-        return
-    works = dist.batch_isend_irecv(ops)
-    t0 = time.perf_counter()
-    for op, work in zip(ops, works):
-        if BLOCKING or op.op is not dist.isend:
-            work.wait()
-        else:
-            SENDS.works.append((work, op.tensor))
-            SENDS.deferred += 1
-    WAITS.add(kind, time.perf_counter() - t0)
+    if ops:
+        works = dist.batch_isend_irecv(ops)
+        t0 = time.perf_counter()
+        for op, work in zip(ops, works):
+            if BLOCKING or op.op is not dist.isend:
+                work.wait()
+            else:
+                SENDS.works.append((work, op.tensor))
+                SENDS.deferred += 1
+        WAITS.add(kind, time.perf_counter() - t0)
     task = torch._C._current_graph_task_id()
     if SENDS.works and task != -1 and SENDS.task != task:
         SENDS.task = task
