@@ -44,7 +44,12 @@ crosses ranks:
     owner adds them to its sent states' gradients before back-propagating its own scan.
 
   Every rank runs every layer, so the messages of a layer match up; a rank waits only for
-  earlier ranks in the forward and later ranks in the backward, never in a cycle. Each
+  earlier ranks in the forward and later ranks in the backward, never in a cycle. It waits for
+  what it receives, not for what it sends: every send (states, path rows, their gradients) is
+  left in flight and waited on at the end of the pass (:mod:`treelit.partition.p2p`), so a rank
+  runs its next layers while the ranks after it take its states (waiting for each send where it
+  was posted, ``p2p.BLOCKING``, tied the ranks to one another: every layer's exchange in
+  lock-step). Each
   convolution exchange and each state of a layer has its own message tag (a transformers layer
   may run several, or share its index with an attention layer: Falcon-H1).
 
