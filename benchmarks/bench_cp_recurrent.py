@@ -22,7 +22,7 @@ spent waiting in the exchanges during its step (receives, and sends where they a
 path rows, recurrent states, and the drain of the sends still in flight at a pass's end),
 per kind the longest of any rank, and each rank's total, medians over the rounds; and whether the two hand-offs gave bitwise the same gradients.
 
-    python benchmarks/bench_cp_recurrent.py --json benchmarks/results/bench_cp_recurrent.json
+    python benchmarks/bench_cp_recurrent.py --repeats 15 --json benchmarks/results/bench_cp_recurrent.json
     python benchmarks/bench_cp_recurrent.py --table benchmarks/results/bench_cp_recurrent.json
 """
 
@@ -186,7 +186,7 @@ def main(argv=None):
     p.add_argument("--branch-len", type=int, default=256)
     p.add_argument("--attention", default="segment")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json")
     p.add_argument("--table", help="print the table of a results file and exit")
     args = p.parse_args(argv)
