@@ -573,11 +573,10 @@ TRAFFIC = Traffic()
 def _exchange(ops, kind: str) -> None:
     """Post ``ops`` (point-to-point sends and receives), wait for the receives; the sends
     complete in the background (:mod:`treelit.partition.p2p`, ``kind`` names its wait times)."""
-    if ops:
-        got = [(op.tensor.numel() * op.tensor.element_size(), op.tag) for op in ops if op.op is dist.irecv]
-        TRAFFIC.received += sum(n for n, _ in got)
-        TRAFFIC.forward += sum(n for n, tag in got if tag % 2 == 0)
-        p2p.post(ops, kind)
+    got = [(op.tensor.numel() * op.tensor.element_size(), op.tag) for op in ops if op.op is dist.irecv]
+    TRAFFIC.received += sum(n for n, _ in got)
+    TRAFFIC.forward += sum(n for n, tag in got if tag % 2 == 0)
+    p2p.post(ops, kind)  # (with no ops too: inside a backward it queues the drain of earlier sends)
 
 
 _RECURRENT_TAGS = 1 << 24  # the recurrent exchanges' tags start above every attention layer's

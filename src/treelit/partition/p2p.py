@@ -17,9 +17,8 @@ them (an autograd final callback, queued by the first exchange of that backward)
 handle is waited on exactly once (it leaves the list as it is waited on); on an error path
 each is waited on once with a bounded timeout and its errors are dropped
 (:func:`abandon`), so the error that ended the pass is the one raised. A rank still waits
-for every receive where it is posted: the pipeline that remains is rank r + 1 starting a
-layer's scan once rank r's has finished, not once rank r + 1's own earlier layers are done
-and rank r has waited for them.
+for every receive where it is posted. What remains is the pipeline itself: rank r + 1 starts
+a layer's scan once rank r has finished its own and sent the states.
 
 The dependencies stay one-way (the forward receives from earlier ranks only, the backward
 from later ranks only), and a rank that sends does not wait, so no rank waits on one that
