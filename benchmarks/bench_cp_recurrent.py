@@ -15,12 +15,16 @@ One SFT forward + backward of the hybrid of ``bench_cp_memory.py`` (attention + 
 same code in one process), without partitioning (``cp_micro_batch``) and with it
 (``run_micro_batch`` with ``cp_group``, ``ceil(L / C)`` tokens per rank for the longest branch
 L). Both hand-offs run in the same processes, taking turns (``--warmup`` steps of each, then
-``--repeats`` rounds, each round one step of each in alternating order). Per hand-off: the
-slowest rank's step time, median over the rounds; after / before, of those medians and per
-round (the two steps of a round share the machine's load: median, lowest and highest); the seconds a rank
-spent waiting in the exchanges during its step (receives, and sends where they are waited on:
-path rows, recurrent states, and the drain of the sends still in flight at a pass's end),
-per kind the longest of any rank, and each rank's total, medians over the rounds; and whether the two hand-offs gave bitwise the same gradients.
+``--repeats`` rounds, each round one step of each in alternating order). Per hand-off:
+
+* the slowest rank's step time, median over the rounds;
+* after / before, of those medians, and per round (the two steps of a round share the
+  machine's load at that moment: median, lowest and highest);
+* the seconds a rank spent waiting in the exchanges during its step (receives, and sends where
+  they are waited on), by kind: path rows, recurrent states, and the drain of the sends still in
+  flight at a pass's end; per kind the longest of any rank, and each rank's total, medians over
+  the rounds;
+* whether the two hand-offs gave bitwise the same gradients.
 
     python benchmarks/bench_cp_recurrent.py --repeats 15 --json benchmarks/results/bench_cp_recurrent.json
     python benchmarks/bench_cp_recurrent.py --table benchmarks/results/bench_cp_recurrent.json
