@@ -251,19 +251,19 @@ def _counting_p2p(counter):
     """Count the bytes ``_PathRows`` sends (even tags: the forward, odd: the backward)."""
     import treelit.partition.context_parallel as cpm
 
-    wait = cpm._wait
+    exchange = cpm._exchange
 
-    def counting(ops):
+    def counting(ops, kind):
         for op in ops:
             if op.op is dist.isend:
                 counter["bwd" if op.tag % 2 else "fwd"] += op.tensor.numel() * op.tensor.element_size()
-        wait(ops)
+        exchange(ops, kind)
 
-    cpm._wait = counting
+    cpm._exchange = counting
     try:
         yield
     finally:
-        cpm._wait = wait
+        cpm._exchange = exchange
 
 
 def exchange(method: str, own, grad, plan, counter=None):

@@ -44,7 +44,12 @@ crosses ranks:
     owner adds them to its sent states' gradients before back-propagating its own scan.
 
   Every rank runs every layer, so the messages of a layer match up; a rank waits only for
-  earlier ranks in the forward and later ranks in the backward, never in a cycle. Each
+  earlier ranks in the forward and later ranks in the backward, never in a cycle. It waits for
+  what it receives, not for what it sends: every send (states, path rows, their gradients) is
+  left in flight and waited on at the end of the pass (:mod:`treelit.partition.p2p`), so a rank
+  runs its next layers while the ranks after it take its states (waiting for each send where it
+  was posted, ``p2p.BLOCKING``, tied the ranks to one another: every layer's exchange in
+  lock-step). Each
   convolution exchange and each state of a layer has its own message tag (a transformers layer
   may run several, or share its index with an attention layer: Falcon-H1).
 
@@ -97,6 +102,7 @@ from treelit.models.forward import decoder_hidden, in_forward, output_weight
 from treelit.models.hf_kernels import TREE_KERNELS, WRAPPER_KERNELS
 from treelit.models.moe import collecting
 from treelit.objectives.folding import fold_spec, loss_from_logprobs, target_selection
+from treelit.partition import p2p
 from treelit.partition.passes import ShardedRows, empty_row
 from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
@@ -377,7 +383,7 @@ class _PathRows(torch.autograd.Function):
             shape[dim] = len(pos)
             bufs[src] = x.new_empty(shape)
             ops.append(dist.P2POp(dist.irecv, bufs[src], _global(group, src), group, tag))
-        _wait(ops)
+        _exchange(ops, "rows")
         for src, pos in route.recv.items():
             ext.index_copy_(dim, torch.from_numpy(pos).to(x.device), bufs[src])
         return torch.cat([ext, x], dim=dim)
@@ -397,7 +403,7 @@ class _PathRows(torch.autograd.Function):
             shape[dim] = len(rows)
             bufs[dst] = grad.new_empty(shape)
             ops.append(dist.P2POp(dist.irecv, bufs[dst], _global(group, dst), group, ctx.tag + 1))
-        _wait(ops)
+        _exchange(ops, "rows")
         for dst, rows in route.send.items():
             g_own.index_add_(dim, torch.from_numpy(rows).to(grad.device), bufs[dst])
         return g_own, None, None, None, None
@@ -418,7 +424,7 @@ class _StateIn(torch.autograd.Function):
         for src, pos in sorted(route.recv.items()):
             bufs[src] = like.new_empty(len(pos), *shape)
             ops.append(dist.P2POp(dist.irecv, bufs[src], _global(group, src), group, tag))
-        _wait(ops)
+        _exchange(ops, "states")
         for src, pos in route.recv.items():
             init[torch.from_numpy(pos).to(like.device)] = bufs[src]
         return init
@@ -430,7 +436,7 @@ class _StateIn(torch.autograd.Function):
         for src, pos in sorted(route.recv.items()):
             out = grad[torch.from_numpy(pos).to(grad.device)].contiguous()
             ops.append(dist.P2POp(dist.isend, out, _global(group, src), group, ctx.tag + 1))
-        _wait(ops)
+        _exchange(ops, "states")
         return None, None, None, None, None
 
 
@@ -448,7 +454,7 @@ class _StateOut(torch.autograd.Function):
         for dst, rows in sorted(route.send.items()):
             sent = cap[torch.from_numpy(rows).to(cap.device)].contiguous()
             ops.append(dist.P2POp(dist.isend, sent, _global(group, dst), group, tag))
-        _wait(ops)
+        _exchange(ops, "states")
         return out.clone()
 
     @staticmethod
@@ -459,7 +465,7 @@ class _StateOut(torch.autograd.Function):
         for dst, rows in sorted(route.send.items()):
             bufs[dst] = g_cap.new_empty(len(rows), *ctx.cap_shape[1:])
             ops.append(dist.P2POp(dist.irecv, bufs[dst], _global(group, dst), group, ctx.tag + 1))
-        _wait(ops)
+        _exchange(ops, "states")
         for dst, rows in route.send.items():
             g_cap.index_add_(0, torch.from_numpy(rows).to(grad.device), bufs[dst])
         return grad, g_cap, None, None, None
@@ -567,13 +573,13 @@ class Traffic:
 TRAFFIC = Traffic()
 
 
-def _wait(ops) -> None:
-    if ops:
-        got = [(op.tensor.numel() * op.tensor.element_size(), op.tag) for op in ops if op.op is dist.irecv]
-        TRAFFIC.received += sum(n for n, _ in got)
-        TRAFFIC.forward += sum(n for n, tag in got if tag % 2 == 0)
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+def _exchange(ops, kind: str) -> None:
+    """Post ``ops`` (point-to-point sends and receives), wait for the receives; the sends
+    complete in the background (:mod:`treelit.partition.p2p`, ``kind`` names its wait times)."""
+    got = [(op.tensor.numel() * op.tensor.element_size(), op.tag) for op in ops if op.op is dist.irecv]
+    TRAFFIC.received += sum(n for n, _ in got)
+    TRAFFIC.forward += sum(n for n, tag in got if tag % 2 == 0)
+    p2p.post(ops, kind)  # (with no ops too: inside a backward it queues the drain of earlier sends)
 
 
 _RECURRENT_TAGS = 1 << 24  # the recurrent exchanges' tags start above every attention layer's
@@ -715,7 +721,21 @@ def _forward_range(model, batch: TreeBatch, plan: CPPlan, group, attention, chun
                                    with_entropy=with_entropy)
         return mine, logp, ent, h
 
-    return in_forward(model, run)
+    return _drained(lambda: in_forward(model, run))
+
+
+def _drained(fn):
+    """``fn()``, a forward pass whose sends are all waited on when it returns (and none of an
+    earlier pass is still in flight when it starts: the passes reuse their tags), or abandoned
+    (:func:`~treelit.partition.p2p.abandon`) when it raises."""
+    p2p.drain()
+    try:
+        out = fn()
+    except BaseException:
+        p2p.abandon()
+        raise
+    p2p.drain()
+    return out
 
 
 def _full(values: torch.Tensor, tokens: torch.Tensor, N: int, group) -> torch.Tensor:
@@ -801,7 +821,12 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
         metrics = {**metrics, **router.metrics()}
     # every rank back-propagates through every layer (the path K/V gradients it owes the
     # other ranks travel in that backward), whether or not it holds targets
-    (surrogate + 0.0 * h.sum()).backward()
+    # (the sends this backward leaves in flight are waited on at its end: p2p's final callback)
+    try:
+        (surrogate + 0.0 * h.sum()).backward()
+    except BaseException:
+        p2p.abandon()
+        raise
     return value, {k: float(v) for k, v in metrics.items()}, plan
 
 
@@ -859,7 +884,7 @@ def cp_forward_pass(model, sub: TreeBatch, plan: CPPlan, group, attention, pre: 
     ctx = _CPContext(row, backend, external, live, group, sub, pre=pre, capture_kv=capture,
                      boundary=boundary if capture else None)
     ctx.embedding_grad_accumulator = embedding_grad_accumulator  # (no [V, D] gradient per pass)
-    h = decoder_hidden(model, row.input_ids[None], row.position_ids[None], ctx)[0]
+    h = _drained(lambda: decoder_hidden(model, row.input_ids[None], row.position_ids[None], ctx)[0])
     return h, ctx
 
 
