@@ -6,6 +6,7 @@ gradients summed). A chain of partitions holds C x the per-rank budget."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -86,6 +87,12 @@ def _worker(rank, C, port, case, out, attention="sdpa_dense", probe=False):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
         for g in grads:
             dist.all_reduce(g)
+        # nothing of the step outlives it (a pass's context kept by its graph would keep its captures)
+        import treelit.partition.context_parallel as cpm
+
+        gc.collect()
+        alive = sum(isinstance(o, cpm._CPContext) for o in gc.get_objects())
+        assert alive == 0, f"{alive} pass contexts outlive the step"
         forwards = torch.tensor([float(stats.token_forwards)])
         dist.all_reduce(forwards)
         every = [None] * C

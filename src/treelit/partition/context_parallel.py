@@ -87,6 +87,7 @@ and an adapter layer calling a kernel that does not read its boundary inputs thr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -682,7 +683,8 @@ class _CPContext(TreeContext):
         plan = self.plan_for(window)
         pre = self.pre.k[layer] if self.pre is not None else None
         if isinstance(pre, ShardedRows):  # the partition's ancestors (earlier passes), assembled in front
-            return _WithAncestors.apply(q, k, v, lambda q_, k_, v_: self.backend(q_, k_, v_, plan), pre, self.group,
+            # (not a closure over this context: the graph it would join keeps the context's captures)
+            return _WithAncestors.apply(q, k, v, functools.partial(_attend, self.backend, plan), pre, self.group,
                                         *(sh.own for sh, _ in pre.parts))
         if pre is not None:
             k, v = torch.cat([pre, k], 2), torch.cat([self.pre.v[layer], v], 2)
@@ -976,6 +978,10 @@ def _ancestor_grads(gk: Optional[torch.Tensor], gv: Optional[torch.Tensor], pre:
     return out
 
 
+def _attend(backend, plan, q, k, v):
+    return backend(q, k, v, plan)
+
+
 class _WithAncestors(torch.autograd.Function):
     """One attention layer of a partitioned pass under context parallelism:
     ``attend(q, [ancestors | k], [ancestors | v])`` with the ancestors' K/V (``pre``, earlier
@@ -1011,6 +1017,7 @@ class _WithAncestors(torch.autograd.Function):
             got = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
         gq, gk, gv, gak, gav = (next(got) if t.requires_grad else None for t in (qd, kd, vd, ak, av))
         del out, ak, av
+        ctx.attend = ctx.pre = None  # (what the node refers to goes with its backward)
         return (gq, gk, gv, None, None, None, *_ancestor_grads(gak, gav, pre, group))
 
 
@@ -1027,8 +1034,9 @@ class _AncestorsIdle(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _ancestor_rows(ctx.pre, ctx.group)  # (the others' recomputation)
-        return (None, None, None, *_ancestor_grads(None, None, ctx.pre, ctx.group))
+        pre, ctx.pre = ctx.pre, None
+        _ancestor_rows(pre, ctx.group)  # (the others' recomputation)
+        return (None, None, None, *_ancestor_grads(None, None, pre, ctx.group))
 
 
 def _assembled(own: Optional[torch.Tensor], at: torch.Tensor, shape, like: torch.Tensor, dim: int, group, grad: bool,

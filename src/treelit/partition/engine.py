@@ -37,6 +37,7 @@ from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
 from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
+from treelit.partition import p2p
 from treelit.partition.context_parallel import (cp_captures, cp_chunk_rows, cp_forward_pass, cp_relay, cp_split,
                                                 cp_state_captures, has_recurrent_layers)
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
@@ -383,7 +384,11 @@ class _Run:
         tensors, grads = [live.loss], [torch.ones_like(live.loss)]
         if self.cp_group is not None:
             more, g = cp_relay(live.produced, live.leaves, self.cp_group)
-            torch.autograd.backward(tensors + more, grads + g)
+            try:
+                torch.autograd.backward(tensors + more, grads + g)
+            except BaseException:  # (the sends it left in flight: waited on, bounded, not left to a later pass)
+                p2p.abandon()
+                raise
             return
         for t, leaf in zip(live.produced, live.leaves):
             # (a tensor computed from frozen parameters only, e.g. layer 0's keys under LoRA on q/v, has no graph)
