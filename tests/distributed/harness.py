@@ -50,6 +50,18 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: st
         raise
     finally:
         dist.destroy_process_group()
+    end_rank()
+
+
+def end_rank() -> None:
+    """End a spawned rank's process that finished its work (results saved, process group
+    destroyed) without the interpreter's teardown: gloo's objects destroyed there now and then
+    abort the process ("terminate called without an active exception", SIGABRT) after every
+    rank has destroyed its group, which fails a test whose work was done. Call it after the
+    worker's ``try``/``finally``, so that a rank that raised still reports its error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn: Callable, world: int, *args: Any, deadline: float = 300, collective_timeout: float = 60) -> Any:

@@ -29,6 +29,7 @@ from hf_oracle import random_hf_checkpoint
 from treelit.loss.router import router_normalizer_contribution
 from treelit.models.factory import set_moe_routing, set_router_aux_loss
 from treelit.partition.context_parallel import cp_micro_batch, cp_plan, cp_ranges, token_costs
+from harness import end_rank  # noqa: E402
 
 ONE_TOKEN = ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7], [1, 2, 3, 4, 8, 9], [1, 2, 3, 4, 8, 10], [3, 5]],
              [[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1], [1, 1], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1]],
@@ -220,6 +221,7 @@ def _worker(rank, C, port, case, out, wrong=()):
                             recurrent=_recurrent_names(model), wrong=saved), out)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def one_process_result(case):
@@ -482,6 +484,7 @@ def _checkpointing_worker(rank, C, port, name, out):
             torch.save(runs, out)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

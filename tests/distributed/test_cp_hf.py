@@ -22,6 +22,7 @@ from test_context_parallel import FORK, ONE_TOKEN, _objective, _port, _rl, _tree
 from test_cp_partitioned import DEEP
 from treelit.partition.context_parallel import cp_micro_batch
 from treelit.partition.engine import run_micro_batch
+from harness import end_rank  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -81,6 +82,7 @@ def _worker(rank, C, port, case, out):
         dist.barrier()  # every rank done with its messages before the group goes
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def compare(case, C, tmp_path):

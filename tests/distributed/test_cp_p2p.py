@@ -18,6 +18,7 @@ from test_context_parallel import ONE_TOKEN, _batch, _difference, _model, _objec
 from treelit.partition import p2p
 from treelit.partition.context_parallel import cp_micro_batch
 from treelit.partition.engine import run_micro_batch
+from harness import end_rank  # noqa: E402
 
 
 def _step(model, batch, obj, partitioned: bool) -> float:
@@ -56,6 +57,7 @@ def _worker(rank, C, port, case, partitioned, out):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _compare(case, C, partitioned, tmp_path):

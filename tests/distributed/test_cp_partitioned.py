@@ -20,6 +20,7 @@ from helpers import grad_floor, max_rel_grad_diff, negligible_grad, tiny_model
 from test_context_parallel import ONE_TOKEN, _exact, _objective, _port, _rl, _tree, hf_case
 from treelit.partition.engine import run_micro_batch
 from treelit.partition.plan import BudgetError
+from harness import end_rank  # noqa: E402
 
 # a deeper forest: shared prefixes several levels down, a branch that is a prefix of another,
 # a duplicate branch and one-token segments (so that passes have children at several depths)
@@ -103,6 +104,7 @@ def _worker(rank, C, port, case, out, attention="sdpa_dense", probe=False):
         dist.barrier()  # every rank done with its messages before the group goes
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def compare(case, C, tmp_path, attention="sdpa_dense", probe=False):
