@@ -31,7 +31,6 @@ CPU, one thread each):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cp_memory import _model, report  # noqa: E402
+from bench_cp_memory import _model, model_args, parse_or_table, report  # noqa: E402
 from bench_scale import _existing, _free_port  # noqa: E402
 
 MIB = 2**20
@@ -179,19 +178,9 @@ def main(argv=None):
     p.add_argument("--model", choices=["attention", "hybrid"], default="attention")
     p.add_argument("--budget-mib", type=float, default=48.0, help="activation memory per rank")
     p.add_argument("--calibrate", type=int, default=304, help="tokens per rank of the calibration step")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--attention", default="segment")
-    p.add_argument("--json")
-    p.add_argument("--table", help="print the table of a results file and exit")
-    args = p.parse_args(argv)
-    if args.table:
-        with open(args.table) as f:
-            print(table(json.load(f)))
+    model_args(p)
+    args = parse_or_table(p, argv, table)
+    if args is None:
         return
     args.prefix, args.branch_len = 0, 16384  # (the model's max_seq_len)
     report(run, table, args, "bench_cp_longest.py", argv)

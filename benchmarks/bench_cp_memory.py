@@ -180,24 +180,38 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", choices=["attention", "hybrid"], default=["attention", "hybrid"])
     p.add_argument("--partitioned", type=lambda v: v == "yes", nargs="+", default=[False, True],
                    help="yes, no or both")
+    model_args(p)
+    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--branches", type=int, default=4)
+    p.add_argument("--branch-len", type=int, default=512)
+    args = parse_or_table(p, argv, table)
+    if args is not None:
+        report(run, table, args, "bench_cp_memory.py", argv)
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    """The model's shape and attention backend (this file's, bench_cp_longest's and
+    bench_cp_recurrent's)."""
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--prefix", type=int, default=1024)
-    p.add_argument("--branches", type=int, default=4)
-    p.add_argument("--branch-len", type=int, default=512)
     p.add_argument("--attention", default="segment")
+
+
+def parse_or_table(p: argparse.ArgumentParser, argv, table):
+    """``--json`` and ``--table`` added, ``argv`` parsed; with ``--table FILE``, that results
+    file's table printed and None returned."""
     p.add_argument("--json")
     p.add_argument("--table", help="print the table of a results file and exit")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table) as f:
             print(table(json.load(f)))
-        return
-    report(run, table, args, "bench_cp_memory.py", argv)
+        return None
+    return args
 
 
 def report(run, table, args, script: str, argv) -> None:

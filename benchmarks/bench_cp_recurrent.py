@@ -33,7 +33,6 @@ L). Both hand-offs run in the same processes, taking turns (``--warmup`` steps o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,7 +43,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cp_memory import _model, _tree, report  # noqa: E402
+from bench_cp_memory import _model, _tree, model_args, parse_or_table, report  # noqa: E402
 from bench_scale import _free_port  # noqa: E402
 
 MODES = {"before": True, "after": False}  # p2p.BLOCKING per hand-off
@@ -179,24 +178,14 @@ def main(argv=None):
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--partitioned", type=lambda v: v == "yes", nargs="+", default=[False, True],
                    help="yes, no or both")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=8192)
+    model_args(p)
     p.add_argument("--prefix", type=int, default=512)
     p.add_argument("--branches", type=int, default=4)
     p.add_argument("--branch-len", type=int, default=256)
-    p.add_argument("--attention", default="segment")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--json")
-    p.add_argument("--table", help="print the table of a results file and exit")
-    args = p.parse_args(argv)
-    if args.table:
-        with open(args.table) as f:
-            print(table(json.load(f)))
+    args = parse_or_table(p, argv, table)
+    if args is None:
         return
     report(run, table, args, "bench_cp_recurrent.py", argv)
 
