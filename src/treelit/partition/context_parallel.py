@@ -933,12 +933,18 @@ class KVShard:
     dk: int
 
 
+def _zeros_of_captures(pre: ShardedRows) -> torch.Tensor:
+    """Zeros ``[1, Hkv, rows, Dk + Dv]`` for every row of the ancestor partitions' captures, one
+    partition after another (what the group's all-reduces fill or sum)."""
+    first = pre.parts[0][0].own
+    return first.new_zeros(*first.shape[:2], sum(sh.size for sh, _ in pre.parts), first.shape[-1])
+
+
 def _ancestor_rows(pre: ShardedRows, group) -> torch.Tensor:
     """The ancestors' K/V ``[1, Hkv, E, Dk + Dv]`` of one attention layer, from the shards of
     every rank of ``group`` (one all-reduce of each ancestor partition's captured rows, each rank
     filling its own)."""
-    first = pre.parts[0][0].own
-    whole = first.new_zeros(*first.shape[:2], sum(sh.size for sh, _ in pre.parts), first.shape[-1])
+    whole = _zeros_of_captures(pre)
     off = 0
     for sh, _ in pre.parts:
         whole[:, :, off:off + sh.size].index_copy_(2, sh.at, sh.own.detach())
@@ -959,9 +965,8 @@ def _ancestor_grads(gk: Optional[torch.Tensor], gv: Optional[torch.Tensor], pre:
     """Each shard's gradient from the gradients ``gk [1, Hkv, E, Dk]``, ``gv [1, Hkv, E, Dv]`` of
     the assembled rows (None: zero) on every rank of ``group``: summed over the group, the rank's
     own rows."""
-    first = pre.parts[0][0].own
     dk = pre.parts[0][0].dk
-    whole = first.new_zeros(*first.shape[:2], sum(sh.size for sh, _ in pre.parts), first.shape[-1])
+    whole = _zeros_of_captures(pre)
     e = off = 0
     for sh, idx in pre.parts:
         for g, cols in ((gk, slice(0, dk)), (gv, slice(dk, None))):
