@@ -50,3 +50,24 @@ def test_a_boolean_mask_in_a_backward_counts_as_a_sync():
     with DispatchCounter() as c:
         x[m].sum().backward()
     assert c.counts.sync_ops["index"] == 1 and c.counts.sync_ops["index_put"] == 1
+
+
+def test_a_planned_buffer_moved_once_is_one_upload_however_many_views_are_read():
+    x = torch.randn(10, 2)
+    with DispatchCounter() as c:
+        plan = torch.from_numpy(np.arange(8)).to("cpu", non_blocking=True)
+        for j in range(4):
+            x[plan[2 * j: 2 * j + 2]]
+    assert c.counts.uploads == 1
+    with DispatchCounter() as c:  # without the move, every view read by the device is its own upload
+        plan = torch.from_numpy(np.arange(8))
+        for j in range(4):
+            x[plan[2 * j: 2 * j + 2]]
+    assert c.counts.uploads == 4
+
+
+def test_as_tensor_of_a_device_tensor_is_no_upload():
+    x = torch.randn(4)
+    with DispatchCounter() as c:
+        (torch.as_tensor(x) * 2).sum()
+    assert c.counts.uploads == 0 and c.counts.launches == 2

@@ -15,8 +15,9 @@ exactly on CPU with a :class:`~torch.utils._python_dispatch.TorchDispatchMode`:
   ``repeat_interleave`` without its output size, a copy to the CPU, and ``.tolist()`` /
   ``.numpy()`` of a device tensor;
 * **uploads**: tensors made from host data inside the counted region (``torch.from_numpy``,
-  ``torch.tensor``, ``torch.as_tensor``, ``torch.asarray``), counted once, when a device
-  operator first reads them.
+  ``torch.tensor``, ``torch.as_tensor``, ``torch.asarray``), counted once: when they are moved
+  with ``.to(device)`` (any device: the move to ``cpu`` stands for the move to the GPU), or
+  else when a device operator first reads them.
 
 "Device tensor" means one that did not come from host data inside the region: the batch, the
 parameters and everything computed from them. On CPU a copy ``.to("cpu")`` of a host tensor is
@@ -30,16 +31,18 @@ tensor rather than where it is moved.
 
 from __future__ import annotations
 
+import traceback
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DispatchCounter", "StepCounts"]
+__all__ = ["DispatchCounter", "StepCounts", "host_floats", "upload"]
 
 _aten = torch.ops.aten
 _NO_KERNEL = {
@@ -65,6 +68,7 @@ class StepCounts:
     uploads: int = 0
     ops: Counter = field(default_factory=Counter)
     sync_ops: Counter = field(default_factory=Counter)
+    sites: Counter = field(default_factory=Counter)  # with ``where=True``: "sync|upload file:line" of each
 
     def as_dict(self) -> Dict[str, Any]:
         return {"launches": self.launches, "syncs": self.syncs, "uploads": self.uploads,
@@ -95,8 +99,9 @@ class DispatchCounter(TorchDispatchMode):
 
     ``counts`` holds the totals; :meth:`reset` starts them again (e.g. after a warm-up step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: bool = False) -> None:
         super().__init__()
+        self.where = where  # record the treelit line of each sync and upload (slower)
         self.counts = StepCounts()
         self._host: Dict[int, "weakref.ref[torch.Tensor]"] = {}  # made from host data, not uploaded yet (by id)
         self._patched: Dict[str, Any] = {}
@@ -114,9 +119,22 @@ class DispatchCounter(TorchDispatchMode):
         ref = self._host.get(id(t))
         return ref is not None and ref() is t
 
+    def _site(self, kind: str) -> None:
+        if self.where:
+            for fr in reversed(traceback.extract_stack()[:-2]):
+                if "treelit" in fr.filename and not fr.filename.endswith("dispatch.py"):
+                    self.counts.sites[f"{kind} {fr.filename.split('src/')[-1]}:{fr.lineno}"] += 1
+                    return
+            self.counts.sites[f"{kind} ?"] += 1
+
     def _sync(self, what: str) -> None:
         self.counts.syncs += 1
         self.counts.sync_ops[what] += 1
+        self._site("sync")
+
+    def _upload(self) -> None:
+        self.counts.uploads += 1
+        self._site("upload")
 
     def __enter__(self):
         counter = self
@@ -127,12 +145,27 @@ class DispatchCounter(TorchDispatchMode):
             def made_on_host(*a, __orig=orig, **k):
                 dev = k.get("device")
                 out = __orig(*a, **k)
+                if a and isinstance(a[0], torch.Tensor):  # a tensor already: no host data involved
+                    return out
                 if dev is not None and torch.device(dev).type != "cpu":
-                    counter.counts.uploads += 1  # straight onto an accelerator
+                    counter._upload()  # straight onto an accelerator
                     return out
                 return counter._mark_host(out)
 
             setattr(torch, name, made_on_host)
+        orig_to = torch.Tensor.to
+        self._patched["Tensor.to"] = orig_to
+
+        def moved(t, *a, **k):
+            out = orig_to(t, *a, **k)
+            dev = k.get("device", a[0] if a and isinstance(a[0], (str, torch.device)) else None)
+            if dev is not None and counter._is_host(t):  # host data sent to the device: the upload
+                counter._upload()
+                counter._host.pop(id(t), None)
+                counter._host.pop(id(out), None)
+            return out
+
+        torch.Tensor.to = moved
         for name in ("tolist", "numpy"):
             orig = getattr(torch.Tensor, name)
             self._patched["Tensor." + name] = orig
@@ -167,7 +200,7 @@ class DispatchCounter(TorchDispatchMode):
                 self._mark_host(t)
             return out
         for t in host_ins:  # host data read by a device operator: one upload each
-            self.counts.uploads += 1
+            self._upload()
             self._host.pop(id(t), None)
         if _syncs(func, args, kwargs):
             self._sync(str(func.overloadpacket.__name__))
@@ -182,3 +215,22 @@ class DispatchCounter(TorchDispatchMode):
         with cls() as c:
             fn(*args, **kwargs)
         return c.counts
+
+
+def upload(a, device) -> torch.Tensor:
+    """Host array ``a`` on ``device`` in one copy: from pinned memory and non-blocking on an
+    accelerator (the copy joins the queue; the host goes on planning)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def host_floats(metrics: Dict[str, Any]) -> Dict[str, float]:
+    """``metrics`` with every tensor value read to a Python float in one device-to-host copy
+    (one sync for all of them, not one per value); other values as ``float``."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist() if keys else []
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    out.update(zip(keys, values))
+    return {k: out[k] for k in metrics}
