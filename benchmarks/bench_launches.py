@@ -23,6 +23,11 @@ trees: ``b`` is the growth with the tree (0: flat).
     python benchmarks/bench_launches.py --quick      # a few small rows (the test suite runs it)
 
 On a GPU (``--device cuda``) each row also reads the profiler's count of CUDA kernel launches.
+
+``ssm=fla`` runs fla's Triton kernels, which need a GPU; ``--fla`` counts their launches on CPU under
+Triton's interpreter (a process of its own, started by this script with ``--fla-interpreter``): per
+recurrent layer, the calls of fla's chunked ops (one per depth level of the tree's segments) and the
+Triton kernels they launch, for native Gated DeltaNet and Mamba2 layers, forward and backward.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if "--fla-interpreter" in sys.argv:  # fla's Triton kernels on CPU: the interpreter comes before Triton is imported
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()
 
 import treelit  # noqa: E402
 from treelit.attention import merged  # noqa: E402
@@ -218,7 +228,76 @@ def run(trees: List[str], families: List[str], backends: List[str], layer_counts
     return rows
 
 
-def print_tables(rows: List[Dict], fits: List[Dict], heads: List[Dict]) -> None:
+FLA_TREES = {"grpo_4": lambda: grpo(4, prompt=24, completion=8), "every_turn_4": lambda: every_turn(4, turn=8, side=4),
+             "every_turn_8": lambda: every_turn(8, turn=8, side=4), "fanout_d2": lambda: fanout(2, k=2, call=6, tool=6)}
+
+
+def fla_counts(trees: List[str]) -> List[Dict]:
+    """Under Triton's interpreter (this process was started with ``--fla-interpreter``): per tree, fla
+    op calls and Triton launches per recurrent layer of a tiny Gated DeltaNet and a tiny Mamba2 model."""
+    from unittest import mock
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from treelit.ssm import fla_backend, set_ssm_backend
+
+    launches = [0]
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        launches[0] += 1
+        return run(self, *a, **k)
+
+    InterpretedFunction.run = counted
+    calls = [0]
+    scan = fla_backend.level_scan
+
+    def level_scan(kernel, *a, **k):
+        def one(*ka):
+            calls[0] += 1
+            return kernel(*ka)
+        return scan(one, *a, **k)
+
+    fla_backend.level_scan = level_scan
+    rows = []
+    for name in trees:
+        tree = treelit.TokenTree.from_branches(FLA_TREES[name]())
+        batch = tree.to_batch()
+        levels = int(len(__import__("treelit.ssm.layout", fromlist=["tree_layout"]).tree_layout(batch, 4).levels))
+        for case in ("gdn_tiny", "mamba2_tiny"):
+            torch.manual_seed(0)
+            model = treelit.build_model(case, vocab_size=VOCAB)
+            with mock.patch.object(torch.cuda, "is_available", lambda: True):
+                set_ssm_backend(model, "fla")
+            n_rec = sum(1 for i in range(model.config.num_layers) if model.config.layer_type(i) != "attention")
+            launches[0] = calls[0] = 0
+            treelit.tree_loss(model, tree.to_batch(), attention="sdpa_dense").backward()
+            rows.append({"tree": name, "segments": int(batch.num_segments), "levels": levels, "model": case,
+                         "recurrent_layers": n_rec, "fla_calls_per_layer": calls[0] / n_rec,
+                         "triton_launches_per_layer": launches[0] / n_rec,
+                         "triton_launches_per_layer_per_level": launches[0] / n_rec / levels})
+            print(f"  fla {name:13s} {case:12s} segs {rows[-1]['segments']:3d} levels {levels:3d}  fla calls/layer "
+                  f"{rows[-1]['fla_calls_per_layer']:.0f}  Triton launches/layer {rows[-1]['triton_launches_per_layer']:.0f}",
+                  flush=True)
+    return rows
+
+
+def fla_in_subprocess(trees: List[str]) -> List[Dict]:
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "fla.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--fla-interpreter", "--json", out, "--trees-fla", *trees]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError("the fla interpreter run failed:\n" + proc.stdout[-2000:] + proc.stderr[-4000:])
+        print(proc.stdout, end="")
+        with open(out) as f:
+            return json.load(f)["fla"]
+
+
+def print_tables(rows: List[Dict], fits: List[Dict], heads: List[Dict], fla: List[Dict] = ()) -> None:
     hi = max(r["layers"] for r in rows)
     print(f"\n| tree | segments | family | backend | launches ({hi} layers) | launches per layer | syncs | uploads |")
     print("|---|---|---|---|---|---|---|---|")
@@ -235,6 +314,13 @@ def print_tables(rows: List[Dict], fits: List[Dict], heads: List[Dict]) -> None:
     print("|---|---|---|---|---|")
     for h in heads:
         print(f"| {h['where']} | {h['chunk_rows']:,} | {h['chunks']} | {h['sft']} | {h['rl_entropy']} |")
+    if fla:
+        print("\n| ssm=fla (Triton interpreter) | segments | depth levels | model | fla op calls per layer |"
+              " Triton launches per layer | per layer and level |")
+        print("|---|---|---|---|---|---|---|")
+        for r in fla:
+            print(f"| {r['tree']} | {r['segments']} | {r['levels']} | {r['model']} | {r['fla_calls_per_layer']:.0f} |"
+                  f" {r['triton_launches_per_layer']:.0f} | {r['triton_launches_per_layer_per_level']:.1f} |")
 
 
 def main(argv=None) -> int:
@@ -244,9 +330,17 @@ def main(argv=None) -> int:
     ap.add_argument("--families", nargs="*", default=["attention", "hybrid"], choices=["attention", "hybrid"])
     ap.add_argument("--backends", nargs="*", default=["sdpa_dense", "segment", "segment/cuda"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fla", action="store_true", help="also count ssm=fla's Triton launches under the interpreter")
+    ap.add_argument("--fla-interpreter", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trees-fla", nargs="*", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.fla_interpreter:  # the child process of --fla
+        fla = fla_counts(args.trees_fla or list(FLA_TREES))
+        with open(args.json, "w") as f:
+            json.dump({"fla": fla}, f)
+        return 0
     trees = args.trees or (QUICK_TREES if args.quick else list(TREES))
     layers = (1, 2) if args.quick else (2, 8)
     t0 = time.perf_counter()
@@ -254,13 +348,14 @@ def main(argv=None) -> int:
     rows = run(trees, args.families, args.backends, layers, args.device)
     fits = fit(rows)
     heads = head_counts()
-    print_tables(rows, fits, heads)
+    fla = fla_in_subprocess(["grpo_4", "every_turn_4"] if args.quick else list(FLA_TREES)) if args.fla else []
+    print_tables(rows, fits, heads, fla)
     print(f"\n{time.perf_counter() - t0:.0f} s")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"command": "python benchmarks/bench_launches.py " + " ".join(argv or sys.argv[1:]),
-                       "torch": torch.__version__, "rows": rows, "fits": fits, "head": heads}, f, indent=1,
+                       "torch": torch.__version__, "rows": rows, "fits": fits, "head": heads, "fla": fla}, f, indent=1,
                       default=float)
     return 0
 
