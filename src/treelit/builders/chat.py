@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from treelit.builders.base import TREE_BUILDERS, TreeBuilder
+from treelit.builders.vision import NO_VISION
 from treelit.data.images import ImageLimits, ImageReader, image_ref, load_image_processor
 from treelit.data.records import DataError, Record, check_key, check_text, finite_number
 from treelit.rl.advantages import ADVANTAGES
@@ -285,8 +286,10 @@ class ChatBuilder(TreeBuilder):
                 refs: Sequence[Tuple[str, str]] = ()) -> Tuple[List[int], List[int], List[Any]]:
         """Token ids, loss mask and images of ``msgs``, training the assistant messages in ``train``
         (``refs``: the images the messages show, in order, each with the field that names it)."""
-        if refs and self.images is None:
-            raise DataError(f"{source}: the conversation has image parts; set tree_builder.processor_path to the "
+        if refs and getattr(self, "model_vision", None) is False:
+            raise DataError(f"{refs[0][1]}: {NO_VISION}")
+        if refs and self.images is None:  # named by the image part itself
+            raise DataError(f"{refs[0][1]}: the conversation has image parts; set tree_builder.processor_path to the "
                             "vision checkpoint's folder to read them")
         text = self._render(msgs)
         spans = []

@@ -27,11 +27,12 @@ import binascii
 import hashlib
 import io
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from treelit.data.records import DataError
 from treelit.tree.images import ProcessedImage
@@ -40,18 +41,29 @@ __all__ = ["ImageLimits", "ImageReader", "image_ref", "load_image_processor"]
 
 MiB = 1 << 20
 CACHE_BYTES = 256 * MiB  # processed pixel values kept per reader (a 1280x720 screenshot's are ~22 MB in float32)
+MIN_IMAGE_BYTES = 8  # fewer bytes than any PNG, JPEG, WEBP, GIF or BMP file has
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's decoders for these only: never EPS (Ghostscript) or others
 
 
 def _format_of(raw: bytes) -> Optional[str]:
-    """The Pillow format whose signature ``raw`` starts with (nothing is parsed); None: no format's."""
+    """The Pillow format whose signature ``raw`` starts with (nothing is parsed); None: no format's.
+    (A signature check that fails on a short prefix - the DIB one unpacks 4 bytes - is no match.)"""
     Image.init()
     prefix = raw[:16]
     for fmt in Image.ID:
         accept = Image.OPEN[fmt][1]
-        if accept is not None and accept(prefix):
-            return fmt
+        try:
+            if accept is not None and accept(prefix):
+                return fmt
+        except Exception:  # noqa: BLE001 - a plugin's check on bytes it was not written for
+            continue
     return None
+
+
+def _one_line(exc: BaseException, n: int = 300) -> str:
+    """``Type: message`` of ``exc`` on one line, at most ``n`` characters of the message."""
+    msg = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {msg[:n]}{'...' if len(msg) > n else ''}"
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,8 @@ class ImageReader:
     def load_bytes(self, ref: str, data_path: Optional[str], where: str) -> Tuple[bytes, str]:
         """The encoded bytes of ``ref`` and a short name for messages."""
         lim = self.limits
+        if "\x00" in ref:
+            raise DataError(f"{where}: image {ref!r}: a path or URI cannot contain a NUL byte")
         if ref.startswith("data:"):
             head, _, payload = ref.partition(",")
             if ";base64" not in head or not head[5:].startswith("image/"):
@@ -146,21 +160,29 @@ class ImageReader:
             return f.read(lim.max_image_bytes + 1), ref
 
     def decode(self, raw: bytes, name: str, where: str):
+        if len(raw) < MIN_IMAGE_BYTES:
+            raise DataError(f"{where}: image {name!r} has {len(raw)} byte(s), too few to be an image (an empty or "
+                            "truncated file?)")
         fmt = _format_of(raw)
         if fmt is not None and fmt not in FORMATS:
             raise DataError(f"{where}: image {name!r} is {fmt}; only {', '.join(FORMATS)} images are read")
         try:
-            img = Image.open(io.BytesIO(raw), formats=list(FORMATS))
-            w, h = img.size
-            if w * h > self.limits.max_image_pixels:
-                raise DataError(f"{where}: image {name!r} has {w}x{h} = {w * h} pixels, more than "
-                                f"tree_builder.max_image_pixels={self.limits.max_image_pixels}")
-            img.load()
-            return img.convert("RGB")
-        except DataError:
+            with warnings.catch_warnings():  # the size is checked here, with one error line (Pillow's own
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # warning would print before it)
+                img = Image.open(io.BytesIO(raw), formats=list(FORMATS))
+                w, h = img.size
+                if w * h > self.limits.max_image_pixels:
+                    raise DataError(f"{where}: image {name!r} has {w}x{h} = {w * h} pixels, more than "
+                                    f"tree_builder.max_image_pixels={self.limits.max_image_pixels}")
+                img.load()
+                return img.convert("RGB")
+        except (DataError, MemoryError):
             raise
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise DataError(f"{where}: image {name!r} cannot be decoded ({type(exc).__name__}: {exc})") from None
+        except Image.DecompressionBombError as exc:
+            raise DataError(f"{where}: image {name!r} is refused by Pillow's decompression-bomb limit "
+                            f"({_one_line(exc)})") from None
+        except Exception as exc:  # noqa: BLE001 - any decoder failure on bytes from a data file is the data's
+            raise DataError(f"{where}: image {name!r} cannot be decoded ({_one_line(exc)})") from None
 
     def read(self, ref: str, data_path: Optional[str], where: str, token_id: int):
         """The :class:`~treelit.tree.images.ProcessedImage` of ``ref`` (processed once per content)."""
@@ -171,7 +193,13 @@ class ImageReader:
             pv, grid, n = self._cache[key]
         else:
             img = self.decode(raw, name, where)
-            out = self.image_processor(images=[img], return_tensors="pt")
+            try:
+                out = self.image_processor(images=[img], return_tensors="pt")
+            except MemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. Qwen's aspect-ratio limit (at most 200:1)
+                raise DataError(f"{where}: image {name!r} ({img.width}x{img.height}) is refused by the image "
+                                f"processor ({_one_line(exc)})") from None
             pv = out["pixel_values"]
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             n = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
