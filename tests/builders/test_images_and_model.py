@@ -142,3 +142,15 @@ def test_treelit_train_names_the_missing_vision_tower_before_reading_the_data(vl
                                      "records with images need model.vision=true and a vision-language checkpoint "
                                      "(model.hf_checkpoint=DIR)"], captured.out[-2000:] + captured.err[-2000:]
     assert "vocabulary" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("builder", ["sequences", "groups"])
+def test_image_token_id_is_an_option_of_the_token_builders(vl_dir, builder):
+    """``tree_builder.image_token_id=N`` as written (no ``+``): in the schema, passed to the builder."""
+    from hydra.utils import instantiate
+
+    from treelit.cli.config import compose
+
+    cfg = compose([f"tree_builder={builder}", "tree_builder.image_token_id=9"])
+    assert cfg.tree_builder.image_token_id == 9 and instantiate(cfg.tree_builder).image_token_id == 9
+    assert compose([f"tree_builder={builder}"]).tree_builder.image_token_id is None
