@@ -174,12 +174,15 @@ class TokenBuilder(TreeBuilder):
             tokens (see :mod:`treelit.data.images`).
         image_token_id: the placeholder token of an image; None (default): the checkpoint's
             (:func:`~treelit.builders.vision.raw_image_token`); one that differs is refused.
+        image_root: a folder images may also be read from (paths relative to it, or leading into
+            it), under the same rules as the data file's folder.
         max_image_bytes, max_image_pixels: bounds on one image (an error names the record).
         advantage_options: extra keyword arguments of the estimator.
     """
 
     def __init__(self, advantage: Optional[str] = None, logprob_conflict: str = "raise", logprob_tol: float = 1e-4,
                  processor_path: Optional[str] = None, image_token_id: Optional[int] = None,
+                 image_root: Optional[str] = None,
                  max_image_bytes: int = ImageLimits.max_image_bytes, max_image_pixels: int = ImageLimits.max_image_pixels,
                  **advantage_options: Any) -> None:
         if logprob_conflict not in ("raise", "split"):
@@ -193,7 +196,7 @@ class TokenBuilder(TreeBuilder):
         self.images: Optional[ImageReader] = None
         if processor_path:
             self.images = ImageReader(load_image_processor(processor_path),
-                                      ImageLimits(int(max_image_bytes), int(max_image_pixels)))
+                                      ImageLimits(int(max_image_bytes), int(max_image_pixels)), image_root=image_root)
         self.image_token_id = raw_image_token(processor_path, image_token_id)
 
     def encode(self, record: Record) -> List[Dict[str, Any]]:

@@ -223,6 +223,8 @@ class ChatBuilder(TreeBuilder):
             (``preprocessor_config.json``): content parts ``{"type": "image", "image": PATH}``,
             ``data:`` URIs and OpenAI ``image_url`` parts become that processor's placeholder
             tokens and pixel patches (:mod:`treelit.data.images`); None: records with images are refused.
+        image_root: a folder images may also be read from besides the data file's, under the same
+            rules (:mod:`treelit.data.images`).
         max_image_bytes, max_image_pixels: bounds on one image's file (or data: URI payload)
             and its decoded size; a larger image fails naming the record.
     """
@@ -241,6 +243,7 @@ class ChatBuilder(TreeBuilder):
         max_image_bytes: int = ImageLimits.max_image_bytes,
         max_image_pixels: int = ImageLimits.max_image_pixels,
         processor: Any = None,
+        image_root: Optional[str] = None,
         **advantage_options: Any,
     ) -> None:
         if export not in ("per_call", "trajectory"):
@@ -269,7 +272,8 @@ class ChatBuilder(TreeBuilder):
         if processor is None and processor_path:
             processor = load_image_processor(processor_path)
         if processor is not None:
-            self.images = ImageReader(processor, ImageLimits(int(max_image_bytes), int(max_image_pixels)))
+            self.images = ImageReader(processor, ImageLimits(int(max_image_bytes), int(max_image_pixels)),
+                                      image_root=image_root)
             self._image_text, self.image_token_id = _image_tokens(self.tok)
         self._record_path: Optional[str] = None
 

@@ -1,13 +1,15 @@
-"""Images named by records: read within the data file's folder, bounded, processed once per record.
+"""Images named by records: read within the data file's folder (or ``image_root``), bounded, processed
+once per record.
 
-A record names an image as a path relative to its data file (``"shots/turn3.png"``) or as a
+A record names an image as a path relative to its data file (``"shots/turn3.png"``), or to
+``tree_builder.image_root`` (a folder of screenshots beside the data, say), or as a
 ``data:image/...;base64,`` URI, in a chat content part (``{"type": "image", "image": ...}``,
 OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``) or in a raw branch's
 ``images`` list. Data files are written by others, so an image reference is data, never a
 capability:
 
-* a path resolves (symbolic links followed) inside the data file's folder or is refused -
-  ``../`` and absolute paths that leave it name the record and the path;
+* a path resolves (symbolic links followed) inside the data file's folder or ``image_root``
+  or is refused - ``../`` and absolute paths that leave both name the record and the path;
 * URLs other than ``data:`` are refused (nothing is fetched);
 * only PNG, JPEG, WEBP, GIF and BMP are decoded (no other Pillow plugin - EPS would run
   Ghostscript - ever sees the bytes);
@@ -112,8 +114,15 @@ class ImageReader:
     ``processor``: the checkpoint's processor (``image_processor`` attribute) or image processor;
     ``make(pixel_values, grid_thw, name)`` turns its output into the row's image objects."""
 
-    def __init__(self, processor: Any, limits: Optional[ImageLimits] = None, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, processor: Any, limits: Optional[ImageLimits] = None, cache_bytes: int = CACHE_BYTES,
+                 image_root: Optional[str] = None) -> None:
         self.image_processor = getattr(processor, "image_processor", processor)
+        self.image_root = None
+        if image_root is not None:
+            if not isinstance(image_root, str) or not image_root or "\x00" in image_root \
+                    or not os.path.isdir(image_root):
+                raise ValueError(f"tree_builder.image_root {image_root!r} is not a directory")
+            self.image_root = os.path.realpath(image_root)
         self.limits = limits or ImageLimits()
         merge = getattr(self.image_processor, "merge_size", None)
         if merge is None:
@@ -143,21 +152,40 @@ class ImageReader:
         if "://" in ref:
             raise DataError(f"{where}: image {ref!r}: only paths relative to the data file and data: URIs are read "
                             "(nothing is downloaded)")
-        if data_path is None:
-            raise DataError(f"{where}: image {ref!r}: a path needs a data file to be relative to")
-        root = os.path.realpath(os.path.dirname(os.path.abspath(data_path)))
-        full = os.path.realpath(os.path.join(root, ref))
-        if os.path.commonpath([root, full]) != root:
-            raise DataError(f"{where}: image {ref!r} resolves outside the data file's folder {root}; images are read "
-                            "from that folder only")
-        if not os.path.isfile(full):
-            raise DataError(f"{where}: image {ref!r} does not exist (relative to {root})")
+        full = self._resolve(ref, data_path, where)
         size = os.path.getsize(full)
         if size > lim.max_image_bytes:
             raise DataError(f"{where}: image {ref!r} has {size} bytes, more than tree_builder.max_image_bytes="
                             f"{lim.max_image_bytes}")
         with open(full, "rb") as f:
             return f.read(lim.max_image_bytes + 1), ref
+
+    def _resolve(self, ref: str, data_path: Optional[str], where: str) -> str:
+        """The real path of image ``ref``: relative to the data file's folder, else to ``image_root``
+        (symbolic links followed); it must lie in one of the two folders and be a file."""
+        roots = [] if data_path is None else [os.path.realpath(os.path.dirname(os.path.abspath(data_path)))]
+        if self.image_root is not None:
+            roots.append(self.image_root)
+        if not roots:
+            raise DataError(f"{where}: image {ref!r}: a path needs a data file (or tree_builder.image_root) to be "
+                            "relative to")
+        inside, escapes = [], False  # folders it would be missing from; whether an existing path leaves them
+        for base in roots:
+            path = os.path.join(base, ref)
+            full = os.path.realpath(path)
+            if any(os.path.commonpath([r, full]) == r for r in roots):
+                if os.path.isfile(full):
+                    return full
+                inside.append(base)
+            elif os.path.lexists(path):  # a file or link outside both folders
+                escapes = True
+        names = (f"the data file's folder {roots[0]}" if data_path is not None else "") + (
+            f"{' and ' if data_path is not None else ''}tree_builder.image_root {self.image_root}"
+            if self.image_root is not None else "")
+        if escapes or not inside:
+            raise DataError(f"{where}: image {ref!r} resolves outside {names}; images are read from "
+                            f"{'that folder' if len(roots) == 1 else 'those folders'} only")
+        raise DataError(f"{where}: image {ref!r} does not exist (relative to {' or '.join(inside)})")
 
     def decode(self, raw: bytes, name: str, where: str):
         if len(raw) < MIN_IMAGE_BYTES:
