@@ -277,6 +277,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
 
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
+    from treelit.builders.vision import check_model_images
     from treelit.models.factory import replay_shape
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
@@ -310,6 +311,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
         check_lora_mode(model, cfg.mode)
         check_vision_run(cfg, model)
+        check_model_images(builder, model)  # images and their token against the model's vision tower
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
                                  objective=objective, routing=replay_shape(model))
         data_stats = datamodule.stats()
