@@ -57,3 +57,29 @@ def test_the_head_is_chunked_by_device_memory():
     gpu, cpu = rows["80 GiB device"], rows["cpu"]
     assert gpu["chunks"] == 5 and gpu["sft"] <= 100 and gpu["rl_entropy"] <= 160, gpu
     assert cpu["chunk_rows"] == (1 << 23) // 151936 and cpu["sft"] > 50 * gpu["sft"], cpu
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_the_modules_update_meets_the_budget_too(models, objective):
+    """What the trainer runs per update (TreeLitModule.compute_gradients: the step's normalisers,
+    the micro-batch's loss read once, the gradients): still within the budget; the optimizer step
+    adds one sync (the gradient norm)."""
+    import torch
+
+    from treelit.lightning.module import TreeLitModule
+    from treelit.objectives import make_objective
+    from treelit.utils.dispatch import DispatchCounter
+
+    module = TreeLitModule(models["hybrid"], make_objective(objective), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                           attention="sdpa_dense")
+
+    def row():
+        branches = B.every_turn(12, turn=24, side=8)
+        return (B.rl_tree(branches) if objective != "sft" else treelit.TokenTree.from_branches(branches)).to_batch()
+
+    module.compute_gradients([row()])
+    batch = row()
+    with DispatchCounter(where=True) as c:
+        out = module.compute_gradients([batch])
+    assert out["loss"] != 0 and c.counts.launches > 100
+    assert c.counts.syncs <= SYNCS - 1 and c.counts.uploads <= UPLOADS, dict(c.counts.sites)
