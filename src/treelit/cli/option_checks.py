@@ -72,7 +72,7 @@ def _check_run_numbers(cfg: DictConfig) -> None:
         raise _error(f"verify_every must be a number of steps >= 0 (0: never), got {verify!r}")
     rows = cfg.get("chunk_rows")
     if rows is not None and not (_is_int(rows) and rows > 0):
-        raise _error(f"chunk_rows must be a positive number of rows (null: bounded to ~32 MiB of logits), got {rows!r}")
+        raise _error(f"chunk_rows must be a positive number of rows (null: 1/32 of a GPU's memory of logits, ~32 MiB on CPU), got {rows!r}")
     for key in ("ppo_epochs", "ppo_minibatches"):
         v = cfg.get(key, 1)
         if not (_is_int(v) and v >= 1):
