@@ -1,0 +1,211 @@
+"""Compiled decoder layers (``compile=true``): ``torch.compile`` over each attention layer, the
+tree attention one opaque operator in its graph.
+
+Why not compile the model as it stands: a tree attention backend is data-dependent Python
+over a host-side plan (the segment backend's groups, slices and gathers), so tracing it breaks
+the graph at every ``.item()`` and recompiles on every new tree (the planner's Python ints
+become guards), and the layer index a layer passes to its context is baked in as a constant,
+so each layer compiles its own graph until dynamo's recompile limit (8) leaves the rest eager.
+
+Here the layer's dense arithmetic - the norms, the q/k/v projections, q/k norms, RoPE, the
+output projection and the MLP - is traced once, with a dynamic token dimension
+(:func:`torch._dynamo.maybe_mark_dynamic` on ``h [B, L, D]``), and the attention call is
+``treelit::tree_attention(q, k, v, token)``, a :func:`torch.library.custom_op` that dynamo
+does not look into. What varies per tree and per layer (the sequence context, the layer index,
+its sliding window) is not an argument of the traced function: the caller files it under a
+fresh integer key, and ``token`` is a 0-dim CPU ``int64`` tensor holding that key (a tensor's
+value is never guarded on, and reading a CPU tensor does not sync a GPU). Every attention layer
+of the model then runs the same compiled graph (dynamo inlines ``nn.Module`` calls and treats
+the parameters as inputs), whatever the tree, until the grad mode or a layer's structure
+(another sliding window) changes.
+
+The operator runs the context's attention exactly as the eager layer would (same backend, same
+plan), on leaves detached from ``q, k, v``, and keeps that small autograd graph under the key;
+its backward (``treelit::tree_attention_backward``, also opaque) differentiates that graph, so
+the gradients are the backend's own. A record lives until the backward has used it or the
+compiled graph that holds ``token`` is freed (a forward whose backward never runs).
+
+Not compiled here (they run eager, through :func:`treelit.models.decoder._layer_forward`):
+recurrent layers (their scan is data-dependent Python over the tree's depth levels), passes
+with external K/V or K/V capture (partitioning), and mixture-of-experts layers (refused by
+:func:`compile_layers`, their router records per layer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["BACKENDS", "CompiledLayers", "compile_layers", "compile_backend"]
+
+BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile backends the ``compile`` option names
+
+_CALLS: Dict[int, Tuple[Any, int, Optional[int], bool]] = {}  # key -> (context, layer, window, needs grad)
+_RECORDS: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # key -> (out, q, k, v)
+_KEYS = itertools.count()
+
+
+def _forget(key: int) -> None:
+    _CALLS.pop(key, None)
+    _RECORDS.pop(key, None)
+
+
+def _like(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``layout``'s strides (what the fake implementations promise the compiler)."""
+    same = all(a == b for n, a, b in zip(x.shape, x.stride(), layout.stride()) if n > 1)
+    return x if same and x.dtype == layout.dtype else torch.empty_like(layout).copy_(x)
+
+
+@torch.library.custom_op("treelit::tree_attention", mutates_args=())
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """The attention of the layer filed under ``token``: ``q [B, Hq, L, D]``, ``k, v [B, Hkv, L, D]``
+    (post-RoPE, not expanded) -> ``[B, Hq, L, D]`` in ``q``'s layout."""
+    key = int(token)
+    ctx, layer, window, grad = _CALLS.pop(key)
+    if not grad:
+        with torch.no_grad():
+            return _like(ctx.attention(layer, q, k, v, window=window), q)
+    with torch.enable_grad():
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        out = ctx.attention(layer, *leaves, window=window)
+    _RECORDS[key] = (out, *leaves)
+    return _like(out.detach(), q)
+
+
+@tree_attention.register_fake
+def _(q, k, v, token):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("treelit::tree_attention_backward", mutates_args=())
+def tree_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            token: torch.Tensor) -> List[torch.Tensor]:
+    """Gradients ``[dq, dk, dv]`` of the attention filed under ``token`` (in the layouts of q, k, v)."""
+    record = _RECORDS.pop(int(token), None)
+    if record is None:
+        raise RuntimeError("treelit::tree_attention_backward: no forward record for this layer (its backward "
+                           "ran twice, or its forward ran without gradients)")
+    out, *leaves = record
+    grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else _like(g, x) for g, x in zip(grads, (q, k, v))]
+
+
+@tree_attention_backward.register_fake
+def _(grad, q, k, v, token):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, token = inputs
+    ctx.save_for_backward(q, k, v, token)
+
+
+def _backward(ctx, grad):
+    q, k, v, token = ctx.saved_tensors
+    dq, dk, dv = tree_attention_backward(grad, q, k, v, token)
+    return dq, dk, dv, None
+
+
+tree_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def _attention_layer_body(layer: nn.Module, position_ids: torch.Tensor, token: torch.Tensor,
+                          h: torch.Tensor) -> torch.Tensor:
+    """One attention layer over ``h [B, L, D]`` (the arithmetic of the eager layer,
+    :func:`treelit.models.decoder._layer_forward`, with the attention call opaque). Traced."""
+    from treelit.models.decoder import apply_rope
+    from treelit.utils.numerics import rms_norm
+
+    attn = layer.attn
+    x = rms_norm(layer.sa_norm, h)
+    B, L, _ = x.shape
+    hd = attn.head_dim
+    q = attn.q_proj(x).view(B, L, attn.num_heads, hd)
+    k = attn.k_proj(x).view(B, L, attn.num_kv_heads, hd)
+    v = attn.v_proj(x).view(B, L, attn.num_kv_heads, hd)
+    if attn.q_norm is not None:
+        q = rms_norm(attn.q_norm, q)
+    if attn.k_norm is not None:
+        k = rms_norm(attn.k_norm, k)
+    if attn.pos_embeddings is not None:
+        q = apply_rope(attn.pos_embeddings, q, position_ids)
+        k = apply_rope(attn.pos_embeddings, k, position_ids)
+    o = torch.ops.treelit.tree_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), token)
+    o = o.transpose(1, 2).reshape(B, L, attn.num_heads * hd)
+    h = h + layer.sa_scale(attn.output_proj(o))
+    return h + layer.mlp_scale(layer.mlp(rms_norm(layer.mlp_norm, h)))
+
+
+class CompiledLayers:
+    """The compiled attention-layer forward a model runs its layers through (``model.compiled_layers``).
+
+    Args:
+        backend: a ``torch.compile`` backend (:data:`BACKENDS`).
+    """
+
+    def __init__(self, backend: str = "inductor") -> None:
+        self.backend = compile_backend(backend)
+        self.fn = torch.compile(_attention_layer_body, backend=self.backend)
+
+    def __deepcopy__(self, memo):  # a copied model (a frozen reference) shares the compiled function
+        return self
+
+    def takes(self, layer: nn.Module, ctx) -> bool:
+        """Whether ``layer`` runs compiled in the pass of ``ctx`` (else it runs eager)."""
+        from torchtune.modules import TransformerSelfAttentionLayer
+
+        from treelit.models.moe import MoEFeedForward
+
+        if not isinstance(layer, TransformerSelfAttentionLayer) or isinstance(layer.mlp, MoEFeedForward):
+            return False
+        return not getattr(ctx, "capture_kv", False) and getattr(ctx, "external", None) is None
+
+    def forward(self, layer: nn.Module, index: int, position_ids: torch.Tensor, ctx, h: torch.Tensor) -> torch.Tensor:
+        """Layer ``index`` over ``h [B, L, D]`` (``call_block``'s body), compiled."""
+        key = next(_KEYS)
+        token = torch.tensor(key, dtype=torch.int64)
+        needs_grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in layer.parameters()))
+        _CALLS[key] = (ctx, index, getattr(layer.attn, "sliding_window", None), needs_grad)
+        weakref.finalize(token, _forget, key)  # the compiled graph holds ``token`` until its backward is done
+        for t in (h, position_ids):
+            torch._dynamo.maybe_mark_dynamic(t, 1)  # tokens
+            torch._dynamo.maybe_mark_dynamic(t, 0)  # rows (per-branch micro-batches)
+        return self.fn(layer, position_ids, token, h)
+
+
+def compile_backend(value: Any) -> str:
+    """The backend the ``compile`` option names (``true``: inductor)."""
+    if value is True:
+        return "inductor"
+    if isinstance(value, str) and value in BACKENDS:
+        return value
+    raise ValueError(f"compile={value} is not a choice: use false, true (inductor) or one of {', '.join(BACKENDS)}")
+
+
+def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
+    """Run ``model``'s attention layers compiled (``setting``: the ``compile`` option; false: eager).
+
+    Refused, in one line: a model whose layers treelit does not run itself (the transformers
+    adapter) and mixture-of-experts models."""
+    if setting in (False, None):
+        model.compiled_layers = None
+        return model
+    backend = compile_backend(setting)
+    if not hasattr(model, "layers") or not hasattr(model, "config") or hasattr(model, "hf"):
+        raise ValueError(f"compile={setting}: only treelit's own decoders compile their layers; the transformers "
+                         "adapter (model=hf_auto) runs eager, set compile=false")
+    if any(isinstance(getattr(layer, "mlp", None), _moe_type()) for layer in model.layers):
+        raise ValueError(f"compile={setting}: mixture-of-experts layers (their router is recorded per layer) run "
+                         "eager only, set compile=false")
+    model.compiled_layers = CompiledLayers(backend)
+    return model
+
+
+def _moe_type():
+    from treelit.models.moe import MoEFeedForward
+
+    return MoEFeedForward
