@@ -379,6 +379,7 @@ def build_module(cfg: DictConfig, model: Any, objective: Any, critic: Any = None
         on_nonfinite=cfg.get("on_nonfinite", "stop"),
         max_skipped_steps=cfg.get("max_skipped_steps", 10),
         critic=critic,
+        compile=cfg.get("compile", False),
     )
 
 

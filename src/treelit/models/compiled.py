@@ -33,6 +33,7 @@ with external K/V or K/V capture (partitioning), and mixture-of-experts layers (
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -60,6 +61,18 @@ def _like(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
     return x if same and x.dtype == layout.dtype else torch.empty_like(layout).copy_(x)
 
 
+@contextlib.contextmanager
+def _recording():
+    """Autograd on inside an operator's implementation (the dispatcher runs it below autograd)."""
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+            torch._C.DispatchKey.AutogradNestedTensor)
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
+        yield
+
+
 @torch.library.custom_op("treelit::tree_attention", mutates_args=())
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """The attention of the layer filed under ``token``: ``q [B, Hq, L, D]``, ``k, v [B, Hkv, L, D]``
@@ -69,7 +82,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token: tor
     if not grad:
         with torch.no_grad():
             return _like(ctx.attention(layer, q, k, v, window=window), q)
-    with torch.enable_grad():
+    with _recording():
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
         out = ctx.attention(layer, *leaves, window=window)
     _RECORDS[key] = (out, *leaves)
@@ -144,11 +157,11 @@ class CompiledLayers:
     """The compiled attention-layer forward a model runs its layers through (``model.compiled_layers``).
 
     Args:
-        backend: a ``torch.compile`` backend (:data:`BACKENDS`).
+        backend: a ``torch.compile`` backend: a name (:data:`BACKENDS`) or a backend callable.
     """
 
-    def __init__(self, backend: str = "inductor") -> None:
-        self.backend = compile_backend(backend)
+    def __init__(self, backend: Any = "inductor") -> None:
+        self.backend = backend if callable(backend) else compile_backend(backend)
         self.fn = torch.compile(_attention_layer_body, backend=self.backend)
 
     def __deepcopy__(self, memo):  # a copied model (a frozen reference) shares the compiled function
@@ -183,7 +196,7 @@ def compile_backend(value: Any) -> str:
         return "inductor"
     if isinstance(value, str) and value in BACKENDS:
         return value
-    raise ValueError(f"compile={value} is not a choice: use false, true (inductor) or one of {', '.join(BACKENDS)}")
+    raise ValueError(f"compile={_shown(value)} is not a choice: use false, true (inductor) or one of {', '.join(BACKENDS)}")
 
 
 def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
@@ -195,6 +208,7 @@ def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
         model.compiled_layers = None
         return model
     backend = compile_backend(setting)
+    setting = _shown(setting)
     if not hasattr(model, "layers") or not hasattr(model, "config") or hasattr(model, "hf"):
         raise ValueError(f"compile={setting}: only treelit's own decoders compile their layers; the transformers "
                          "adapter (model=hf_auto) runs eager, set compile=false")
@@ -203,6 +217,11 @@ def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
                          "eager only, set compile=false")
     model.compiled_layers = CompiledLayers(backend)
     return model
+
+
+def _shown(value: Any) -> str:
+    """An option value as written on the command line (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _moe_type():
