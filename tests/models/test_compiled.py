@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 import treelit
 from treelit.models import compiled as compiled_mod
-from treelit.models.compiled import CompiledLayers, compile_layers
+from treelit.models.compiled import CompiledLayers, compile_layers, compile_line
 from treelit.tree.token_tree import TokenTree
 
 
@@ -91,6 +91,9 @@ def test_compiled_layers_one_graph_over_twenty_trees_and_eager_gradients():
 def test_compile_layers_refuses_moe_and_sets_the_backend():
     model = compile_layers(_model(), "aot_eager")
     assert model.compiled_layers.backend == "aot_eager"
+    assert compile_line(model) == "compile=aot_eager: 2 of 2 layers run compiled (the first step compiles)"
+    hybrid = compile_layers(treelit.build_model("hybrid_tiny"), True)
+    assert compile_line(hybrid).endswith("recurrent layers run eager"), compile_line(hybrid)
     assert compile_layers(model, False).compiled_layers is None
     with pytest.raises(ValueError, match=r"^compile=max is not a choice"):
         compile_layers(_model(), "max")

@@ -317,6 +317,10 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         _check_budget(cfg, data_stats)
 
         module = build_module(cfg, model, objective, critic)
+        if getattr(model, "compiled_layers", None) is not None:
+            from treelit.models.compiled import compile_line
+
+            log.info("%s", compile_line(model))
         callbacks = _instantiate_all(cfg.get("callbacks"))
         if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
             callbacks.append(build(cfg.publish))

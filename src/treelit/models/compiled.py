@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["BACKENDS", "CompiledLayers", "compile_layers", "compile_backend"]
+__all__ = ["BACKENDS", "CompiledLayers", "compile_layers", "compile_backend", "compile_line"]
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile backends the ``compile`` option names
 
@@ -217,6 +217,17 @@ def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
                          "eager only, set compile=false")
     model.compiled_layers = CompiledLayers(backend)
     return model
+
+
+def compile_line(model: nn.Module) -> str:
+    """The startup line of a compiled model: its backend and the layers that run compiled."""
+    from torchtune.modules import TransformerSelfAttentionLayer
+
+    layers = list(getattr(model, "layers", []))
+    n = sum(isinstance(x, TransformerSelfAttentionLayer) and not isinstance(x.mlp, _moe_type()) for x in layers)
+    backend = getattr(model.compiled_layers.backend, "__name__", model.compiled_layers.backend)
+    rest = "" if n == len(layers) else f"; the {len(layers) - n} recurrent layers run eager"
+    return f"compile={backend}: {n} of {len(layers)} layers run compiled (the first step compiles){rest}"
 
 
 def _shown(value: Any) -> str:
