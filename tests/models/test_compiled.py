@@ -82,6 +82,9 @@ def test_compiled_layers_one_graph_over_twenty_trees_and_eager_gradients():
     torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6)
     for (n, p), q in zip(eager.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=f"linear grad {n}")
+    # activation checkpointing recomputes the compiled layer in the backward
+    model.activation_checkpointing = True
+    _compare(eager, model, _trees(2, seed=3), "segment")
     # without gradients (old log-probs, evaluation) nothing is kept for a backward
     with torch.no_grad():
         treelit.tree_loss(model, TokenTree.from_branches(branches).to_batch(), attention="segment")
