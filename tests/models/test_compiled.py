@@ -35,7 +35,8 @@ def _trees(n: int, seed: int = 0):
     out = []
     for _ in range(n):
         prompt = [rng.randrange(1, 60) for _ in range(rng.randint(3, 12))]
-        branches = [prompt + [rng.randrange(1, 60) for _ in range(rng.randint(2, 10))] for _ in range(rng.randint(2, 6))]
+        branches = [prompt + [rng.randrange(1, 60) for _ in range(rng.randint(2, 10))]
+                    for _ in range(rng.randint(2, 6))]
         if rng.random() < 0.5:  # a branch at a later turn
             branches.append(branches[0][:-1] + [rng.randrange(1, 60) for _ in range(rng.randint(1, 5))])
         out.append(branches)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from treelit import models  # the package face: the compiled layers (torchtune) only with compile=true
 from treelit.lightning.data import StepBatch
 from treelit.lightning.faults import NonFiniteStep, hold_launched_ranks
 from treelit.lightning.planner import MemoryPlanner
@@ -188,9 +189,7 @@ class TreeLitModule(pl.LightningModule):
         check_lora_mode(model, mode)
         check_reference(model, objective)
         if compile not in (False, None):
-            from treelit.models.compiled import compile_layers
-
-            compile_layers(model, compile)
+            models.compile_layers(model, compile)
         self.budget_tokens = budget_tokens
         self.max_oom_retries = int(max_oom_retries)
         if on_nonfinite not in ("stop", "skip_step"):

@@ -25,6 +25,9 @@ its backward (``treelit::tree_attention_backward``, also opaque) differentiates 
 the gradients are the backend's own. A record lives until the backward has used it or the
 compiled graph that holds ``token`` is freed (a forward whose backward never runs).
 
+The compiled MLP runs on all of a pass's tokens at once (``model.mlp_token_block``, the eager
+CPU path's split into blocks of at most 32 MiB of activations, does not apply).
+
 Not compiled here (they run eager, through :func:`treelit.models.decoder._layer_forward`):
 recurrent layers (their scan is data-dependent Python over the tree's depth levels), passes
 with external K/V or K/V capture (partitioning), and mixture-of-experts layers (refused by
@@ -40,6 +43,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from treelit.models.decoder import apply_rope
+from treelit.models.moe import MoEFeedForward
+from treelit.utils.numerics import rms_norm
 
 __all__ = ["BACKENDS", "CompiledLayers", "compile_layers", "compile_backend", "compile_line"]
 
@@ -130,9 +138,6 @@ def _attention_layer_body(layer: nn.Module, position_ids: torch.Tensor, token: t
                           h: torch.Tensor) -> torch.Tensor:
     """One attention layer over ``h [B, L, D]`` (the arithmetic of the eager layer,
     :func:`treelit.models.decoder._layer_forward`, with the attention call opaque). Traced."""
-    from treelit.models.decoder import apply_rope
-    from treelit.utils.numerics import rms_norm
-
     attn = layer.attn
     x = rms_norm(layer.sa_norm, h)
     B, L, _ = x.shape
@@ -169,10 +174,6 @@ class CompiledLayers:
 
     def takes(self, layer: nn.Module, ctx) -> bool:
         """Whether ``layer`` runs compiled in the pass of ``ctx`` (else it runs eager)."""
-        from torchtune.modules import TransformerSelfAttentionLayer
-
-        from treelit.models.moe import MoEFeedForward
-
         if not isinstance(layer, TransformerSelfAttentionLayer) or isinstance(layer.mlp, MoEFeedForward):
             return False
         return not getattr(ctx, "capture_kv", False) and getattr(ctx, "external", None) is None
@@ -196,7 +197,8 @@ def compile_backend(value: Any) -> str:
         return "inductor"
     if isinstance(value, str) and value in BACKENDS:
         return value
-    raise ValueError(f"compile={_shown(value)} is not a choice: use false, true (inductor) or one of {', '.join(BACKENDS)}")
+    raise ValueError(f"compile={_shown(value)} is not a choice: use false, true (inductor) or one of "
+                     f"{', '.join(BACKENDS)}")
 
 
 def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
@@ -212,7 +214,7 @@ def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
     if not hasattr(model, "layers") or not hasattr(model, "config") or hasattr(model, "hf"):
         raise ValueError(f"compile={setting}: only treelit's own decoders compile their layers; the transformers "
                          "adapter (model=hf_auto) runs eager, set compile=false")
-    if any(isinstance(getattr(layer, "mlp", None), _moe_type()) for layer in model.layers):
+    if any(isinstance(getattr(layer, "mlp", None), MoEFeedForward) for layer in model.layers):
         raise ValueError(f"compile={setting}: mixture-of-experts layers (their router is recorded per layer) run "
                          "eager only, set compile=false")
     model.compiled_layers = CompiledLayers(backend)
@@ -221,10 +223,8 @@ def compile_layers(model: nn.Module, setting: Any) -> nn.Module:
 
 def compile_line(model: nn.Module) -> str:
     """The startup line of a compiled model: its backend and the layers that run compiled."""
-    from torchtune.modules import TransformerSelfAttentionLayer
-
     layers = list(getattr(model, "layers", []))
-    n = sum(isinstance(x, TransformerSelfAttentionLayer) and not isinstance(x.mlp, _moe_type()) for x in layers)
+    n = sum(isinstance(x, TransformerSelfAttentionLayer) and not isinstance(x.mlp, MoEFeedForward) for x in layers)
     backend = getattr(model.compiled_layers.backend, "__name__", model.compiled_layers.backend)
     rest = "" if n == len(layers) else f"; the {len(layers) - n} recurrent layers run eager"
     return f"compile={backend}: {n} of {len(layers)} layers run compiled (the first step compiles){rest}"
@@ -233,9 +233,3 @@ def compile_line(model: nn.Module) -> str:
 def _shown(value: Any) -> str:
     """An option value as written on the command line (``true``, not ``True``)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _moe_type():
-    from treelit.models.moe import MoEFeedForward
-
-    return MoEFeedForward
