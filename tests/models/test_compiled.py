@@ -1,6 +1,7 @@
 """``compile=true`` (:mod:`treelit.models.compiled`): the attention layers of a model run one
 compiled graph whatever the tree - no graph break inside a layer, at most two recompiles over
-twenty different trees - and the loss and every gradient equal the eager model's.
+twenty different trees - and the loss and every gradient equal the eager model's; recurrent
+blocks compile one graph per kind around their opaque mixer.
 
 The default suite compiles with the ``aot_eager`` backend (dynamo's trace and AOT autograd's
 forward/backward split, without inductor's code generation, which takes a minute on two shared
@@ -92,12 +93,30 @@ def test_compiled_layers_one_graph_over_twenty_trees_and_eager_gradients():
     assert compiled_mod._CALLS == {} and compiled_mod._RECORDS == {}
 
 
+def test_compiled_hybrid_layers_one_graph_per_kind_and_eager_gradients():
+    """GDN, attention, Mamba2 and GDN blocks: the recurrent mixers run opaque inside their compiled
+    blocks, and their parameters' gradients come back through the operator."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = treelit.build_model("hybrid_tiny", num_layers=4, embed_dim=32, intermediate_dim=64)
+    model = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    model.compiled_layers = CompiledLayers(counter)
+    _compare(eager, model, _trees(5, seed=4), "segment")
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    kinds = {type(x.mixer).__name__ if hasattr(x, "mixer") else "attention" for x in model.layers}
+    assert counter.frame_count == len(kinds), (counter.frame_count, kinds)
+    assert compiled_mod._CALLS == {} and compiled_mod._RECORDS == {}
+
+
 def test_compile_layers_refuses_moe_and_sets_the_backend():
     model = compile_layers(_model(), "aot_eager")
     assert model.compiled_layers.backend == "aot_eager"
-    assert compile_line(model) == "compile=aot_eager: 2 of 2 layers run compiled (the first step compiles)"
+    assert compile_line(model) == "compile=aot_eager: 2 layers run compiled; the first step compiles"
     hybrid = compile_layers(treelit.build_model("hybrid_tiny"), True)
-    assert compile_line(hybrid).endswith("recurrent layers run eager"), compile_line(hybrid)
+    assert " attention and " in compile_line(hybrid) and "recurrent layers (the recurrent mixers opaque)" \
+        in compile_line(hybrid), compile_line(hybrid)
     assert compile_layers(model, False).compiled_layers is None
     with pytest.raises(ValueError, match=r"^compile=max is not a choice"):
         compile_layers(_model(), "max")
