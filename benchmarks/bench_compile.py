@@ -1,7 +1,7 @@
 """``compile=true`` against eager: the tree step's time, its compiles and graph breaks, its gradients.
 
 One process, one model (``bench_models.attention_model``, qwen2-style, small dims: the default
-``--dim 256 --layers 4``), two copies with the same weights: one eager, one whose attention layers
+``--dim 256 --layers 4``; ``--family hybrid``: ``bench_models.hybrid_model``), two copies with the same weights: one eager, one whose attention layers
 run through :mod:`treelit.models.compiled` (``--backend inductor`` by default). Each case (the
 agentic trees of ``agentic.py`` at ``--scale``, every one a different size and shape) is a
 training step of the tree loss (forward, loss, backward; ``attention=segment``), run:
@@ -18,6 +18,8 @@ counters over the whole run; ``max_abs_grad_diff`` is the largest difference of 
 between the two copies on the case's last step.
 
     python benchmarks/bench_compile.py --json benchmarks/results/bench_compile.json
+    python benchmarks/bench_compile.py --family hybrid --cases grpo_group wide_fanout --reps 3 \
+        --json benchmarks/results/bench_compile_hybrid.json
     python benchmarks/bench_compile.py --quick     # a tiny model, aot_eager: seconds
 """
 
@@ -40,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
 from agentic import make_case  # noqa: E402
-from bench_models import attention_model  # noqa: E402
+from bench_models import attention_model, hybrid_model  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from treelit.models.compiled import CompiledLayers  # noqa: E402
@@ -62,7 +64,8 @@ def run(args) -> Dict:
     torch.set_num_threads(1)
     torch._dynamo.reset()
     counters.clear()
-    eager = attention_model(args.dim, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab)
+    build = hybrid_model if args.family == "hybrid" else attention_model
+    eager = build(args.dim, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab)
     compiled = copy.deepcopy(eager)
     counter = CompileCounterWithBackend(args.backend)
     compiled.compiled_layers = CompiledLayers(counter)
@@ -86,7 +89,7 @@ def run(args) -> Dict:
                          frames_compiled=counter.frame_count - frames, max_abs_grad_diff=diff,
                          eager_times_s=times["eager"], compiled_times_s=times["compiled"]))
     return dict(
-        backend=args.backend, torch=torch.__version__, machine=platform.machine(), threads=1,
+        backend=args.backend, family=args.family, torch=torch.__version__, machine=platform.machine(), threads=1,
         model=dict(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                    intermediate=args.intermediate, vocab=args.vocab),
         scale=args.scale, reps=args.reps, rows=rows,
@@ -97,8 +100,8 @@ def run(args) -> Dict:
 
 def print_table(data: Dict) -> None:
     m = data["model"]
-    print(f"compiled ({data['backend']}) against eager, tree step on CPU, 1 thread; model dim {m['dim']}, "
-          f"{m['layers']} layers, vocab {m['vocab']}; median of {data['reps']}")
+    print(f"compiled ({data['backend']}) against eager, tree step on CPU, 1 thread; {data['family']} model dim "
+          f"{m['dim']}, {m['layers']} layers, vocab {m['vocab']}; median of {data['reps']}")
     print(f"{'case':<18}{'tokens':>8}{'segs':>6}{'eager ms':>10}{'compiled ms':>13}{'speedup':>9}"
           f"{'compile s':>11}{'frames':>8}{'grad diff':>11}")
     for r in data["rows"]:
@@ -112,6 +115,8 @@ def print_table(data: Dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="inductor", help="torch.compile backend (inductor | aot_eager | eager)")
+    p.add_argument("--family", choices=["attention", "hybrid"], default="attention",
+                   help="attention: bench_models.attention_model; hybrid: its GDN/attention/Mamba2/GDN model")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
