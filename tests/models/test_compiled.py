@@ -136,3 +136,9 @@ def test_inductor_compiled_layers_equal_eager():
     _compare(eager, model, _trees(6), "segment")
     assert dict(counters["graph_break"]) == {}
     assert counter.frame_count <= 3
+    torch.manual_seed(0)
+    eager = treelit.build_model("hybrid_tiny", num_layers=4, embed_dim=32, intermediate_dim=64)
+    model = copy.deepcopy(eager)
+    model.compiled_layers = CompiledLayers("inductor")
+    _compare(eager, model, _trees(2, seed=4), "segment")
+    assert dict(counters["graph_break"]) == {}

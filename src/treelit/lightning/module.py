@@ -130,7 +130,7 @@ class TreeLitModule(pl.LightningModule):
             advantages are computed before the first update of each step batch
             (:meth:`record_values`) and the value loss joins the policy loss.
         compile: ``False``, ``True`` (inductor) or a ``torch.compile`` backend name: the model's
-            attention layers run compiled (:func:`~treelit.models.compiled.compile_layers`).
+            layers run compiled (:func:`~treelit.models.compiled.compile_layers`).
     """
 
     def __init__(
