@@ -4,7 +4,7 @@ One process, one model (``bench_models.attention_model``, qwen2-style, small dim
 ``--dim 256 --layers 4``; ``--family hybrid``: ``bench_models.hybrid_model``), two copies with the same weights: one eager, one whose attention layers
 run through :mod:`treelit.models.compiled` (``--backend inductor`` by default). Each case (the
 agentic trees of ``agentic.py`` at ``--scale``, every one a different size and shape) is a
-training step of the tree loss (forward, loss, backward; ``attention=segment``), run:
+training step of the tree loss (forward, loss, backward; ``--attention segment`` by default), run:
 
 * once per copy first (the compiled copy's first step compiles, a later one recompiles if a
   guard fails): the compile time is the first compiled step's wall-clock time less the eager
@@ -13,7 +13,8 @@ training step of the tree loss (forward, loss, backward; ``attention=segment``),
   round): the median of each is the step time, the ratio eager / compiled the speedup.
 
 Times are this process's CPU time on one thread (``torch.set_num_threads(1)``), which the other
-processes of a shared machine do not inflate. Graph breaks and frames compiled are dynamo's own
+processes of a shared machine do not inflate; with ``--device cuda``, wall-clock time after the
+device finished. Graph breaks and frames compiled are dynamo's own
 counters over the whole run; ``max_abs_grad_diff`` is the largest difference of any gradient
 between the two copies on the case's last step.
 
@@ -50,13 +51,18 @@ from treelit.models.compiled import CompiledLayers  # noqa: E402
 CASES = ["grpo_group", "multi_turn", "tool_fanout", "dropped_thinking", "wide_fanout"]
 
 
-def step(model, batch, wall: bool = False) -> float:
-    """One tree step's CPU seconds (forward, loss, backward); ``wall``: wall-clock seconds
-    (inductor compiles in worker processes, whose time the CPU clock of this one misses)."""
-    clock = time.perf_counter if wall else time.process_time
+def step(model, batch, attention: str, wall: bool = False) -> float:
+    """One tree step's CPU seconds (forward, loss, backward); ``wall`` (and on a GPU, where the
+    step's time is the device's): wall-clock seconds, after the device finished."""
+    cuda = batch.input_ids.is_cuda
+    clock = time.perf_counter if wall or cuda else time.process_time
     model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
     t = clock()
-    treelit.tree_loss(model, batch, attention="segment").backward()
+    treelit.tree_loss(model, batch, attention=attention).backward()
+    if cuda:
+        torch.cuda.synchronize()
     return clock() - t
 
 
@@ -66,21 +72,22 @@ def run(args) -> Dict:
     counters.clear()
     build = hybrid_model if args.family == "hybrid" else attention_model
     eager = build(args.dim, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab)
+    eager = eager.to(args.device)
     compiled = copy.deepcopy(eager)
     counter = CompileCounterWithBackend(args.backend)
     compiled.compiled_layers = CompiledLayers(counter)
     rows: List[Dict] = []
     for name in args.cases:
         case = make_case(name, seed=0, vocab=args.vocab, scale=args.scale)
-        batch = treelit.TokenTree.from_branches(case.branches, case.masks).to_batch()
-        first_eager = step(eager, batch, wall=True)
+        batch = treelit.TokenTree.from_branches(case.branches, case.masks).to_batch().to(args.device)
+        first_eager = step(eager, batch, args.attention, wall=True)
         frames = counter.frame_count
-        first_compiled = step(compiled, batch, wall=True)
+        first_compiled = step(compiled, batch, args.attention, wall=True)
         times = {"eager": [], "compiled": []}
         for r in range(args.reps):
             order = ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")
             for which in order:
-                times[which].append(step(eager if which == "eager" else compiled, batch))
+                times[which].append(step(eager if which == "eager" else compiled, batch, args.attention))
         diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters()))
         e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
         rows.append(dict(case=name, tree_tokens=batch.num_tokens, segments=batch.num_segments,
@@ -89,7 +96,8 @@ def run(args) -> Dict:
                          frames_compiled=counter.frame_count - frames, max_abs_grad_diff=diff,
                          eager_times_s=times["eager"], compiled_times_s=times["compiled"]))
     return dict(
-        backend=args.backend, family=args.family, torch=torch.__version__, machine=platform.machine(), threads=1,
+        backend=args.backend, family=args.family, device=args.device, attention=args.attention,
+        torch=torch.__version__, machine=platform.machine(), threads=1,
         model=dict(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                    intermediate=args.intermediate, vocab=args.vocab),
         scale=args.scale, reps=args.reps, rows=rows,
@@ -100,7 +108,8 @@ def run(args) -> Dict:
 
 def print_table(data: Dict) -> None:
     m = data["model"]
-    print(f"compiled ({data['backend']}) against eager, tree step on CPU, 1 thread; {data['family']} model dim "
+    where = "CPU, 1 thread" if data["device"] == "cpu" else data["device"]
+    print(f"compiled ({data['backend']}) against eager, tree step on {where}; {data['family']} model dim "
           f"{m['dim']}, {m['layers']} layers, vocab {m['vocab']}; median of {data['reps']}")
     print(f"{'case':<18}{'tokens':>8}{'segs':>6}{'eager ms':>10}{'compiled ms':>13}{'speedup':>9}"
           f"{'compile s':>11}{'frames':>8}{'grad diff':>11}")
@@ -117,6 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="inductor", help="torch.compile backend (inductor | aot_eager | eager)")
     p.add_argument("--family", choices=["attention", "hybrid"], default="attention",
                    help="attention: bench_models.attention_model; hybrid: its GDN/attention/Mamba2/GDN model")
+    p.add_argument("--device", default="cpu", help="cpu (CPU time, 1 thread) or cuda (wall-clock time, synchronized)")
+    p.add_argument("--attention", default="segment", help="tree attention backend (segment | sdpa_dense | flex)")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
