@@ -1,8 +1,9 @@
 """``compile=true`` against eager: the tree step's time, its compiles and graph breaks, its gradients.
 
 One process, one model (``bench_models.attention_model``, qwen2-style, small dims: the default
-``--dim 256 --layers 4``; ``--family hybrid``: ``bench_models.hybrid_model``), two copies with the same weights: one eager, one whose attention layers
-run through :mod:`treelit.models.compiled` (``--backend inductor`` by default). Each case (the
+``--dim 256 --layers 4``; ``--family hybrid``: ``bench_models.hybrid_model``), two copies with
+the same weights: one eager, one whose layers run through :mod:`treelit.models.compiled`
+(``--backend inductor`` by default). Each case (the
 agentic trees of ``agentic.py`` at ``--scale``, every one a different size and shape) is a
 training step of the tree loss (forward, loss, backward; ``--attention segment`` by default), run:
 
