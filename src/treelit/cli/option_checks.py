@@ -49,6 +49,7 @@ def check_options(cfg: DictConfig) -> None:
     _check_processes(cfg)
     _check_partition(cfg)
     _check_lora(cfg)
+    _check_compile(cfg)
     objective = _check_objective(cfg)
     _check_optimizer(cfg)
     if (cfg.get("partition") or {}).get("name", "none") != "none" and objective is not None:
@@ -246,6 +247,27 @@ def _check_lora(cfg: DictConfig) -> None:
     if (cfg.get("objective") or {}).get("reference") == "base" and opts is None:
         raise _error("objective.reference=base is the model with its LoRA adapters off, and this model has none: set "
                      "model.lora.rank (or objective.reference=initial for a frozen copy)")
+
+
+def _check_compile(cfg: DictConfig) -> None:
+    """``compile``: a backend name or a boolean, on a model and strategy whose layers treelit runs."""
+    setting = cfg.get("compile", False)
+    if setting in (False, None):
+        return
+    from treelit.models.compiled import compile_backend
+
+    try:
+        compile_backend(setting)
+    except ValueError as exc:
+        raise _error(_first_line(exc)) from None
+    setting = str(setting).lower() if isinstance(setting, bool) else setting  # as written: compile=true
+    target = str((cfg.get("model") or {}).get("_target_", ""))
+    if target.startswith("treelit.models.hf_adapter"):
+        raise _error(f"compile={setting}: the transformers adapter (model=hf_auto) runs eager; use model=hf (treelit's "
+                     "own decoder for Llama, Qwen2/2.5/3, Mistral checkpoints) or compile=false")
+    if strategy_kind(cfg) == "fsdp2":
+        raise _error(f"compile={setting} is not supported with FSDP2 (trainer=fsdp2, fsdp2_cpu): use trainer=ddp, "
+                     "ddp_cpu, cpu or gpu, or compile=false")
 
 
 def _build(node: Any, what: str) -> Any:

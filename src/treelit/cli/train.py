@@ -319,6 +319,10 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         _check_budget(cfg, data_stats)
 
         module = build_module(cfg, model, objective, critic)
+        if getattr(model, "compiled_layers", None) is not None:
+            from treelit.models.compiled import compile_line
+
+            log.info("%s", compile_line(model))
         callbacks = _instantiate_all(cfg.get("callbacks"))
         if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
             callbacks.append(build(cfg.publish))
@@ -381,6 +385,7 @@ def build_module(cfg: DictConfig, model: Any, objective: Any, critic: Any = None
         on_nonfinite=cfg.get("on_nonfinite", "stop"),
         max_skipped_steps=cfg.get("max_skipped_steps", 10),
         critic=critic,
+        compile=cfg.get("compile", False),
     )
 
 
