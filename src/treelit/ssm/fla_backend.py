@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from treelit.ssm.layout import root_state
+from treelit.utils.dispatch import upload
 
 __all__ = ["cuda_kernel", "level_scan", "gdn_scan_fla", "kda_scan_fla", "ssd_scan_fla", "ssd_scan_mamba"]
 
@@ -67,8 +68,6 @@ class LevelPlan:
     the forward; ``cu_host`` keeps the host copy for kernels that plan on it (mamba-ssm's calls)."""
 
     def __init__(self, layout, device: torch.device):
-        from treelit.utils.dispatch import upload
-
         parts, spans, self.cu_host = [], [], []
         off = 0
         for segs in layout.levels:

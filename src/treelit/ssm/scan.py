@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from treelit.ssm.layout import RecurrentLayout, root_state
+from treelit.utils.dispatch import upload
 
 __all__ = ["segment_scan", "chunked_scan", "gdn_step", "ssd_step", "kda_step", "gdn_chunk", "ssd_chunk", "kda_chunk"]
 
@@ -231,8 +232,6 @@ class ScanPlan:
     the host nothing: no index uploads per block, no boolean masks, no ``nonzero``."""
 
     def __init__(self, layout: RecurrentLayout, chunk_size: int, device: torch.device):
-        from treelit.utils.dispatch import upload
-
         seg_start, seg_len = layout.seg_start, layout.seg_len
         parts, spec = [], []  # host arrays and, per block, the offsets of its views in the buffer
         off = 0

@@ -38,6 +38,7 @@ import torch
 from treelit.registry import get_registry
 from treelit.tree.errors import TreeInputError
 from treelit.tree.images import ImageSet
+from treelit.utils.dispatch import upload
 
 __all__ = ["TreeBatch", "AGGREGATIONS", "pack_trees", "global_normalizer", "check_aggregation"]
 
@@ -377,8 +378,6 @@ class TreeBatch:
     def targets(self, field_name: str = "target_count") -> torch.Tensor:
         """``[M]`` tree tokens that have a parent and a non-zero ``field_name`` (by default: a
         target of some branch), planned on the host and uploaded in one copy."""
-        from treelit.utils.dispatch import upload
-
         return upload(np.flatnonzero((self.host(field_name) != 0) & (self.host("parent") >= 0)), self.device)
 
     def host(self, name: str) -> np.ndarray:
