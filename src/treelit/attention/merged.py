@@ -45,6 +45,12 @@ _cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def math_path(device) -> bool:
+    """Whether tensors on ``device`` take the math path (every device but the CPU, unless
+    ``MATH_ON_CPU``)."""
+    return torch.device(device).type != "cpu" or MATH_ON_CPU
+
+
 def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     rep = heads // k.shape[1]
     return k if rep == 1 else k.repeat_interleave(rep, dim=1)
@@ -129,7 +135,7 @@ def _unfold(t: torch.Tensor, heads: int) -> torch.Tensor:
 def _fwd(q, k, v, causal, bias):
     """``(o, lse)`` of one part: ``lse`` in float32 for half inputs, ``o`` in the input dtype
     (CPU kernels) or in float32 (the math path)."""
-    if q.device.type == "cpu" and not MATH_ON_CPU:
+    if not math_path(q.device):
         if _foldable(q, k, causal, bias):
             H, Hkv = q.shape[1], k.shape[1]
             o, lse = _cpu_fwd(_fold(q, Hkv), k, v, 0.0, False, attn_mask=bias)[:2]
@@ -141,7 +147,7 @@ def _fwd(q, k, v, causal, bias):
 def _bwd(g, q, k, v, o, lse, causal, bias):
     """``(dq, dk, dv)`` of one part: in the input dtype (CPU kernels) or, for half inputs, in
     float32 (the math path)."""
-    if q.device.type == "cpu" and not MATH_ON_CPU:
+    if not math_path(q.device):
         if _foldable(q, k, causal, bias):
             H, Hkv = q.shape[1], k.shape[1]
             dq, dk, dv = _cpu_bwd(_fold(g, Hkv), _fold(q, Hkv), k, v, _fold(o, Hkv), _fold(lse, Hkv),

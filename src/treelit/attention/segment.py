@@ -84,7 +84,8 @@ import numpy as np
 import torch
 
 from treelit.attention.base import ATTENTION, AttentionBackend
-from treelit.attention.merged import _bwd, _fwd
+from treelit.attention.merged import _bwd, _fwd, math_path
+from treelit.attention.tiled import TiledPlan, plan_tiles, tiled_attention
 
 
 @dataclass
@@ -372,7 +373,12 @@ class SegmentAttention(AttentionBackend):
                 f"window_block={self.window_block}, bucket_waste={self.bucket_waste})")
 
     # planning ------------------------------------------------------------------------
-    def plan(self, layout) -> SegmentPlan:
+    def plan(self, layout):
+        """A :class:`SegmentPlan` of groups for the CPU kernels, or on the math path (CUDA, or CPU
+        with ``merged.MATH_ON_CPU``) a :class:`~treelit.attention.tiled.TiledPlan`: the layer in a
+        fixed number of batched calls, whatever the tree."""
+        if math_path(layout.kv_lo.device):
+            return plan_tiles(layout)
         if layout.window is not None:
             return self._plan_windowed(layout)
         batch = layout.batch
@@ -474,7 +480,9 @@ class SegmentAttention(AttentionBackend):
         return SegmentPlan(groups, _order(rows, dev), cost, exact, len(chains))
 
     # compute -------------------------------------------------------------------------
-    def __call__(self, q, k, v, plan: SegmentPlan):
+    def __call__(self, q, k, v, plan):
+        if isinstance(plan, TiledPlan):
+            return tiled_attention(q, k, v, plan)
         N, E = q.shape[2], k.shape[2] - q.shape[2]
         if plan._works is None or plan._works[0] != (N, E):
             plan._works = ((N, E), _works(plan.groups, N, E, q.device))
