@@ -102,9 +102,19 @@ def _ancestor_keys(seg_start, seg_len, seg_parent):
     return keys
 
 
-def plan_tiles(layout, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> TiledPlan:
-    """Tiles of ``layout``'s row (see the module docstring); index tensors uploaded once, the mask
-    built on the device."""
+def _upload(a: np.ndarray, dev) -> torch.Tensor:
+    """One host-to-device copy of ``a`` (from pinned memory, not blocking the host, on CUDA)."""
+    host = torch.from_numpy(a)
+    out = torch.empty(host.shape, dtype=host.dtype, device=dev)
+    if out.device.type == "cuda":
+        host = host.pin_memory()
+    return out.copy_(host, non_blocking=True)
+
+
+def plan_tiles(layout, block_q: Optional[int] = None, block_k: Optional[int] = None) -> TiledPlan:
+    """Tiles of ``layout``'s row (see the module docstring; block sizes ``BLOCK_Q`` / ``BLOCK_K`` by
+    default); index tensors uploaded once, the mask built on the device."""
+    block_q, block_k = block_q or BLOCK_Q, block_k or BLOCK_K
     batch = layout.batch
     dev = layout.kv_lo.device
     N, E = layout.num_queries, layout.num_external
@@ -136,7 +146,7 @@ def plan_tiles(layout, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> TiledP
         t += n
     block_rows = starts[:, None] + np.arange(block_q)
     rows = np.repeat(np.minimum(block_rows, N), per_block, axis=0)  # N: padded slots
-    idx = torch.from_numpy(np.concatenate([rows.reshape(-1), k_idx.reshape(-1)])).to(dev)  # one upload
+    idx = _upload(np.concatenate([rows.reshape(-1), k_idx.reshape(-1)]), dev)
     rows_t, k_raw = idx[: T * block_q], idx[T * block_q :]
     q_read = rows_t.clamp(max=N - 1)
     k_read = k_raw.clamp(min=0)
