@@ -34,7 +34,7 @@ def math_path(block_q=None, block_k=None, chunk_bytes=None):
     saved = merged.MATH_ON_CPU, tiled.BLOCK_Q, tiled.BLOCK_K, tiled.CHUNK_BYTES
     merged.MATH_ON_CPU = True
     tiled.BLOCK_Q, tiled.BLOCK_K = block_q or tiled.BLOCK_Q, block_k or tiled.BLOCK_K
-    tiled.CHUNK_BYTES = chunk_bytes or tiled.CHUNK_BYTES
+    tiled.CHUNK_BYTES = chunk_bytes
     try:
         yield
     finally:
