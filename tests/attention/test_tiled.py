@@ -10,7 +10,8 @@ forward and backward, counted on CPU: the same number whatever the tree.
 from __future__ import annotations
 
 import contextlib
-import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,10 @@ from treelit.attention import merged, tiled
 from treelit.attention.segment import SegmentAttention
 from treelit.attention.tiled import TiledPlan
 from treelit.utils.dispatch import DispatchCounter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from segment_math_launches import fanout, grpo, turns  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -115,28 +120,10 @@ def test_model_loss_and_gradients_match_dense(family, data):
 # --- launches ------------------------------------------------------------------------------------
 
 
-def grpo(completions: int, prompt: int = 64, length: int = 24):
-    token = iter(range(10, 10**7))
-    head = [next(token) for _ in range(prompt)]
-    return [head + [next(token) for _ in range(length)] for _ in range(completions)]
-
-
-def turns(n: int, length: int = 12, seed: int = 0):
-    """A conversation of ``n`` turns with an alternative turn branching off before each one."""
-    rng = random.Random(seed)
-    token = iter(range(10, 10**7))
-    main, sides = [], []
-    for _ in range(n):
-        sides.append(main + [next(token) for _ in range(rng.randint(length // 2, length))])
-        main = main + [next(token) for _ in range(rng.randint(length // 2, length))]
-    return [main] + sides
-
-
 TREES = {
     "grpo_4": lambda: grpo(4), "grpo_64": lambda: grpo(64),
     "turns_8": lambda: turns(8), "turns_64": lambda: turns(64),
-    "agent_depth_2": lambda: agent_tree(2, 3, (3, 9, 17, 30), seed=2),
-    "agent_depth_4": lambda: agent_tree(4, 3, (3, 9, 17, 30), seed=4),
+    "fanout_depth_2": lambda: fanout(2, seed=2), "fanout_depth_4": lambda: fanout(4, seed=4),
 }
 
 
