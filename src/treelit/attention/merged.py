@@ -16,10 +16,11 @@ part's share of the gradients (the standard ring/split-attention identity). The
 
 On CPU the two parts use torch's flash-attention kernels, which return the
 log-sum-exp; elsewhere a plain math implementation with the same contract is used
-(CUDA trees normally take the ``flex`` backend instead). ``MATH_ON_CPU = True`` (or the
-environment variable ``TREELIT_SEGMENT_MATH=1`` at import) makes CPU tensors take the math
-path too: that is how the CUDA code path is tested and its dispatches counted on CPU
-(``benchmarks/bench_launches.py``).
+(CUDA trees normally take the ``flex`` backend instead; ``segment`` itself plans tiles there,
+:mod:`treelit.attention.tiled`, and runs a layer in a fixed number of calls rather than parts
+group by group). ``MATH_ON_CPU = True`` (or the environment variable ``TREELIT_SEGMENT_MATH=1``
+at import) makes CPU tensors take the math path too (:func:`math_path`): that is how the CUDA
+code path is tested and its dispatches counted on CPU (``benchmarks/segment_math_launches.py``).
 
 *Half precision.* Flash and flex kernels read bfloat16 / float16 inputs but keep the
 scores, the softmax and the accumulations in float32. The math path does the same by

@@ -71,6 +71,11 @@ to its last query), under an explicit mask of visibility and distance. The work 
 O(tokens x (block + window)) instead of O(tokens x path). A window that no pair of the
 row can exceed is ignored (the layout says so), so long windows cost nothing extra.
 
+*Off the CPU.* There are no part kernels: the parts would be plain math, ~96 kernel launches
+per group and layer. On that path (CUDA, or CPU with ``merged.MATH_ON_CPU``) :meth:`plan`
+returns tiles instead (:mod:`treelit.attention.tiled`): a layer in a fixed number of batched
+calls, whatever the tree.
+
 The plan is built once per forward and shared by all layers.
 """
 
