@@ -384,8 +384,15 @@ class SegmentAttention(AttentionBackend):
         fixed number of batched calls, whatever the tree."""
         if math_path(layout.kv_lo.device):
             return plan_tiles(layout)
-        if layout.window is not None:
-            return self._plan_windowed(layout)
+        plan = self._plan_windowed(layout) if layout.window is not None else self._plan_groups(layout)
+        # the groups' index tensors for the layer function, made here once per forward, so that
+        # no layer reads an index back or uploads one (``__call__`` rebuilds them only for a row
+        # of another shape than the layout's)
+        N, E = layout.num_queries, layout.num_external
+        plan._works = ((N, E), _works(plan.groups, N, E, layout.kv_lo.device))
+        return plan
+
+    def _plan_groups(self, layout) -> SegmentPlan:
         batch = layout.batch
         dev = layout.kv_lo.device
         E = layout.num_external
