@@ -1,6 +1,6 @@
 """What one attention layer of ``segment``'s CUDA code path dispatches, counted on CPU, per tree.
 
-    python benchmarks/segment_math_launches.py [--quick] [--json out.json]
+    python benchmarks/segment_math_launches.py [--quick] [--step] [--json out.json]
 
 On CUDA ``segment`` runs a layer as one batch of tiles (:mod:`treelit.attention.tiled`); here that
 path runs on CPU tensors (``merged.MATH_ON_CPU``) and :class:`treelit.utils.dispatch.DispatchCounter`
@@ -8,7 +8,8 @@ counts, for one layer's forward and backward (float32, 4 query heads on 2 key/va
 kernel launches, host syncs and uploads, and, for the plan built once per forward and shared by the
 layers, its uploads and syncs. Also: tiles, and the (query, key) pairs computed over those visible
 (the tiles' padding). Trees: GRPO groups, a conversation with a branch at every turn, an agent
-fan-out of depth 2 to 4 (three children per node).
+fan-out of depth 2 to 4 (three children per node). With ``--step``, whole training steps of a
+2-layer tiny model (``tree_loss`` and backward) on four of them.
 """
 
 from __future__ import annotations
@@ -106,10 +107,25 @@ def layer_counts(branches, heads: int = 4, kv_heads: int = 2, dim: int = 16) -> 
                 padded_over_visible=round(plan.cost / visible, 3))
 
 
+def step_counts(branches, model) -> dict:
+    """A whole training step (``tree_loss`` and its backward) of ``model`` on the math path, after
+    one warm-up step."""
+    tree = treelit.TokenTree.from_branches(branches)
+    saved, merged.MATH_ON_CPU = merged.MATH_ON_CPU, True
+    try:
+        treelit.tree_loss(model, tree, attention="segment").backward()
+        with DispatchCounter() as c:
+            treelit.tree_loss(model, tree, attention="segment").backward()
+    finally:
+        merged.MATH_ON_CPU = saved
+    return dict(launches=c.counts.launches, syncs=c.counts.syncs, uploads=c.counts.uploads)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="six of the nine trees")
     p.add_argument("--json")
+    p.add_argument("--step", action="store_true", help="also count whole steps of a 2-layer tiny model")
     args = p.parse_args(argv)
     rows = []
     print("| tree | segments | tokens | launches / layer (fwd+bwd) | syncs | uploads | plan: syncs, uploads "
@@ -131,9 +147,18 @@ def main(argv=None) -> int:
             large.append(row)
             print(f"| {name} | {row['segments']} | {row['tokens']} | {row['tiles']} | "
                   f"{row['padded_over_visible']:.2f} |", flush=True)
+    steps = []
+    if args.step:
+        torch.manual_seed(0)
+        model = treelit.build_model("qwen2_tiny", vocab_size=4096)
+        print("\n| tree | whole step (qwen2_tiny, 2 layers): launches | syncs | uploads |\n|---|---|---|---|")
+        for name in ["grpo_64", "turns_32", "turns_128", "fanout_depth_4"]:
+            row = dict(tree=name, **step_counts(TREES[name](), model))
+            steps.append(row)
+            print(f"| {name} | {row['launches']} | {row['syncs']} | {row['uploads']} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, rows=rows, large=large), f, indent=2)
+            json.dump(dict(torch=torch.__version__, rows=rows, large=large, steps=steps), f, indent=2)
     return 0
 
 
