@@ -158,3 +158,26 @@ def test_launches_per_layer_do_not_grow_with_the_tree(dtype):
         assert layer.ops == first.ops, name
         assert layer.syncs == 0 and layer.uploads == 0, (name, layer.as_dict())
         assert planning.uploads == 1 and planning.syncs <= 2, (name, planning.as_dict())
+
+
+def test_traces_into_one_graph_with_equal_gradients():
+    """``torch.compile`` (``fullgraph``, the ``aot_eager`` backend: tracing and functionalization,
+    no code generation) traces a layer's forward and backward without a break, and its gradients
+    equal eager ones exactly (float64): the layer updates no permuted view in place."""
+    layout = layout_of(turns(8), n_ext=2)
+    N, E = layout.num_queries, layout.num_external
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, N, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, E + N, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    with math_path():
+        backend = SegmentAttention()
+        plan = backend.plan(layout)
+
+        def loss(q, k, v):
+            return backend(q, k, v, plan).square().sum()
+
+        ref = torch.autograd.grad(loss(q, k, v), (q, k, v))
+        torch._dynamo.reset()
+        got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)

@@ -29,7 +29,7 @@ On CUDA ``index_add_`` sums the tiles of a query with atomics (the per-group bac
 did for shared keys), so the last bits can differ from run to run unless
 ``torch.use_deterministic_algorithms(True)``.
 
-*Launches.* A layer is 23 kernels forward and 30 backward (float32; 27 and 38 for half inputs),
+*Launches.* A layer is 25 kernels forward and 30 backward (float32; 29 and 38 for half inputs),
 whatever the tree, when one call holds all its tiles. That holds while their transient buffers
 (:func:`tile_bytes`) fit :func:`chunk_bytes` (1/16 of a GPU's memory); beyond it the tiles run in
 ``ceil(bytes / budget)`` calls, each further call 20 kernels forward and 20 backward (the forward
@@ -232,7 +232,13 @@ def _grouped(x: torch.Tensor, Hkv: int) -> torch.Tensor:
 
 class _TiledLayer(torch.autograd.Function):
     """A layer's tree attention over the plan's tiles; ``q [1, H, N, D]``, ``k, v [1, Hkv, E + N, D]``.
-    Row ``N`` of the output, log-sum-exp and gradient buffers is the dummy row of padded slots."""
+
+    Running maxima, sums, outputs and log-sum-exps accumulate in head-grouped buffers ``[Hkv,
+    N + 1, rep, ...]`` (row ``N``: the dummy row of padded slots), the gradients token-major
+    (``[N + 1, H, D]``, ``[E + N, Hkv, D]``: the layout the projections wrote q, k, v in): every
+    in-place update is on a whole buffer or a plain view of one, none on a permuted view
+    (``torch.compile`` traces the layer). The output is returned token-major too (the output
+    projection reads it without a copy)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: TiledPlan):
@@ -248,25 +254,25 @@ class _TiledLayer(torch.autograd.Function):
             s = tl.scores(tl.queries(Qg, tl.q_read), tl.keys(Kg), scale)
             m = tl.per_row(s.amax(-1))  # [Hkv, t * bq, rep]
             index = tl.rows.view(1, -1, 1).expand(m.shape)
-            if M is None:  # running maxima, sums and outputs, token-major [N + 1, H, ...]
-                M = m.new_full((N + 1, H), torch.finfo(m.dtype).min)
-                L, O = m.new_zeros(N + 1, H), m.new_zeros(N + 1, H, D)
-                _grouped(M, Hkv).scatter_reduce_(1, index, m, "amax")
+            if M is None:  # running maxima, sums and outputs
+                M = m.new_full((Hkv, N + 1, rep), torch.finfo(m.dtype).min).scatter_reduce_(1, index, m, "amax")
+                L, O = m.new_zeros(Hkv, N + 1, rep), m.new_zeros(Hkv, N + 1, rep, D)
             else:  # a later call: rescale the running sums to the new maxima
-                M_new = M.clone()
-                _grouped(M_new, Hkv).scatter_reduce_(1, index, m, "amax")
+                M_new = M.clone().scatter_reduce_(1, index, m, "amax")
                 f = torch.exp(M - M_new)
                 L.mul_(f)
                 O.mul_(f.unsqueeze(-1))
                 M = M_new
-            p = s.sub_(tl.queries(_grouped(M, Hkv), tl.rows).unsqueeze(-1)).exp_()
-            _grouped(L, Hkv).index_add_(1, tl.rows, tl.per_row(p.sum(-1)))
-            _grouped(O, Hkv).index_add_(1, tl.rows, tl.per_row(torch.bmm(p, tl.keys(Vg))))
+            p = s.sub_(tl.queries(M, tl.rows).unsqueeze(-1)).exp_()
+            L.index_add_(1, tl.rows, tl.per_row(p.sum(-1)))
+            O.index_add_(1, tl.rows, tl.per_row(torch.bmm(p, tl.keys(Vg))))
             del s, p
-        out = O.div_(L.unsqueeze(-1)).to(q.dtype)  # half inputs: rounded once
-        lse = M.add_(L.log_())
+        O.div_(L.unsqueeze(-1))
+        # token-major, in the input dtype (half inputs: rounded once)
+        out = O.movedim(0, 1).reshape(N + 1, H, D).to(q.dtype)
         out[N].zero_()  # the dummy row: zero output, log-sum-exp +inf (probabilities exactly 0)
-        lse[N].fill_(float("inf"))
+        lse = M.add_(L.log_())
+        lse[:, N].fill_(float("inf"))
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse)
         return out[:N].transpose(0, 1).unsqueeze(0)
@@ -282,27 +288,26 @@ class _TiledLayer(torch.autograd.Function):
         scale = 1.0 / math.sqrt(D)
         G = torch.cat([_acc(grad[0].transpose(0, 1)), Q.new_zeros(1, H, D)])  # row N: zero gradient
         delta = (G * _acc(out)).sum(-1)  # [N + 1, H]
-        dQ, dK, dV = Q.new_zeros(N + 1, H, D), K.new_zeros(K.shape), V.new_zeros(V.shape)
+        dQ = Q.new_zeros(N + 1, H, D)  # token-major, as the projection wrote q
+        dQg = dQ.view(N + 1, Hkv, rep, D)
+        dK, dV = K.new_zeros(K.shape), V.new_zeros(V.shape)  # token-major [E + N, Hkv, D]
         Qg, Kg, Vg, Gg = _grouped(Q, Hkv), K.transpose(0, 1), V.transpose(0, 1), _grouped(G, Hkv)
-        lse_g, delta_g = _grouped(lse, Hkv), _grouped(delta, Hkv)
-        dQg, dKg, dVg = _grouped(dQ, Hkv), dK.transpose(0, 1), dV.transpose(0, 1)
+        delta_g = _grouped(delta, Hkv)
         for c0, c1 in _chunks(plan, q, k):
             tl = _Tiles(plan, c0, c1, Hkv, rep)
             Qf, Kt, Vt = tl.queries(Qg, tl.q_read), tl.keys(Kg), tl.keys(Vg)
-            p = tl.scores(Qf, Kt, scale).sub_(tl.queries(lse_g, tl.rows).unsqueeze(-1)).exp_()
+            p = tl.scores(Qf, Kt, scale).sub_(tl.queries(lse, tl.rows).unsqueeze(-1)).exp_()
             Gf = tl.queries(Gg, tl.rows)
-            dVg.index_add_(1, tl.k_read, torch.bmm(p.transpose(1, 2), Gf).view(Hkv, -1, D))
+            dV.index_add_(0, tl.k_read, torch.bmm(p.transpose(1, 2), Gf).view(Hkv, -1, D).movedim(0, 1))
             ds = torch.bmm(Gf, Vt.transpose(1, 2))
             ds.sub_(tl.queries(delta_g, tl.rows).unsqueeze(-1)).mul_(p)
             del p, Gf
-            dQg.index_add_(1, tl.rows, tl.per_row(torch.bmm(ds, Kt)))
-            dKg.index_add_(1, tl.k_read, torch.bmm(ds.transpose(1, 2), Qf).view(Hkv, -1, D))
+            dQg.index_add_(0, tl.rows, tl.per_row(torch.bmm(ds, Kt)).movedim(0, 1))
+            dK.index_add_(0, tl.k_read, torch.bmm(ds.transpose(1, 2), Qf).view(Hkv, -1, D).movedim(0, 1))
             del ds
         dt = grad.dtype
-        dQ = dQ[:N].mul_(scale)
-        dK.mul_(scale)
-        return (dQ.to(dt).transpose(0, 1).unsqueeze(0), dK.to(dt).transpose(0, 1).unsqueeze(0),
-                dV.to(dt).transpose(0, 1).unsqueeze(0), None)
+        return (dQ[:N].mul_(scale).to(dt).transpose(0, 1).unsqueeze(0),
+                dK.mul_(scale).to(dt).transpose(0, 1).unsqueeze(0), dV.to(dt).transpose(0, 1).unsqueeze(0), None)
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TiledPlan) -> torch.Tensor:
