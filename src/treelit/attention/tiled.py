@@ -115,7 +115,9 @@ def _upload(a: np.ndarray, dev) -> torch.Tensor:
 
 def plan_tiles(layout, block_q: Optional[int] = None, block_k: Optional[int] = None) -> TiledPlan:
     """Tiles of ``layout``'s row (see the module docstring; block sizes ``BLOCK_Q`` / ``BLOCK_K`` by
-    default); index tensors uploaded once, the mask built on the device."""
+    default); index tensors uploaded once, the mask built on the device. The key lists assume the
+    row part of a :class:`~treelit.models.context.TreeLayout`: row key ``E + j`` visible to the
+    queries ``[j, subtree_end[j])``; external keys may have any interval."""
     block_q, block_k = block_q or BLOCK_Q, block_k or BLOCK_K
     batch = layout.batch
     dev = layout.kv_lo.device
