@@ -2,9 +2,9 @@
 
     python benchmarks/segment_half.py [--json out.json] [--scale 0.25] [--case NAME ...]
 
-On CUDA, ``segment`` runs its parts through :func:`treelit.attention.merged._math_fwd` /
-``_math_bwd`` (on CPU it takes torch's CPU flash kernels instead). This script runs that CUDA path
-on CPU (:func:`cuda_path` swaps the part functions) on gpu_check's attention cases (the same trees,
+On CUDA, ``segment`` runs a layer as one batch of tiles in plain math (:mod:`treelit.attention.tiled`;
+on CPU it takes torch's CPU flash kernels instead). This script runs that CUDA path
+on CPU (:func:`cuda_path` sets ``merged.MATH_ON_CPU``) on gpu_check's attention cases (the same trees,
 external keys and windows; q ``[1, 8, N, 64]``, k and v ``[1, 2, E + N, 64]``) and gives, per case,
 the relative error (max over the output and the q, k, v gradients, for one fixed output gradient)
 against float64 attention on the same bfloat16-rounded inputs, of
@@ -35,18 +35,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treelit  # noqa: E402
 from treelit.attention import get_backend, merged  # noqa: E402
-from treelit.attention import segment as segment_module  # noqa: E402
 
 
 @contextlib.contextmanager
 def cuda_path():
-    """Run ``segment``'s parts through the math path that CUDA tensors take."""
-    saved = segment_module._fwd, segment_module._bwd
-    segment_module._fwd, segment_module._bwd = merged._math_fwd, merged._math_bwd
+    """Run ``segment`` on CPU tensors down the path CUDA tensors take (``merged.MATH_ON_CPU``: its
+    plans are :mod:`treelit.attention.tiled`'s tiles)."""
+    saved = merged.MATH_ON_CPU
+    merged.MATH_ON_CPU = True
     try:
         yield
     finally:
-        segment_module._fwd, segment_module._bwd = saved
+        merged.MATH_ON_CPU = saved
 
 
 def reference_attention(q, k, v, g, mask, work: torch.dtype, round_to: Optional[torch.dtype] = None):

@@ -273,3 +273,23 @@ def test_output_is_token_major():
     flat.square().sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("n_ext,window", [(0, None), (2, None), (0, 3)], ids=["plain", "external", "window"])
+def test_layers_ask_the_host_nothing(n_ext, window):
+    """The groups' index tensors are made with the plan, once per forward: no layer, the first
+    included, reads an index back to the host or uploads one (before, the first layer did both,
+    once per group); and the plan's own index tensors are the layer's."""
+    from treelit.utils.dispatch import DispatchCounter
+
+    layout = layout_of(agent_tree(3, 3, [1, 4, 9], seed=6) + [[1, 2], [3], [4, 5, 6]], n_ext=n_ext, window=window)
+    backend = SegmentAttention(batch_below=3)
+    plan = backend.plan(layout)
+    N, E = layout.num_queries, layout.num_external
+    q, k, v = (torch.randn(1, h, n, 8, dtype=torch.float64, requires_grad=True) for h, n in ((4, N), (2, E + N), (2, E + N)))
+    for _ in range(2):  # the first layer and a later one
+        with DispatchCounter() as c:
+            torch.autograd.grad(backend(q, k, v, plan), (q, k, v), torch.ones(1, 4, N, 8, dtype=torch.float64))
+        assert c.counts.syncs == 0 and c.counts.uploads == 0, c.counts.as_dict()
+    assert plan._works[0] == (N, E)
+    compare(backend, layout)

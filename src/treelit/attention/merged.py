@@ -16,10 +16,11 @@ part's share of the gradients (the standard ring/split-attention identity). The
 
 On CPU the two parts use torch's flash-attention kernels, which return the
 log-sum-exp; elsewhere a plain math implementation with the same contract is used
-(CUDA trees normally take the ``flex`` backend instead). ``MATH_ON_CPU = True`` (or the
-environment variable ``TREELIT_SEGMENT_MATH=1`` at import) makes CPU tensors take the math
-path too: that is how the CUDA code path is tested and its dispatches counted on CPU
-(``benchmarks/bench_launches.py``).
+(CUDA trees normally take the ``flex`` backend instead; ``segment`` itself plans tiles there,
+:mod:`treelit.attention.tiled`, and runs a layer in a fixed number of calls rather than parts
+group by group). ``MATH_ON_CPU = True`` (or the environment variable ``TREELIT_SEGMENT_MATH=1``
+at import) makes CPU tensors take the math path too (:func:`math_path`): that is how the CUDA
+code path is tested and its dispatches counted on CPU (``benchmarks/segment_math_launches.py``).
 
 *Half precision.* Flash and flex kernels read bfloat16 / float16 inputs but keep the
 scores, the softmax and the accumulations in float32. The math path does the same by
@@ -43,6 +44,12 @@ MATH_ON_CPU = os.environ.get("TREELIT_SEGMENT_MATH", "") == "1"  # CPU tensors t
 
 _cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def math_path(device) -> bool:
+    """Whether tensors on ``device`` take the math path (every device but the CPU, unless
+    ``MATH_ON_CPU``)."""
+    return torch.device(device).type != "cpu" or MATH_ON_CPU
 
 
 def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
@@ -129,7 +136,7 @@ def _unfold(t: torch.Tensor, heads: int) -> torch.Tensor:
 def _fwd(q, k, v, causal, bias):
     """``(o, lse)`` of one part: ``lse`` in float32 for half inputs, ``o`` in the input dtype
     (CPU kernels) or in float32 (the math path)."""
-    if q.device.type == "cpu" and not MATH_ON_CPU:
+    if not math_path(q.device):
         if _foldable(q, k, causal, bias):
             H, Hkv = q.shape[1], k.shape[1]
             o, lse = _cpu_fwd(_fold(q, Hkv), k, v, 0.0, False, attn_mask=bias)[:2]
@@ -141,7 +148,7 @@ def _fwd(q, k, v, causal, bias):
 def _bwd(g, q, k, v, o, lse, causal, bias):
     """``(dq, dk, dv)`` of one part: in the input dtype (CPU kernels) or, for half inputs, in
     float32 (the math path)."""
-    if q.device.type == "cpu" and not MATH_ON_CPU:
+    if not math_path(q.device):
         if _foldable(q, k, causal, bias):
             H, Hkv = q.shape[1], k.shape[1]
             dq, dk, dv = _cpu_bwd(_fold(g, Hkv), _fold(q, Hkv), k, v, _fold(o, Hkv), _fold(lse, Hkv),

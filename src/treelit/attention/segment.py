@@ -71,6 +71,11 @@ to its last query), under an explicit mask of visibility and distance. The work 
 O(tokens x (block + window)) instead of O(tokens x path). A window that no pair of the
 row can exceed is ignored (the layout says so), so long windows cost nothing extra.
 
+*Off the CPU.* There are no part kernels: the parts would be plain math, ~96 kernel launches
+per group and layer. On that path (CUDA, or CPU with ``merged.MATH_ON_CPU``) :meth:`plan`
+returns tiles instead (:mod:`treelit.attention.tiled`): a layer in a fixed number of batched
+calls, whatever the tree.
+
 The plan is built once per forward and shared by all layers.
 """
 
@@ -84,7 +89,8 @@ import numpy as np
 import torch
 
 from treelit.attention.base import ATTENTION, AttentionBackend
-from treelit.attention.merged import _bwd, _fwd
+from treelit.attention.merged import _bwd, _fwd, math_path
+from treelit.attention.tiled import TiledPlan, plan_tiles, tiled_attention
 
 
 @dataclass
@@ -376,9 +382,21 @@ class SegmentAttention(AttentionBackend):
                 f"window_block={self.window_block}, bucket_waste={self.bucket_waste})")
 
     # planning ------------------------------------------------------------------------
-    def plan(self, layout) -> SegmentPlan:
-        if layout.window is not None:
-            return self._plan_windowed(layout)
+    def plan(self, layout):
+        """A :class:`SegmentPlan` of groups for the CPU kernels, or on the math path (CUDA, or CPU
+        with ``merged.MATH_ON_CPU``) a :class:`~treelit.attention.tiled.TiledPlan`: the layer in a
+        fixed number of batched calls, whatever the tree."""
+        if math_path(layout.kv_lo.device):
+            return plan_tiles(layout)
+        plan = self._plan_windowed(layout) if layout.window is not None else self._plan_groups(layout)
+        # the groups' index tensors for the layer function, made here once per forward, so that
+        # no layer reads an index back or uploads one (``__call__`` rebuilds them only for a row
+        # of another shape than the layout's)
+        N, E = layout.num_queries, layout.num_external
+        plan._works = ((N, E), _works(plan.groups, N, E, layout.kv_lo.device))
+        return plan
+
+    def _plan_groups(self, layout) -> SegmentPlan:
         batch = layout.batch
         dev = layout.kv_lo.device
         E = layout.num_external
@@ -478,7 +496,9 @@ class SegmentAttention(AttentionBackend):
         return SegmentPlan(groups, _order(rows, dev), cost, exact, len(chains))
 
     # compute -------------------------------------------------------------------------
-    def __call__(self, q, k, v, plan: SegmentPlan):
+    def __call__(self, q, k, v, plan):
+        if isinstance(plan, TiledPlan):
+            return tiled_attention(q, k, v, plan)
         N, E = q.shape[2], k.shape[2] - q.shape[2]
         if plan._works is None or plan._works[0] != (N, E):
             plan._works = ((N, E), _works(plan.groups, N, E, q.device))
