@@ -27,18 +27,31 @@ def models():
     return {fam: B.build(fam, 2) for fam in ("attention", "hybrid")}
 
 
-@pytest.mark.parametrize("objective", ["sft", "grpo", "gspo"])
+@pytest.mark.parametrize("backend,objective", [("sdpa_dense", "sft"), ("sdpa_dense", "grpo"), ("sdpa_dense", "gspo"),
+                                               ("segment/cuda", "sft"), ("segment/cuda", "grpo")])
 @pytest.mark.parametrize("family", ["attention", "hybrid"])
-def test_syncs_and_uploads_per_step_stay_within_the_budget_whatever_the_tree(models, family, objective):
+def test_syncs_and_uploads_per_step_stay_within_the_budget_whatever_the_tree(models, family, backend, objective):
+    """``segment/cuda``: segment's CUDA code path (tiles planned once per forward), forced on CPU."""
     seen = {}
     for name, make in TREES.items():
         tree = B.rl_tree(make()) if objective != "sft" else treelit.TokenTree.from_branches(make())
-        c = B.count_step(models[family], tree, "sdpa_dense", objective=objective, where=True)
+        c = B.count_step(models[family], tree, backend, objective=objective, where=True)
         assert c["launches"] > 100, c  # the step ran
         assert c["syncs"] <= SYNCS and c["uploads"] <= UPLOADS, (name, c["sites"])
         seen[name] = (c["syncs"], c["uploads"])
     # constant, not merely small: the branchiest tree asks no more than the plainest
     assert seen["every_turn_24"] == seen["every_turn_6"], seen
+
+
+def test_attention_launches_per_layer_do_not_grow_with_the_tree_on_segments_cuda_path(models):
+    """One layer more adds the same launches on a 7-segment and a 49-segment tree (and a fan-out)."""
+    one = B.build("attention", 1)
+    per_layer = {}
+    for name in ("every_turn_6", "every_turn_24", "fanout_d2"):
+        tree = treelit.TokenTree.from_branches(TREES[name]())
+        per_layer[name] = (B.count_step(models["attention"], tree, "segment/cuda")["launches"]
+                           - B.count_step(one, tree, "segment/cuda")["launches"])
+    assert len(set(per_layer.values())) == 1, per_layer
 
 
 def test_the_recurrent_scan_asks_the_host_nothing_inside_the_layers(models):

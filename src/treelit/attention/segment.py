@@ -181,7 +181,7 @@ class _Work:
 
 def _works(groups: List[_Group], N: int, E: int, dev) -> List[_Work]:
     """The plan's groups as :class:`_Work` for a row of ``N`` queries and ``E`` external keys."""
-    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    t = lambda x: _device_copy(x, dev)  # noqa: E731
     works: List[_Work] = []
     for g in groups:
         if g.units:
@@ -191,9 +191,9 @@ def _works(groups: List[_Group], N: int, E: int, dev) -> List[_Work]:
                 pre = _Part(1, g.la, g.lp, (a, b), (a, b), g.pre_range if g.pre_range is not None else g.pre_idx, False)
                 works.append(_Work(own, pre))
                 continue
-            q_pre, q_own = g.q_idx.cpu().numpy(), g.qpad_idx.cpu().numpy()  # N: a padded slot
+            q_pre, q_own = _host_of(g.q_idx), _host_of(g.qpad_idx)  # N: a padded slot
             pre_of_own = np.zeros(g.n * g.lq, dtype=np.int64)
-            pre_of_own[g.own_slots.cpu().numpy()] = g.pre_slots.cpu().numpy()
+            pre_of_own[_host_of(g.own_slots)] = _host_of(g.pre_slots)
             own = _Part(g.n, g.lq, g.lq, t(np.where(q_own == N, 0, q_own)), t(q_own), g.own_idx, True)
             pre = _Part(g.units, g.la, g.lp, t(np.where(q_pre == N, 0, q_pre)), t(q_pre), g.pre_idx, False, g.pre_bias)
             works.append(_Work(own, pre, t(pre_of_own)))
@@ -204,9 +204,9 @@ def _works(groups: List[_Group], N: int, E: int, dev) -> List[_Work]:
             pre = None if g.pre_idx is None else _Part(1, g.lq, g.lp, (a, b), (a, b), g.pre_idx, False)
             works.append(_Work(own, pre))
             continue
-        q = g.q_idx.cpu().numpy()
+        q = _host_of(g.q_idx)
         rows = np.full(g.n * g.lq, N, dtype=np.int64)
-        keep = np.arange(g.n * g.lq) if g.keep is None else g.keep.cpu().numpy()
+        keep = np.arange(g.n * g.lq) if g.keep is None else _host_of(g.keep)
         rows[keep] = q[keep]
         rows = t(rows)
         if g.mask is not None:  # explicit masks over gathered keys
@@ -216,6 +216,20 @@ def _works(groups: List[_Group], N: int, E: int, dev) -> List[_Work]:
         pre = None if g.pre_idx is None else _Part(g.n, g.lq, g.lp, g.q_idx, rows, g.pre_idx, False, g.pre_bias)
         works.append(_Work(own, pre))
     return works
+
+
+def _device_copy(a: np.ndarray, dev) -> torch.Tensor:
+    """``a`` on ``dev``, remembering the host array it came from (:func:`_host_of`)."""
+    a = np.ascontiguousarray(a)
+    x = torch.from_numpy(a).to(dev)
+    x._treelit_host = a
+    return x
+
+
+def _host_of(x: torch.Tensor) -> np.ndarray:
+    """The host values of a plan's index tensor: the array it was made from (no read-back)."""
+    host = getattr(x, "_treelit_host", None)
+    return host if host is not None else x.cpu().numpy()
 
 
 def _take(src: torch.Tensor, idx) -> torch.Tensor:
@@ -400,8 +414,8 @@ class SegmentAttention(AttentionBackend):
         batch = layout.batch
         dev = layout.kv_lo.device
         E = layout.num_external
-        kv_lo = layout.kv_lo.cpu().numpy()
-        kv_hi = layout.kv_hi.cpu().numpy()
+        kv_lo = layout.host("kv_lo")
+        kv_hi = layout.host("kv_hi")
         ext_lo, ext_hi = kv_lo[:E], kv_hi[:E]
         chains, ancestors = _chains(batch, E)
 
@@ -436,7 +450,7 @@ class SegmentAttention(AttentionBackend):
         for a, b, pre in loose:
             lq, lp = b - a, len(pre)
             if lq > self.batch_below:
-                single.append(_Group(1, lq, lp, q_slice=(a, b), pre_idx=torch.from_numpy(pre).to(dev) if lp else None))
+                single.append(_Group(1, lq, lp, q_slice=(a, b), pre_idx=_device_copy(pre, dev) if lp else None))
                 rows.append(np.arange(a, b))
                 cost += lq * lp + lq * (lq + 1) // 2
             elif lp:
@@ -469,8 +483,8 @@ class SegmentAttention(AttentionBackend):
         batch, w, bs = layout.batch, int(layout.window), self.window_block
         dev = layout.kv_lo.device
         E = layout.num_external
-        kv_lo, kv_hi = layout.kv_lo.cpu().numpy(), layout.kv_hi.cpu().numpy()
-        kv_pos, q_pos = layout.kv_pos.cpu().numpy(), layout.q_pos.cpu().numpy()
+        kv_lo, kv_hi = layout.host("kv_lo"), layout.host("kv_hi")
+        kv_pos, q_pos = layout.host("kv_pos"), layout.host("q_pos")
         chains, ancestors = _chains(batch, E)
         by_size: Dict[Tuple[int, int], list] = {}
         for first, a, b in chains:
@@ -519,7 +533,7 @@ def _padded_group(members, lq: int, lp: int, E: int, dev) -> Tuple[_Group, np.nd
         pre_idx[r, : len(pre)] = pre
         pre_valid[r, : len(pre)] = True
     keep = np.flatnonzero(q_valid.reshape(-1))
-    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    t = lambda x: _device_copy(x, dev)  # noqa: E731
     group = _Group(
         n,
         lq,
@@ -614,7 +628,7 @@ def _batched_group(units, E: int, N: int, dev) -> Tuple[_Group, np.ndarray, int]
             rows.append(np.arange(a, b))
             t += n
             c += 1
-    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+    t = lambda x: _device_copy(x, dev)  # noqa: E731
     cost = G * A * P + C * L * (L + 1) // 2
     q_flat = q_pre.reshape(-1)
     a0 = int(q_flat[0])
@@ -662,9 +676,9 @@ def _masked_group(units, kv_lo, kv_hi, dev, q_pos=None, kv_pos=None, window=None
         n,
         lq,
         lk,
-        q_idx=torch.from_numpy(q_idx.reshape(-1)).to(dev),
-        pre_idx=torch.from_numpy(k_idx.reshape(-1)).to(dev),
-        keep=torch.from_numpy(keep).to(dev),
+        q_idx=_device_copy(q_idx.reshape(-1), dev),
+        pre_idx=_device_copy(k_idx.reshape(-1), dev),
+        keep=_device_copy(keep, dev),
         mask=torch.from_numpy(mask[:, None]).to(dev),
     )
     return group, q_idx.reshape(-1)[keep], pairs
@@ -674,9 +688,9 @@ def _chains(batch, E: int):
     """The row's chains ``(first segment, token start, token end)`` (runs of segments where each
     is the previous one's contiguous first child) and ``ancestors(first segment)``: the
     E-offset keys of a chain's ancestors in path order."""
-    seg_start = batch.seg_start.cpu().numpy()
-    seg_len = batch.seg_len.cpu().numpy()
-    seg_parent = batch.seg_parent.cpu().numpy()
+    seg_start = batch.host("seg_start")
+    seg_len = batch.host("seg_len")
+    seg_parent = batch.host("seg_parent")
     chains: List[Tuple[int, int, int]] = []
     for s in range(len(seg_start)):
         p = seg_parent[s]

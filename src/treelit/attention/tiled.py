@@ -122,13 +122,12 @@ def plan_tiles(layout, block_q: Optional[int] = None, block_k: Optional[int] = N
     batch = layout.batch
     dev = layout.kv_lo.device
     N, E = layout.num_queries, layout.num_external
-    seg = torch.stack([batch.seg_start, batch.seg_len, batch.seg_parent]).cpu().numpy()
-    seg_start, seg_len, seg_parent = seg
-    ext = torch.stack([layout.kv_lo[:E], layout.kv_hi[:E]]).cpu().numpy() if E else np.zeros((2, 0), np.int64)
+    seg_start, seg_len, seg_parent = batch.host("seg_start"), batch.host("seg_len"), batch.host("seg_parent")
+    ext = np.stack([layout.host("kv_lo")[:E], layout.host("kv_hi")[:E]]) if E else np.zeros((2, 0), np.int64)
     w = layout.window
     if w is not None:
-        q_pos = layout.q_pos.cpu().numpy()
-        kv_pos = layout.kv_pos.cpu().numpy()
+        q_pos = layout.host("q_pos")
+        kv_pos = layout.host("kv_pos")
     ancestors = _ancestor_keys(seg_start, seg_len, seg_parent)
     starts = np.arange(0, N, block_q)
     seg_of = np.searchsorted(seg_start, starts, side="right") - 1 if len(seg_start) else np.zeros(0, np.int64)

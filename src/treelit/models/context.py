@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -173,6 +174,21 @@ class TreeLayout:
         if self.kv_pos is None or self.kv_pos.numel() == 0:
             return False
         return int(self.q_pos.max()) - int(self.kv_pos.min()) >= window
+
+    def host(self, name: str) -> np.ndarray:
+        """``kv_lo``, ``kv_hi``, ``kv_pos`` or ``q_pos`` as a host array, for planning: the row's part
+        from the row's host copies (:meth:`TreeBatch.host`), so a backend plans without asking the
+        device; only external keys' values (a partition pass's ancestors) are read from their tensor."""
+        cache = self.__dict__.setdefault("_host", {})
+        if name not in cache:
+            b, E = self.batch, self.num_external
+            if name == "q_pos":
+                cache[name] = b.host("position_ids")
+            else:
+                row = {"kv_lo": lambda: np.arange(b.num_tokens, dtype=np.int64), "kv_hi": lambda: b.host("subtree_end"),
+                       "kv_pos": lambda: b.host("position_ids")}[name]()
+                cache[name] = np.concatenate([getattr(self, name)[:E].detach().cpu().numpy(), row]) if E else row
+        return cache[name]
 
     def dense_mask(self) -> torch.Tensor:
         """Boolean ``[N, E+N]`` ancestor mask (True = attend), windowed if this layout is."""

@@ -49,7 +49,7 @@ _NO_KERNEL = {
     _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default, _aten.new_empty.default,
     _aten.new_empty_strided.default, _aten.detach.default, _aten.lift_fresh.default, _aten.alias.default,
     _aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
-    _aten.is_same_size.default, _aten.set_.source_Storage_storage_offset,
+    _aten.is_same_size.default, _aten.set_.source_Storage_storage_offset, _aten._unsafe_view.default,
 }
 _ALWAYS_SYNC = {
     _aten._local_scalar_dense.default, _aten.nonzero.default, _aten.nonzero_static.default, _aten.masked_select.default,
