@@ -281,8 +281,11 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
-    if not (cfg.get("callbacks") or {}).get("preemption"):
+    preemption = (cfg.get("callbacks") or {}).get("preemption")
+    if not preemption:
         startup_signals.uninstall()  # callbacks.preemption=null: the signals are not treelit's
+    elif preemption.get("signals") is not None:  # only those it names are treelit's
+        startup_signals.keep_only(preemption.get("signals"))
     resume = _resume(cfg, out)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if process_rank() == 0:  # one writer: every process of a multi-process run shares the folder
