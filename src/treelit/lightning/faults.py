@@ -47,8 +47,8 @@ from treelit.lightning.checkpoint_files import write_and_commit_manifest
 from treelit.lightning.step_log import log_step_now
 from treelit.utils.distributed import Collectives
 
-__all__ = ["INTERRUPTED_EXIT_CODE", "NonFiniteStep", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "exit_code_of", "hold_launched_ranks",
-           "wait_for_launched_ranks"]
+__all__ = ["INTERRUPTED_EXIT_CODE", "NonFiniteStep", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "exit_code_of",
+           "hold_launched_ranks", "wait_for_launched_ranks"]
 
 log = logging.getLogger(__name__)
 
