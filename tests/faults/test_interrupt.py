@@ -109,3 +109,21 @@ def test_preemption_signals_without_sigint_leave_ctrl_c_to_python():
     finally:
         startup_signals.uninstall()
     assert sig.getsignal(sig.SIGTERM) is not startup_signals._handler
+
+
+def test_a_second_ctrl_c_during_start_up_ends_the_process_at_once():
+    """The first Ctrl-C during start-up raises (the command reports it); should its way out
+    hang, the second ends the process with one line and 130."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from treelit.cli import startup_signals as s\n"
+            "s.install(); s.running()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+            "except s.StartupPreempted as e:\n    print(e.exit_code, flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+            "print('still running', flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == EXIT and res.stdout == "130\n", (res.stdout, res.stderr)
+    assert res.stderr == "error: interrupted by a second Ctrl-C (SIGINT) during start-up: stopped at once\n"

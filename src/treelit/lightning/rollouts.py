@@ -7,7 +7,9 @@ takes the files in name order, one per step: it waits for the next one (up to
 ``timeout_s``), builds its trees (advantages from rewards are computed within the file:
 the file is "the batch"), trains on them (``ppo_epochs`` passes, ``ppo_minibatches``
 updates each, as for any step batch) and marks the file consumed by renaming it to
-``<name>.consumed`` once the step is done.
+``<name>.consumed`` once the step is done. While it waits it logs a line every
+:data:`HEARTBEAT_S` seconds, naming files in the folder this run did not take (an earlier
+run's ``.consumed`` files: its sampler believes those steps written and waits for nothing).
 
 Write each file under a name the ``pattern`` does not match (``step-000007.jsonl.tmp``)
 and rename it when complete (a rename is atomic), and name files so that they sort in
