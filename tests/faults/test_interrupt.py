@@ -127,3 +127,19 @@ def test_a_second_ctrl_c_during_start_up_ends_the_process_at_once():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == EXIT and res.stdout == "130\n", (res.stdout, res.stderr)
     assert res.stderr == "error: interrupted by a second Ctrl-C (SIGINT) during start-up: stopped at once\n"
+
+
+@pytest.mark.slow
+def test_fsdp2_a_ctrl_c_that_reached_one_rank_stops_both_with_130(data, tmp_path):
+    """Two processes (FSDP2); the SIGINT reaches rank 1 only, during step 2: both ranks finish
+    step 2, write its sharded checkpoint, exit 130 with one line (rank 0's), and the resumed run
+    starts from step 2."""
+    out = tmp_path / "run"
+    common = [*TINY, f"data.train_path={data}", f"output_dir={out}", "trainer=fsdp2_cpu", *STEPS, "resume_from=auto"]
+    rc, _, err = train([*common, *inject("sig", "SendSignal", step=2, at="during", sig="SIGINT", rank=1)], tmp_path)
+    assert rc == EXIT, err
+    assert one_error_line(err) == _resume_line(2, out / "checkpoints" / "step-000002.ckpt")
+    assert (out / "checkpoints" / "step-000002.ckpt" / "meta.pt").is_file()
+    rc, stdout, err = train(common, tmp_path)
+    assert rc == 0, err
+    assert "(step 2)" in stdout
