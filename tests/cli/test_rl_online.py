@@ -119,3 +119,43 @@ def test_online_ppo_with_a_critic_learns_and_publishes_the_policy_only(tmp_path)
     assert published
     keys = list(safe_open(str(published[-1]), "pt").keys())
     assert keys and not any("critic" in k or "value_head" in k for k in keys), keys
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [[], ["model=qwen3_moe_tiny", "model.moe.routing=replay"]],
+                         ids=["dense", "moe-replay"])
+def test_the_recipe_run_again_in_the_same_folder_stops_at_once_and_says_why(tmp_path, model):
+    """docs/recipes.md's online RL and MoE replay recipes, run twice in one folder: the second
+    trainer and worker each stop within seconds with one line naming what they found (before:
+    the worker exited 0 silently, the trainer waited data.timeout_s=600 s, and latest.json named
+    a version keep-pruning had deleted); latest.json still names a folder that exists."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rl = tmp_path / "rl"
+    train = [EXE, "experiment=rl_online", f"rl_dir={rl}", *model, "logger=none", "trainer.max_steps=3",
+             "trainer.enable_progress_bar=false", "callbacks.progress=null"]
+    work = [sys.executable, "-m", "treelit.cli.rollout", "--publish-dir", str(rl / "policy"), "--out",
+            str(rl / "rollouts"), "--prompts", "rl_online_prompts.jsonl", "--reward", "even_tokens", "--n", "8",
+            "--max-new-tokens", "6", "--steps", "3", "--max-staleness", "1"]
+
+    def both(tag, timeout):
+        procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for cmd in (train + [f"output_dir={tmp_path / tag}"], work)]
+        try:
+            return [p.communicate(timeout=timeout) + (p.returncode,) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+    (t_out, t_err, t_rc), (w_out, w_err, w_rc) = both("first", 600)
+    assert t_rc == 0 and w_rc == 0, (t_err[-3000:], w_err[-3000:])
+    start = time.monotonic()
+    (t_out, t_err, t_rc), (w_out, w_err, w_rc) = both("second", 300)
+    assert time.monotonic() - start < 120
+    assert t_rc == 1 and w_rc == 1, (t_err[-3000:], w_err[-3000:])
+    assert t_err.strip().count("\n") == 0 and t_err.startswith(f"error: publish.dir {rl / 'policy'} holds policy "
+                                                               "versions 1-3"), t_err
+    assert "an earlier run's. Continue that run with resume_from=" in t_err and "(rl_dir=NEW" in t_err
+    assert w_err.startswith(f"error: --out {rl / 'rollouts'} already holds the files of steps 0-2"), w_err
+    latest = json.loads((rl / "policy" / "latest.json").read_text())
+    assert latest["version"] == 3 and Path(latest["path"]).is_dir()

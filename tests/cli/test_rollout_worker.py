@@ -80,6 +80,34 @@ def test_waits_for_the_version_and_resumes_after_its_files(tmp_path):
                           logprobs(model, ids)[2:], atol=2e-5)
 
 
+def test_a_rerun_in_a_used_folder_says_what_it_found_and_why_it_stops(tmp_path, capsys):
+    """The files of an earlier run (consumed by its trainer) cover --steps: one error line naming
+    them, exit 1 (before: exit 0 at once, silently); a larger --steps continues after them and
+    says so."""
+    from treelit.cli.rollout import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(3):
+        (out / f"step-{i:06d}.jsonl.consumed").write_text("{}\n")
+    argv = ["--publish-dir", str(tmp_path / "policy"), "--prompts", str(prompts_file(tmp_path)), "--out", str(out),
+            "--reward", "even_tokens", "--timeout-s", "0.2", "--poll-s", "0.05"]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--steps", "3"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1
+    assert err == (f"error: --out {out} already holds the files of steps 0-2 (3 taken by a trainer, 0 waiting), so "
+                   "--steps 3 leaves nothing to sample (an earlier run's?). For a new run give an empty --out (and "
+                   "the trainer a new publish.dir and data.directory); to go on with that run, a larger --steps\n")
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--steps", "4"])
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 1  # no policy version to sample from (none published here)
+    assert err[0] == (f"treelit-rollout: --out {out} holds the files of steps 0-2 (3 taken by a trainer, 0 waiting): "
+                      "continuing at step 3")
+    assert err[1].startswith("error: ") and "no policy version >= 3" in err[1]
+
+
 def test_rewards_prompts_and_arguments(tmp_path):
     assert resolve_reward("even_tokens") is even_tokens
     assert resolve_reward("treelit.rl.rewards:even_tokens") is even_tokens

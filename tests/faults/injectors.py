@@ -22,16 +22,19 @@ def _mine(trainer, rank: Optional[int]) -> bool:
 
 
 class SendSignal(pl.Callback):
-    """Sends signal ``sig`` to this process at point ``at`` of data step ``step`` (on ``rank``)."""
+    """Sends signal ``sig`` to this process at point ``at`` of data step ``step`` (on ``rank``),
+    ``times`` times in a row (a second Ctrl-C)."""
 
-    def __init__(self, step: int, at: str = "during", sig: str = "SIGUSR1", rank: Optional[int] = None) -> None:
+    def __init__(self, step: int, at: str = "during", sig: str = "SIGUSR1", rank: Optional[int] = None,
+                 times: int = 1) -> None:
         assert at in ("before", "during", "after"), at
-        self.step, self.at, self.rank = int(step), at, rank
+        self.step, self.at, self.rank, self.times = int(step), at, rank, int(times)
         self.signum = signal.Signals[sig]
         self._hook = None
 
     def _send(self) -> None:
-        os.kill(os.getpid(), self.signum)
+        for _ in range(self.times):
+            os.kill(os.getpid(), self.signum)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch.index + 1 != self.step or not _mine(trainer, self.rank):

@@ -17,7 +17,8 @@ writes ``D/step-<i>.jsonl`` (under a temporary name, then renamed): one record p
 by a trainer with ``model.moe.routing=replay`` (``latest.json`` says ``"moe_routing": "replay"``;
 ``--record-routing`` forces it) also gets each branch's ``routed_experts``: the experts every MoE
 layer sent each token to while sampling, all tokens but the final one (never run), compact form. Restarted, it continues after
-the files already in ``D`` (consumed or skipped ones included). Prompts: JSONL records
+the files already in ``D`` (consumed or skipped ones included), and says so on stderr; when
+they already cover ``--steps`` it stops with one ``error:`` line (exit 1) naming them. Prompts: JSONL records
 ``{"id", "input_ids"}`` or ``{"id", "messages"}`` (rendered with the published tokenizer's
 chat template; a bundled file may be named alone); their other fields go to the reward
 function as keywords. A per-step JSON line on stdout says the version, the mean reward and
@@ -56,7 +57,7 @@ from safetensors import safe_open
 from treelit.cli.args import OneLineParser
 from treelit.utils.integrity import verify
 
-__all__ = ["main", "Sampler", "read_prompts", "next_step"]
+__all__ = ["main", "Sampler", "read_prompts", "next_step", "first_step"]
 
 ADAPTER_KIND = "lora_adapter"  # as treelit.lightning.publish writes it (not imported: --help pays for no torch)
 # LoRA config fields whose values only describe the adapter's layers; any other field that is set
@@ -395,7 +396,27 @@ def _args(argv):
     return a
 
 
+def first_step(out: Path, steps: int) -> int:
+    """The step to sample first, after the files already in ``out``; says on stderr what it
+    found there, and refuses (ValueError) when they leave nothing of ``--steps`` to sample."""
+    from treelit.utils.rl_folders import rollout_files
+
+    start = next_step(out)
+    if start >= steps:
+        raise ValueError(f"--out {out} already holds the files of {rollout_files(out)}, so --steps {steps} leaves "
+                         "nothing to sample (an earlier run's?). For a new run give an empty --out (and the trainer "
+                         "a new publish.dir and data.directory); to go on with that run, a larger --steps")
+    if start:
+        print(f"treelit-rollout: --out {out} holds the files of {rollout_files(out)}: continuing at step {start}",
+              file=sys.stderr, flush=True)
+    return start
+
+
 def run(a) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = first_step(out, a.steps)  # before torch: a rerun in a used folder is one line, at once
+
     import torch  # cli: treelit-rollout --help pays for no torch
 
     from treelit.rl.rewards import resolve_reward
@@ -403,11 +424,8 @@ def run(a) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     reward = resolve_reward(a.reward)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     sampler = Sampler(a.publish_dir, a.dtype, a.base, a.engine)
     prompts = None
-    start = next_step(out)
     for i in range(start, a.steps):
         t0 = time.monotonic()
         need = max(0, (i - a.max_staleness) * a.versions_per_step)

@@ -38,6 +38,7 @@ from treelit.cli.console import (SetupError, full_error_requested, hydra_error_m
                                  quiet_transformers_bars, tidy_library_logging, user_error_message)
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
 from treelit.cli.resume import find_resume_checkpoint, read_resume_checkpoint  # noqa: F401  (tests, tools)
+from treelit.cli.rerun import check_earlier_run
 from treelit.cli.resume import resume as _resume
 from treelit.cli.startup_signals import StartupPreempted
 from treelit.cli.summary import data_line
@@ -282,9 +283,13 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
-    if not (cfg.get("callbacks") or {}).get("preemption"):
+    preemption = (cfg.get("callbacks") or {}).get("preemption")
+    if not preemption:
         startup_signals.uninstall()  # callbacks.preemption=null: the signals are not treelit's
+    elif preemption.get("signals") is not None:  # only those it names are treelit's
+        startup_signals.keep_only(preemption.get("signals"))
     resume = _resume(cfg, out)
+    check_earlier_run(cfg, resume)  # online RL: an earlier run's policy versions or rollouts, before the model
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if process_rank() == 0:  # one writer: every process of a multi-process run shares the folder
         # resolved, credentials redacted (the loggers receive the real values)

@@ -12,6 +12,11 @@ update and goes on, until ``max_skipped_steps`` consecutive updates were dropped
 it (one all-reduce: a signal that reached one rank stops them all), finish that step, write
 its checkpoint through the run's checkpoint callback (``<output_dir>/checkpoints`` when there
 is none) and exit with :data:`PREEMPTED_EXIT_CODE`; ``resume_from=auto`` continues from it.
+Ctrl-C (SIGINT) does the same and exits with :data:`INTERRUPTED_EXIT_CODE` (130, the shell's
+code for it), so the step it interrupted is not lost; a second Ctrl-C stops at once, without
+saving. Python's own SIGINT handler raises ``KeyboardInterrupt`` wherever the step is, and
+Lightning answers it with "attempting graceful shutdown" and exit 1, no checkpoint: ours
+replaces it while training runs.
 Lightning's own handlers for these signals are replaced while training runs: its SIGTERM
 handler issues a collective inside the handler and exits without a checkpoint, and its SLURM
 handler writes a checkpoint in the middle of a step; here the behaviour is the same in and out
@@ -42,13 +47,15 @@ from treelit.lightning.checkpoint_files import write_and_commit_manifest
 from treelit.lightning.step_log import log_step_now
 from treelit.utils.distributed import Collectives
 
-__all__ = ["NonFiniteStep", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "exit_code_of", "hold_launched_ranks",
-           "wait_for_launched_ranks"]
+__all__ = ["INTERRUPTED_EXIT_CODE", "NonFiniteStep", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "exit_code_of",
+           "hold_launched_ranks", "wait_for_launched_ranks"]
 
 log = logging.getLogger(__name__)
 
 # EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry"
 PREEMPTED_EXIT_CODE = 75
+# 128 + SIGINT: what a shell reports for a program that Ctrl-C stopped
+INTERRUPTED_EXIT_CODE = 130
 
 
 def hold_launched_ranks(trainer: Optional[pl.Trainer]) -> None:
@@ -124,17 +131,48 @@ class Preemption(pl.Callback):
     See the module's text. ``received`` holds the signal this process got (None: none).
     """
 
-    def __init__(self, signals: Sequence[Any] = ("SIGTERM", "SIGUSR1"), exit_code: int = PREEMPTED_EXIT_CODE) -> None:
+    def __init__(self, signals: Sequence[Any] = ("SIGTERM", "SIGUSR1", "SIGINT"),
+                 exit_code: int = PREEMPTED_EXIT_CODE) -> None:
         self.signals = [_signal_number(s) for s in signals]
         self.exit_code = int(exit_code)
         self.received: Optional[int] = None
+        self._interrupts = 0
+        self._trainer: Optional[pl.Trainer] = None
         self._before: Dict[int, Any] = {}
         self._installed = False
 
+    def exit_code_for(self, signum: int) -> int:
+        """Ctrl-C (SIGINT): :data:`INTERRUPTED_EXIT_CODE`; the other signals: ``exit_code``."""
+        return INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else self.exit_code
+
     # the handlers ------------------------------------------------------------------------------
     def _handler(self, signum: int, frame: Any) -> None:  # only a flag: the step loop acts on it
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:  # the second Ctrl-C: no more waiting for the step's end
+                raise Preempted(self._at_once_line(), INTERRUPTED_EXIT_CODE)
+            self._say(f"Ctrl-C: finishing step {self._step() + 1}, then saving it and stopping "
+                      "(Ctrl-C again stops at once, without saving)")
         if self.received is None:
             self.received = int(signum)
+
+    def _step(self) -> int:
+        return int(getattr(self._trainer, "global_step", 0) or 0)
+
+    def _at_once_line(self) -> str:
+        return (f"interrupted by a second Ctrl-C (SIGINT) in step {self._step() + 1}: stopped at once, without "
+                f"saving it; exit code {INTERRUPTED_EXIT_CODE}: run again with resume_from=auto (the same "
+                "output_dir) to continue from the newest checkpoint")
+
+    def _say(self, line: str) -> None:
+        """One line on stdout from inside the signal handler: a plain ``write(2)`` (Python's
+        buffered streams may be in the middle of a write the signal interrupted); rank 0 only."""
+        if self._trainer is not None and not self._trainer.is_global_zero:
+            return
+        try:
+            os.write(1, f"\n{line}\n".encode())
+        except OSError:
+            pass
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # the handlers from before Lightning's (Lightning installs its own right before training)
@@ -145,6 +183,8 @@ class Preemption(pl.Callback):
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach the main thread only
         self.received = None
+        self._interrupts = 0
+        self._trainer = trainer
         for s in self.signals:
             self._before.setdefault(s, signal.getsignal(s))
             signal.signal(s, self._handler)
@@ -178,10 +218,12 @@ class Preemption(pl.Callback):
         log_step_now(trainer)  # this step's metrics before its checkpoint (step_log.py)
         saved = self.save(trainer)
         where = f"saved {saved}" if saved else "nothing new to save"
-        msg = (f"preempted by {name}: stopped after step {trainer.global_step} on every rank and {where}; "
-               f"exit code {self.exit_code}: run again with resume_from=auto (the same output_dir) to continue")
+        code = self.exit_code_for(signum)
+        what = "interrupted by Ctrl-C (SIGINT)" if signum == signal.SIGINT else f"preempted by {name}"
+        msg = (f"{what}: stopped after step {trainer.global_step} on every rank and {where}; "
+               f"exit code {code}: run again with resume_from=auto (the same output_dir) to continue")
         hold_launched_ranks(trainer)
-        raise Preempted(msg, self.exit_code)
+        raise Preempted(msg, code)
 
     @staticmethod
     def _agree(trainer: pl.Trainer, pl_module: pl.LightningModule, value: float) -> float:

@@ -28,7 +28,15 @@ filesystem); only then is ``latest.json`` replaced, by writing a temporary file,
 ``os.replace``. A reader of ``latest.json`` therefore only ever sees complete checkpoints,
 and a trainer killed mid-write (even ``kill -9``) leaves the previous version named by
 ``latest.json`` intact; the orphaned temporary directory is removed by the next publisher
-on the same directory. Old versions beyond ``keep`` are renamed away before being deleted.
+on the same directory. Old versions beyond ``keep`` are renamed away before being deleted;
+the version ``latest.json`` names is never one of them.
+
+**Versions only go forward.** ``latest.json`` never moves to a lower version: a publish below
+the version it names is refused (:class:`PublishError`), which is what a new run in an earlier
+run's folder would do (``treelit-train`` refuses such a run before the model loads:
+:mod:`treelit.cli.rerun`). The one exception is a run resumed from a checkpoint older than the
+newest version (``rewind``): the steps after that checkpoint are trained again, so the
+versions published from them are removed once ``latest.json`` names the resumed step.
 Each version holds a manifest (``treelit-manifest.json``: the size and SHA-256 of every file,
 :mod:`treelit.utils.integrity`), written last, which ``treelit-rollout`` checks before it loads
 the version. A write that fails for want of space (a full disk, the file-size limit) removes
@@ -415,29 +423,74 @@ class PolicyPublisher:
         os.replace(tmp, self.directory / LATEST)
         _fsync(self.directory)
 
+    def _remove(self, version: int) -> None:
+        old = self.directory / f"step-{version}"
+        trash = self.directory / f".trash-{old.name}-{os.getpid()}"
+        os.rename(old, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
     def _prune(self) -> None:
-        for v in self.versions()[: -self.keep]:
-            old = self.directory / f"step-{v}"
-            trash = self.directory / f".trash-{old.name}-{os.getpid()}"
-            os.rename(old, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+        """Keep the ``keep`` newest versions up to the one ``latest.json`` names (that one
+        always); a version above it is not this publisher's to judge (see :meth:`drop_newer`)."""
+        named = self.latest_version()
+        if named is None:
+            return
+        for v in [v for v in self.versions() if v <= named][: -self.keep]:
+            if v != named:
+                self._remove(v)
+
+    def latest_version(self) -> Optional[int]:
+        """The version ``latest.json`` names (None: none, or not a number)."""
+        try:
+            v = (read_latest(self.directory) or {}).get("version")
+        except (OSError, ValueError):
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def drop_newer(self, version: int) -> List[int]:
+        """Remove the versions above ``version`` (a run resumed from an older checkpoint trains
+        their steps again); only once ``latest.json`` names ``version`` or below. Returns them."""
+        named = self.latest_version()
+        if named is None or named > version:
+            raise PublishError(f"publish: versions above {version} are kept while {LATEST} names version {named}")
+        newer = [v for v in self.versions() if v > version]
+        for v in newer:
+            self._remove(v)
+        if newer:
+            _fsync(self.directory)
+        return newer
 
     # one version ------------------------------------------------------------------------------------
-    def publish(self, model: torch.nn.Module, version: int, step: Optional[int] = None, rank: int = 0) -> Published:
+    def publish(self, model: torch.nn.Module, version: int, step: Optional[int] = None, rank: int = 0,
+                rewind: bool = False) -> Published:
         """Write ``model`` as ``version`` (every rank calls this under FSDP2; rank 0 writes),
-        point ``latest.json`` at it, prune, call the hooks."""
+        point ``latest.json`` at it, prune, call the hooks. A version below the one
+        ``latest.json`` names is refused, unless ``rewind`` (a run resumed from an older
+        checkpoint): the versions above it are then removed once ``latest.json`` names it."""
         t0 = time.perf_counter()
         step = version if step is None else step
         self.check(model)
-        sd = self._gather(model, rank == 0)
+        named = self.latest_version() if rank == 0 else None
+        backwards = named is not None and named > version and not rewind
+        sd = self._gather(model, rank == 0 and not backwards)
         if rank != 0:
             return Published(version, None, time.perf_counter() - t0, 0, 0)
+        if backwards:
+            raise PublishError(f"publish: version {version} is below version {named}, which {self.directory / LATEST} "
+                               "names: versions only go forward (an earlier run's folder? resume that run, or "
+                               "publish into a new or empty publish.dir)")
         final = self._write(model, sd, version, step)
         del sd
         extra = {"kind": ADAPTER_KIND, "base": self._base(model)} if self._adapter(model) else {}
         if replay_shape(model) is not None:  # samplers record the routing they use (treelit-rollout does)
             extra["moe_routing"] = "replay"
         self._point_latest(version, final, extra or None)
+        if rewind:
+            dropped = self.drop_newer(version)
+            if dropped:
+                log.info("publish: resumed at step %d: removed the versions published after that checkpoint (%s; "
+                         "their steps are trained again); %s names version %d", version,
+                         ", ".join(map(str, dropped)), LATEST, version)
         self._prune()
         size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
         failures = 0
@@ -458,7 +511,8 @@ class PolicyPublisher:
 
 class PublishPolicy(pl.Callback):
     """Lightning callback: publish version 0 before the first step (a resumed run: the
-    restored step, unless ``latest.json`` already names it) and, after a step batch whose
+    restored step, unless ``latest.json`` already names it; versions published after the
+    checkpoint it resumes from are removed) and, after a step batch whose
     updates reached or passed a multiple of ``every_n_steps``, version N = the optimizer step
     count after it. Logs, every step, the last publish's
     ``publish/seconds`` and ``publish/bytes``, ``publish/version``, the hook failures so
@@ -482,12 +536,12 @@ class PublishPolicy(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.publisher.check(pl_module.model)  # before training: publish.lora=adapter on a model without LoRA
 
-    def _publish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _publish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rewind: bool = False) -> None:
         step = int(trainer.global_step)
         rank = int(trainer.global_rank)
         failed = None
         try:
-            res = self.publisher.publish(pl_module.model, step, step, rank)
+            res = self.publisher.publish(pl_module.model, step, step, rank, rewind=rewind)
         except PublishError as exc:
             failed, res = exc, None
         except WriteFailed as exc:  # rank 0 could not write the version: latest.json names the previous one
@@ -521,10 +575,16 @@ class PublishPolicy(pl.Callback):
         have = latest is not None and latest.get("version") == step and Path(latest.get("path", "")).is_dir()
         if comm is not None and comm.distributed:
             have = comm.max(float(have)) > 0  # rank 0 knows; every rank must take the same branch
+        resumed = trainer.ckpt_path is not None or step > 0  # versions above this step are retrained
         if have:
             self.version = step
+            if trainer.is_global_zero and resumed:
+                dropped = self.publisher.drop_newer(step)
+                if dropped:
+                    log.info("publish: resumed at step %d: removed the versions published after that checkpoint "
+                             "(%s; their steps are trained again)", step, ", ".join(map(str, dropped)))
             return
-        self._publish(trainer, pl_module)
+        self._publish(trainer, pl_module, rewind=resumed)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = int(trainer.global_step)  # a step batch may take several updates (ppo_epochs, ppo_minibatches)

@@ -7,7 +7,9 @@ takes the files in name order, one per step: it waits for the next one (up to
 ``timeout_s``), builds its trees (advantages from rewards are computed within the file:
 the file is "the batch"), trains on them (``ppo_epochs`` passes, ``ppo_minibatches``
 updates each, as for any step batch) and marks the file consumed by renaming it to
-``<name>.consumed`` once the step is done.
+``<name>.consumed`` once the step is done. While it waits it logs a line every
+:data:`HEARTBEAT_S` seconds, naming files in the folder this run did not take (an earlier
+run's ``.consumed`` files: its sampler believes those steps written and waits for nothing).
 
 Write each file under a name the ``pattern`` does not match (``step-000007.jsonl.tmp``)
 and rename it when complete (a rename is atomic), and name files so that they sort in
@@ -42,16 +44,18 @@ from treelit.data.limits import MiB, ReadLimits
 from treelit.data.records import DataError, ReadStats
 from treelit.lightning.data import (StepBatch, _assign, _empty_batch, _pack_indices, _tree_cost, build_trees,
                                     conform_batches, tree_origin)
-from treelit.lightning.staleness import StalenessGate, trainer_policy_version
+from treelit.lightning.staleness import STALE, StalenessGate, trainer_policy_version
 from treelit.tree.batch import TreeBatch
 from treelit.utils.distributed import data_parallel_rank
 from treelit.utils.paths import confined
+from treelit.utils.rl_folders import done_rollouts
 
 __all__ = ["RolloutDirDataModule"]
 
 log = logging.getLogger(__name__)
 
 CONSUMED = ".consumed"
+HEARTBEAT_S = 30.0  # while it waits for a rollout file, a line this often (seconds)
 
 
 class _Pending:
@@ -169,15 +173,33 @@ class RolloutDirDataModule(pl.LightningDataModule):
         return out
 
     def _wait_next(self, index: int) -> Path:
-        end = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        end, beat = start + self.timeout_s, start + HEARTBEAT_S
         while True:
             files = self._candidates()
             if files:
                 return files[0]
-            if time.monotonic() > end:
+            now = time.monotonic()
+            if now > end:
                 raise DataError(f"{self.directory}: no rollout file matching {self.pattern!r} for step {index + 1} "
-                                f"within data.timeout_s={self.timeout_s:g}s")
+                                f"within data.timeout_s={self.timeout_s:g}s{self._taken_note()}")
+            if now >= beat:
+                beat = now + HEARTBEAT_S
+                if self.rank == 0:
+                    log.info("step %d: waiting for a rollout file matching %r in %s: %.0fs of data.timeout_s=%gs "
+                             "(policy version %d published)%s", index + 1, self.pattern, self.directory, now - start,
+                             self.timeout_s, self.policy_version(), self._taken_note())
             time.sleep(self.poll_s)
+
+    def _taken_note(self) -> str:
+        """What the directory holds besides the files to come, when it holds files this run did
+        not take (an earlier run's, whose sampler may believe its work done)."""
+        mine = {n + CONSUMED for n in self.step_files.values()} | {n + STALE for n in self.staleness.names()}
+        theirs = [n for n in done_rollouts(self.directory) if n not in mine]
+        if not theirs:
+            return ""
+        return (f"; it holds {len(theirs)} file(s) this run did not take ({theirs[0]}, ...): an earlier run's? A "
+                "sampler that finds them believes those steps written")
 
     def _mark(self, upto: int) -> None:
         """Rename the files of the steps before ``upto`` (trained) to ``<name>.consumed`` (rank 0)."""
