@@ -106,7 +106,8 @@ def _setup_errors() -> Iterator[None]:
     except (ValueError, KeyError) as exc:
         if user_error_message(exc) is not None:
             raise
-        raise SetupError(str(exc).strip("'\"")) from exc
+        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # (a KeyError's str is its repr)
+        raise SetupError(text) from exc
 
 
 SMALL_MODEL_PARAMS = 5_000_000
@@ -309,7 +310,6 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         critic = _build_critic(cfg, model, objective)
         check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
         check_lora_mode(model, cfg.mode)
-        check_vision_run(cfg, model)
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
                                  objective=objective, routing=replay_shape(model))
         data_stats = datamodule.stats()
@@ -451,46 +451,6 @@ def _build_critic(cfg: DictConfig, model, objective):
              f"its own model, {sum(p.numel() for p in critic.parameters()) / 1e6:.2f}M parameters",
              critic.vf_coef, critic.value_clip, objective.gamma, objective.lam)
     return critic
-
-
-def check_vision_run(cfg: DictConfig, model) -> None:
-    """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option
-    before training: each of these runs branches apart or splits a row over processes, which has not
-    been checked against a per-branch reference with images."""
-    if getattr(model, "vision", None) is None:
-        return
-    strategy = cfg.trainer.get("strategy")
-    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
-    why = {
-        f"mode={cfg.mode}": (cfg.mode != "tree", "the per-branch baseline has no image inputs; mode=tree trains "
-                                                 "exactly what it would"),
-        f"verify_every={cfg.verify_every}": (int(cfg.verify_every or 0) > 0, "it runs the per-branch baseline, which "
-                                                                             "has no image inputs"),
-        "trainer.strategy.context_parallel_degree": (
-            hasattr(strategy, "get") and int(strategy.get("context_parallel_degree", 1) or 1) > 1,
-            "a row split over ranks would need each image's embeddings and tower gradient exchanged"),
-        f"critic={(cfg.get('critic') or {}).get('kind', 'none')}": (
-            (cfg.get("critic") or {}).get("kind", "none") == "separate",
-            "a separate critic's own trunk has not been checked against a per-branch reference with images "
-            "(critic=shared has)"),
-        "trainer=fsdp2": ("FSDP2" in target, "sharding the vision tower has not been checked against a per-branch "
-                                             "reference with images"),
-        f"trainer.devices={cfg.trainer.get('devices', 1)} x trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}": (
-            "FSDP2" not in target and _processes(cfg.trainer) > 1,
-            "several processes have not been checked against a per-branch reference with images (a rank whose rows "
-            "show no image leaves the tower without a gradient)"),
-    }
-    for option, (bad, reason) in why.items():
-        if bad:
-            raise ValueError(f"{option} with model.vision=true: {reason}")
-
-
-def _processes(trainer: Any) -> int:
-    n = 1
-    for key in ("devices", "num_nodes"):
-        v = trainer.get(key, 1)
-        n *= v if isinstance(v, int) else (2 if str(v) in ("auto", "-1") else len(v) if hasattr(v, "__len__") else 1)
-    return n
 
 
 def hybrid_line(model, ssm: str) -> str:
