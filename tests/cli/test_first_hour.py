@@ -157,7 +157,9 @@ def test_a_redirected_run_prints_a_few_plain_lines_not_bar_frames(monkeypatch, c
         _fake_run(bar, 300, 0.25, clock, File())
     lines = [r.getMessage() for r in caplog.records if r.name == "treelit.lightning.callbacks"]
     assert bar._lines and not bar.is_enabled  # Lightning's bar draws nothing
-    assert lines[0].startswith("step 1/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (0s, about ")
+    # the first step's line gives no estimate: a first step pays for compilation and warm-up
+    assert lines[0] == "step 1/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (0s)"
+    assert lines[1] == "step 81/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (20s, about 55s left)"
     assert lines[-1] == "step 300/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (1m15s)"
     steps = [int(re.match(r"step (\d+)/300", x).group(1)) for x in lines]
     assert steps == [1, 81, 161, 241, 300], steps
@@ -181,6 +183,52 @@ def test_a_terminal_keeps_the_bar_and_plain_can_be_forced(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="treelit.lightning.callbacks"):
         _fake_run(forced, 5, 1.0, clock, Terminal())
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"step {n}/5" for n in range(1, 6)]
+
+
+def test_the_time_left_is_not_extrapolated_from_the_first_step(monkeypatch, caplog):
+    """A 39 s run whose first step took 30 s was told "about 4m52s left" after it: the estimate
+    comes from the steps after the first."""
+    from treelit.lightning import callbacks
+    from treelit.lightning.callbacks import TreeProgressBar
+
+    clock = _Clock()
+    monkeypatch.setattr(callbacks.time, "monotonic", clock)
+
+    class File:
+        def isatty(self):
+            return False
+
+    bar = TreeProgressBar(log_every_s=0)
+    bar.get_metrics = lambda trainer, module: {}
+    trainer = types.SimpleNamespace(global_step=0, max_steps=10, is_global_zero=True)
+    old = sys.stdout
+    sys.stdout = File()
+    try:
+        bar.setup(trainer, None, "fit")
+    finally:
+        sys.stdout = old
+    bar._start, bar._last_line = (clock(), 0), None
+    with caplog.at_level(logging.INFO, logger="treelit.lightning.callbacks"):
+        for n, seconds in enumerate([30.0] + [1.0] * 9, start=1):
+            clock.t += seconds
+            trainer.global_step = n
+            bar.on_train_batch_end(trainer, None, {"loss": 5.8}, None, n - 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:3] == ["step 1/10 (30s)", "step 2/10 (31s, about 8s left)", "step 3/10 (32s, about 7s left)"], lines
+    assert lines[-1] == "step 10/10 (39s)"
+
+
+def test_under_the_bar_the_step_lines_go_to_the_log_file_only(tmp_path, cli_main, capsys):
+    """A run on a terminal draws the bar; its train.log still gets the step lines, its console
+    does not (the bar shows them)."""
+    out = tmp_path / "run"
+    assert cli_main("model.config.num_layers=1", "model.config.embed_dim=32", "model.config.intermediate_dim=64",
+                    "data.max_trees=8", "logger=none", "trainer.max_steps=3", "callbacks.progress.plain=false",
+                    f"output_dir={out}") == 0
+    logged = [ln for ln in (out / "train.log").read_text().splitlines() if re.search(r"step \d/3", ln)]
+    assert [re.search(r"step (\d)/3", ln).group(1) for ln in logged] == ["1", "3"], logged
+    printed = capsys.readouterr()
+    assert not re.search(r"^step \d/3", printed.out, re.M), printed.out
 
 
 # streamed data: counted as read ----------------------------------------------------------------

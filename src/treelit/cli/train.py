@@ -174,7 +174,8 @@ def _start_tracking(loggers: List[Any], cfg: DictConfig, data_stats: Dict[str, A
     for lg in loggers:
         lg.log_hyperparams(_flat_params(cfg))
         if type(lg).__name__.endswith("MLFlowLogger"):
-            lg.log_metrics({f"data/{k}": float(v) for k, v in data_stats.items()}, step=0)
+            if not getattr(lg, "reopened", False):  # a continued run has them (at step 0: not a redone step)
+                lg.log_metrics({f"data/{k}": float(v) for k, v in data_stats.items()}, step=0)
             if resume:  # the continued run keeps its first config.yaml; this one goes beside it
                 lg.experiment.log_text(lg.run_id, (out / "config.yaml").read_text(),
                                        f"config-resumed-at-step-{resume['global_step']}.yaml")
