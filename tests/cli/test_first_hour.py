@@ -459,6 +459,39 @@ def test_an_online_rl_summary_shows_the_sampler_kl_and_says_why_the_first_update
     assert "0 is expected" not in format_summary(s)
 
 
+def test_a_summary_whose_first_step_is_its_last_shows_each_value_once():
+    """Two updates of one step batch (ppo_epochs=2, max_steps=2): the first recorded step is the
+    last. The summary once compared "(step 2 -> 2)" and a GSPO loss "-0.000 -> -0.000"."""
+    from treelit.cli.summary import format_summary
+
+    one = {"step": 2, "reward_mean": 0.4667, "seq_ratio_mean": 0.9951}
+    s = {"global_step": 2, "wall_seconds": 9.0, "rl": {"first": dict(one), "last": dict(one)},
+         "reward_margin": {"first": {"step": 0, "margin": -0.01, "logp_high": -6.2, "logp_low": -6.2},
+                           "last": {"step": 2, "margin": 0.08, "logp_high": -6.24, "logp_low": -6.32}},
+         "config": "c.yaml"}
+    out = format_summary(s)
+    assert "  reward      mean 0.467 over the step's branches (step 2)" in out
+    assert "  policy      sequence ratio 0.9951 (step 2)" in out
+    assert "  margin      -0.01 -> 0.08 nats (step 0 -> 2)" in out
+    assert "2 -> 2" not in out and "-0.000" not in out
+    sft = {"global_step": 2, "wall_seconds": 4.0, "loss": {"first": [2, -2.838e-09], "last": [2, -2.838e-09]},
+           "config": "c.yaml"}
+    assert format_summary(sft).splitlines()[0] == "done: 2 steps in 4s; loss -2.8e-09 (step 2)"
+
+
+def test_a_gspo_step_is_recorded_as_an_rl_step():
+    """GSPO logs its sequence ratio, not a token clip fraction: its steps are RL steps, so the
+    summary has its reward line."""
+    from treelit.lightning.callbacks import StepMetrics
+
+    batch = types.SimpleNamespace(micro_batches=[types.SimpleNamespace(branch_fields={"reward": [1.0, 0.0, None]})])
+    trainer = types.SimpleNamespace(callback_metrics={"seq_ratio_mean": 0.99, "loss": -2e-9}, global_step=2,
+                                    max_steps=2, log_every_n_steps=1)
+    cb = StepMetrics()
+    cb.on_train_batch_end(trainer, None, {"loss": -2e-9}, batch, 0)
+    assert cb.rl_first == cb.rl_last == {"step": 2, "reward_mean": 0.5, "seq_ratio_mean": 0.99}
+
+
 def test_a_resumed_run_says_how_many_steps_its_time_covers():
     from treelit.cli.console import NOISE
     from treelit.cli.summary import format_summary

@@ -423,11 +423,11 @@ class StepMetrics(pl.Callback):
     For RL it also keeps, in ``rl_first`` / ``rl_last``, what an RL user reads of those two
     steps: the mean reward of the step's branches (``reward_mean``, from the data: in a
     multi-process run, this process's branches), and the objective's ``clip_frac``,
-    ``approx_kl`` (against the rollout policy) and ``kl_ref`` (against the reference) when it
-    logs them."""
+    ``approx_kl`` (against the rollout policy), ``kl_ref`` (against the reference) and GSPO's
+    ``seq_ratio_mean`` when it logs them."""
 
     RL_KEYS = ("clip_frac", "approx_kl", "kl_ref", "behavior/kl", "critic/explained_variance", "critic/value_loss",
-               "critic/values_mean", "critic/returns_mean", "critic/clip_fraction")
+               "critic/values_mean", "critic/returns_mean", "critic/clip_fraction", "seq_ratio_mean")
 
     def __init__(self) -> None:
         self.first: Optional[Tuple[int, float]] = None
