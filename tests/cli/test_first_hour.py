@@ -426,6 +426,15 @@ def test_list_selects_every_kind_and_group_as_the_readme_table_does(capsys):
             assert re.search(rf"\b{name}\b", sections[group]), (group, name)
         groups += 1
     assert groups >= 12
+    # and the other way: every config group `treelit list` shows has its row, every option of it is named
+    rows = {re.match(r"\| `(\w+)` \|", row).group(1): row for row in table}
+    for group, text in sections.items():
+        listed = re.search(r"config (?:options|presets): (.*)", text)
+        if listed is None or group not in sections or "select with " + group + "=NAME" not in text:
+            continue
+        assert group in rows, f"the guide's table of config groups lacks {group}"
+        for name in listed.group(1).split(", "):
+            assert f"`{name}`" in rows[group], (group, name)
 
 
 def test_a_default_run_without_triton_prints_no_triton_warning(tmp_path):
