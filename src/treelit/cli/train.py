@@ -279,7 +279,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
 
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
-    from treelit.models.factory import replay_shape
+    from treelit.models.factory import moe_experts, replay_shape
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
@@ -312,7 +312,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
         check_lora_mode(model, cfg.mode)
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
-                                 objective=objective, routing=replay_shape(model))
+                                 objective=objective, routing=replay_shape(model), experts=moe_experts(model))
         data_stats = datamodule.stats()
         log.info("data: %s", data_line(data_stats))
         _check_budget(cfg, data_stats)

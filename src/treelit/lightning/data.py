@@ -298,13 +298,14 @@ class TreeDataModule(pl.LightningDataModule):
             log.warning("%s: skipped %d malformed record%s (data.on_error=skip)", self.train_path, n, "s" if n != 1 else "")
 
     def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None,
-                      routing: Optional[Tuple[int, int, int]] = None) -> None:
+                      routing: Optional[Tuple[int, int, int]] = None, experts: Optional[int] = None) -> None:
         """Build the trees checked against the model (vocabulary, context length) and what
         ``objective`` reads from the data, so that anything the first step would trip on fails
         here, before training, naming the record (``on_error=skip``: skipped and counted)."""
         limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
                         None if objective is None else objective.data_needs(),
-                        "the objective" if objective is None else f"objective={objective.name}", routing)
+                        "the objective" if objective is None else f"objective={objective.name}", routing,
+                        experts)
         if limits != self.limits:
             self.limits = limits
             self.trees = []
