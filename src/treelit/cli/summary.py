@@ -186,6 +186,9 @@ def format_summary(s: Dict[str, Any]) -> str:
     if d.get("flat_tokens"):
         row("data", ("streamed; the first " if d.get("streamed") else "") + f"{d['trees']:,} trees, {d['branches']:,} branches: {d['tree_tokens']:,} tree tokens instead of "
                     f"{d['flat_tokens']:,} flat (POR {d['por']:.2f}, ideal speedup {d['ideal_speedup']:.2f}x)")
+    if d.get("images"):
+        row("images", f"{d['distinct_images']:,} distinct in the trees, {d['shared_images']:,} of them shared by "
+                      f"several branches ({d['images']:,} shown over the branches)")
     v = s.get("verify")
     if v:
         text = (f"tree = per-branch: loss rel. diff {v.get('loss_rel_diff', float('nan')):.1e}, "

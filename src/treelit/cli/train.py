@@ -40,6 +40,8 @@ from treelit.cli.preflight import check_space, check_writable, lock_output_dir
 from treelit.cli.resume import find_resume_checkpoint, read_resume_checkpoint  # noqa: F401  (tests, tools)
 from treelit.cli.resume import resume as _resume
 from treelit.cli.startup_signals import StartupPreempted
+from treelit.cli.option_checks import world_size
+from treelit.cli.startup_lines import cp_line, images_line, routing_line
 from treelit.cli.summary import data_line
 from treelit.utils.redact import redact_config, redact_text
 
@@ -301,6 +303,9 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             log.info("%s", hybrid)
         if lora_line(model):
             log.info("%s", lora_line(model))
+        for line in (routing_line(replay_shape(model)), cp_line(_cp_degree(cfg), world_size(cfg))):
+            if line:  # what is on: MoE routing replay, context parallelism
+                log.info("%s", line)
         if _cp_degree(cfg) > 1:  # the layer kinds it covers: judged here, before any process starts
             from treelit.partition.context_parallel import check_cp_model
 
@@ -315,6 +320,8 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
                                  objective=objective, routing=replay_shape(model), experts=moe_experts(model))
         data_stats = datamodule.stats()
         log.info("data: %s", data_line(data_stats))
+        if images_line(data_stats):
+            log.info("%s", images_line(data_stats))
         _check_budget(cfg, data_stats)
 
         module = build_module(cfg, model, objective, critic)

@@ -32,6 +32,7 @@ from treelit.builders.sequences import SequencesBuilder
 from treelit.data.limits import MiB, ReadLimits, out_of_memory
 from treelit.data.records import DataError, ReadStats, iter_file, read_records
 from treelit.tree.batch import TreeBatch
+from treelit.tree.images import image_counts
 from treelit.tree.token_tree import TokenTree
 from treelit.utils.distributed import data_parallel_rank
 
@@ -162,6 +163,16 @@ _PRESENT_TOGETHER = {
     "token_old_logp": ("branch_old_logp",), "token_ref_logp": ("branch_ref_logp",),
     "adv_pos_sum": ("adv_neg_sum", "adv_pos_mean", "adv_neg_mean", "branch_adv"),
 }
+
+
+def _image_totals(trees: Any) -> Dict[str, int]:
+    """The data's image counts (:func:`~treelit.tree.images.image_counts` summed over the trees);
+    empty when no tree has images (the statistics of text data stay as they were)."""
+    total = {"images": 0, "distinct_images": 0, "shared_images": 0}
+    for tree in trees:
+        for k, v in image_counts(tree).items():
+            total[k] += v
+    return total if total["images"] else {}
 
 
 def conform_batches(batches: List[TreeBatch]) -> List[TreeBatch]:
@@ -324,6 +335,7 @@ class TreeDataModule(pl.LightningDataModule):
             "ideal_speedup": flat / tree,
             "records_skipped": self.read_stats.skipped,
             "longest_branch": max((b.max_depth for b in self._batches), default=0),
+            **_image_totals(t.tree for t in self.trees),
         }
 
     # the step stream -----------------------------------------------------------------------

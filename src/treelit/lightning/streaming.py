@@ -39,7 +39,7 @@ from treelit.data.limits import MiB, ReadLimits
 from treelit.data.records import DataError, ReadStats
 from treelit.data.sources import DataSource
 from treelit.data.stream import TreeStream
-from treelit.lightning.data import StepBatch, _empty_batch, _tree_cost, conform_batches, tree_origin
+from treelit.lightning.data import StepBatch, _empty_batch, _image_totals, _tree_cost, conform_batches, tree_origin
 from treelit.tree.batch import TreeBatch
 from treelit.utils.distributed import data_parallel_rank
 
@@ -184,6 +184,7 @@ class StreamingTreeDataModule(pl.LightningDataModule):
             "longest_branch": max((b.max_depth for b in batches), default=0),  # of the trees read so far
             "streamed": True, "records_read": self.read_stats.read,  # so far: not the whole data
             "readers": self._num_readers(),
+            **_image_totals(t.tree for t in self.trees),  # of the trees read so far
         }
 
     # steps ----------------------------------------------------------------------------------------
