@@ -81,6 +81,8 @@ class Limits:
     # the model's experts per MoE layer (None: no MoE layers, or not known): under live routing a
     # record's routed_experts is not used, but an expert id outside the model is still an error
     experts: Optional[int] = None
+    # keep and check recorded routing without a model to fit (treelit stats: every field decoded as training would)
+    keep_routing: bool = False
     # (one warning per run that live routing ignores recorded routing: set once it was given)
     said: List[str] = field(default_factory=list, compare=False, repr=False)
 
@@ -294,7 +296,7 @@ class Assembler:
         if needs is not None:
             drop = [k for k, need in (("advantage", "advantage"), ("old_logprobs", "old_logprobs"),
                                       ("ref_logprobs", "ref_logprobs")) if not needs.get(need)]
-            if self.limits.routing is None:
+            if self.limits.routing is None and not self.limits.keep_routing:
                 drop.append("routed_experts")
             for br in branches:
                 for k in drop:

@@ -31,6 +31,7 @@ from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.sequences import SequencesBuilder
 from treelit.data.limits import MiB, ReadLimits, out_of_memory
 from treelit.data.records import DataError, ReadStats, iter_file, read_records
+from treelit.utils.paths import resolve_data_path
 from treelit.tree.batch import TreeBatch
 from treelit.tree.images import image_counts
 from treelit.tree.token_tree import TokenTree
@@ -268,7 +269,7 @@ class TreeDataModule(pl.LightningDataModule):
             raise ValueError("data.train_path is required (a .jsonl, .json or .parquet file)")
         if micro_batch_tokens <= 0 or micro_batches_per_step <= 0:
             raise ValueError("data.micro_batch_tokens and data.micro_batches_per_step must be positive")
-        self.train_path = str(train_path)
+        self.train_path = resolve_data_path(str(train_path))  # a bundled file's name too
         self.builder = tree_builder or SequencesBuilder()
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.micro_batches_per_step = int(micro_batches_per_step)
