@@ -56,12 +56,20 @@ def _refusal(*overrides: str) -> str:
     (["objective=grpo", "objective.reference=base"], r"objective.reference=base .* set model.lora.rank"),
     (["scheduler=cosine", "scheduler.min_ratio=2"], r"scheduler.min_ratio must be a share of the peak rate in \[0, 1\]"),
     (["trainer=fsdp2_cpu", "+trainer.strategy.param_dtype=float8"], r"param_dtype/reduce_dtype: .* got 'float8'"),
+    (["compile=max"], r"compile=max is not a choice: use false, true \(inductor\) or one of inductor, aot_eager, eager"),
+    (["trainer=fsdp2_cpu", "compile=aot_eager"], r"compile=aot_eager is not supported with FSDP2 .* or compile=false"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_setting_is_one_line_at_validation(overrides, expected):
     import re
 
     msg = _refusal(*overrides)
     assert re.search(expected, msg), msg
+
+
+def test_compile_of_the_transformers_adapter_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    msg = _refusal("model=hf_auto", f"model.hf_checkpoint={tmp_path}", "compile=true")
+    assert msg.startswith("compile=true: the transformers adapter (model=hf_auto) runs eager; use model=hf"), msg
 
 
 def test_refused_distributed_run_starts_nothing_and_opens_no_mlflow_run(tmp_path, mlflow_db):

@@ -16,7 +16,10 @@ part's share of the gradients (the standard ring/split-attention identity). The
 
 On CPU the two parts use torch's flash-attention kernels, which return the
 log-sum-exp; elsewhere a plain math implementation with the same contract is used
-(CUDA trees normally take the ``flex`` backend instead).
+(CUDA trees normally take the ``flex`` backend instead). ``MATH_ON_CPU = True`` (or the
+environment variable ``TREELIT_SEGMENT_MATH=1`` at import) makes CPU tensors take the math
+path too: that is how the CUDA code path is tested and its dispatches counted on CPU
+(``benchmarks/bench_launches.py``).
 
 *Half precision.* Flash and flex kernels read bfloat16 / float16 inputs but keep the
 scores, the softmax and the accumulations in float32. The math path does the same by
@@ -31,9 +34,12 @@ rounded to bfloat16: gpu_check measured segment 1.7e-2..3.6e-2 against flex's
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Tuple
 
 import torch
+
+MATH_ON_CPU = os.environ.get("TREELIT_SEGMENT_MATH", "") == "1"  # CPU tensors take the CUDA (math) path
 
 _cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -123,7 +129,7 @@ def _unfold(t: torch.Tensor, heads: int) -> torch.Tensor:
 def _fwd(q, k, v, causal, bias):
     """``(o, lse)`` of one part: ``lse`` in float32 for half inputs, ``o`` in the input dtype
     (CPU kernels) or in float32 (the math path)."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and not MATH_ON_CPU:
         if _foldable(q, k, causal, bias):
             H, Hkv = q.shape[1], k.shape[1]
             o, lse = _cpu_fwd(_fold(q, Hkv), k, v, 0.0, False, attn_mask=bias)[:2]
@@ -135,7 +141,7 @@ def _fwd(q, k, v, causal, bias):
 def _bwd(g, q, k, v, o, lse, causal, bias):
     """``(dq, dk, dv)`` of one part: in the input dtype (CPU kernels) or, for half inputs, in
     float32 (the math path)."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and not MATH_ON_CPU:
         if _foldable(q, k, causal, bias):
             H, Hkv = q.shape[1], k.shape[1]
             dq, dk, dv = _cpu_bwd(_fold(g, Hkv), _fold(q, Hkv), k, v, _fold(o, Hkv), _fold(lse, Hkv),

@@ -294,15 +294,19 @@ class _SegmentLayer(torch.autograd.Function):
         # q, k and v themselves are kept, not the parts' gathered rows: a gather copies (a prefix's
         # rows once per group that reads them), and the backward gathers each part again in turn
         ctx.works, ctx.shapes = works, (q.shape, k.shape, v.shape)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out[:N].transpose(0, 1).unsqueeze(0)
+        result = out[:N].transpose(0, 1).unsqueeze(0)
+        # the output itself is saved, not ``out`` (a saved intermediate that the output is a view of
+        # cannot be traced by torch.compile); the backward appends the dummy row again
+        ctx.save_for_backward(q, k, v, result, lse)
+        return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, result, lse = ctx.saved_tensors
         Q, K, V = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
         qs, ks, vs = ctx.shapes
         G = torch.cat([grad[0].transpose(0, 1), grad.new_zeros(1, qs[1], qs[3])])  # row N: zero gradient
+        out = torch.cat([result[0].transpose(0, 1), result.new_zeros(1, qs[1], qs[3])])  # row N: the dummy row
         acc = torch.float32 if G.dtype in (torch.float16, torch.bfloat16) else G.dtype  # parts summed in float32
         dQ = G.new_zeros(qs[2] + 1, qs[1], qs[3], dtype=acc)
         dK = G.new_zeros(ks[2], ks[1], ks[3], dtype=acc)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from treelit.builders.assemble import Assembler, BuiltTree
+from treelit.builders.vision import NO_VISION, expand_raw_images, image_token_without_image, raw_image_token
 from treelit.data.images import ImageLimits, ImageReader, load_image_processor
 from treelit.data.records import DataError, Record, validate_token_record
 from treelit.loss.branches import Branches
@@ -171,13 +172,17 @@ class TokenBuilder(TreeBuilder):
             ``images`` (paths relative to the data file, or data: URIs) are read and each of its
             ``image_token_id`` tokens (one per image, in order) becomes the processor's placeholder
             tokens (see :mod:`treelit.data.images`).
-        image_token_id: the placeholder token of an image (default: Qwen's ``<|image_pad|>``).
+        image_token_id: the placeholder token of an image; None (default): the checkpoint's
+            (:func:`~treelit.builders.vision.raw_image_token`); one that differs is refused.
+        image_root: a folder images may also be read from (paths relative to it, or leading into
+            it), under the same rules as the data file's folder.
         max_image_bytes, max_image_pixels: bounds on one image (an error names the record).
         advantage_options: extra keyword arguments of the estimator.
     """
 
     def __init__(self, advantage: Optional[str] = None, logprob_conflict: str = "raise", logprob_tol: float = 1e-4,
-                 processor_path: Optional[str] = None, image_token_id: int = 151655,
+                 processor_path: Optional[str] = None, image_token_id: Optional[int] = None,
+                 image_root: Optional[str] = None,
                  max_image_bytes: int = ImageLimits.max_image_bytes, max_image_pixels: int = ImageLimits.max_image_pixels,
                  **advantage_options: Any) -> None:
         if logprob_conflict not in ("raise", "split"):
@@ -188,41 +193,28 @@ class TokenBuilder(TreeBuilder):
         self.advantage_options = advantage_options
         self.logprob_conflict = logprob_conflict
         self.logprob_tol = float(logprob_tol)
-        self.image_token_id = int(image_token_id)
         self.images: Optional[ImageReader] = None
         if processor_path:
             self.images = ImageReader(load_image_processor(processor_path),
-                                      ImageLimits(int(max_image_bytes), int(max_image_pixels)))
+                                      ImageLimits(int(max_image_bytes), int(max_image_pixels)), image_root=image_root)
+        self.image_token_id = raw_image_token(processor_path, image_token_id)
 
     def encode(self, record: Record) -> List[Dict[str, Any]]:
         out = super().encode(record)
         for j, br in enumerate(out):
             refs = br.get("images")
-            if refs:
-                br.update(self._expand(br, refs, record, f"{record.source}: branches[{j}]"))
-            else:
+            where = f"{record.source}: branches[{j}]"
+            if not refs:
                 br.pop("images", None)
+                image_token_without_image(br["input_ids"], self.image_token_id, where)
+            elif getattr(self, "model_vision", None) is False:
+                raise DataError(f"{where}.images: {NO_VISION}")
+            elif self.images is None:
+                raise DataError(f"{where}.images: set tree_builder.processor_path to the vision checkpoint's folder "
+                                "to read images")
+            else:
+                br.update(expand_raw_images(self.images, self.image_token_id, br, refs, record, where))
         return out
-
-    def _expand(self, br: Dict[str, Any], refs: List[str], record: Record, where: str) -> Dict[str, Any]:
-        """One ``image_token_id`` per image in ``input_ids`` becomes the image's placeholder tokens."""
-        if self.images is None:
-            raise DataError(f"{where}.images: set tree_builder.processor_path to the vision checkpoint's folder to "
-                            "read images")
-        ids, mask = list(br["input_ids"]), br.get("loss_mask")
-        at = [t for t, i in enumerate(ids) if i == self.image_token_id]
-        if len(at) != len(refs):
-            raise DataError(f"{where}.input_ids: {len(at)} image token(s) {self.image_token_id} for {len(refs)} "
-                            "image(s) (one token per image, in order)")
-        images = [self.images.read(r, record.path, f"{where}.images[{k}]", self.image_token_id)
-                  for k, r in enumerate(refs)]
-        out_ids, out_mask, prev = [], [], 0
-        mask = [1] * len(ids) if mask is None else [int(m) for m in mask]
-        for t, im in zip(at, images):
-            out_ids += ids[prev:t] + [self.image_token_id] * im.num_tokens
-            out_mask += mask[prev:t] + [0] * im.num_tokens
-            prev = t + 1
-        return {"input_ids": out_ids + ids[prev:], "loss_mask": out_mask + mask[prev:], "images": images}
 
 
 def make_tree_builder(name: str, **options: Any) -> TreeBuilder:

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from treelit.builders.base import TREE_BUILDERS, TreeBuilder
+from treelit.builders.vision import NO_VISION
 from treelit.data.images import ImageLimits, ImageReader, image_ref, load_image_processor
 from treelit.data.records import DataError, Record, check_key, check_text, finite_number
 from treelit.rl.advantages import ADVANTAGES
@@ -222,6 +223,8 @@ class ChatBuilder(TreeBuilder):
             (``preprocessor_config.json``): content parts ``{"type": "image", "image": PATH}``,
             ``data:`` URIs and OpenAI ``image_url`` parts become that processor's placeholder
             tokens and pixel patches (:mod:`treelit.data.images`); None: records with images are refused.
+        image_root: a folder images may also be read from besides the data file's, under the same
+            rules (:mod:`treelit.data.images`).
         max_image_bytes, max_image_pixels: bounds on one image's file (or data: URI payload)
             and its decoded size; a larger image fails naming the record.
     """
@@ -240,6 +243,7 @@ class ChatBuilder(TreeBuilder):
         max_image_bytes: int = ImageLimits.max_image_bytes,
         max_image_pixels: int = ImageLimits.max_image_pixels,
         processor: Any = None,
+        image_root: Optional[str] = None,
         **advantage_options: Any,
     ) -> None:
         if export not in ("per_call", "trajectory"):
@@ -268,7 +272,8 @@ class ChatBuilder(TreeBuilder):
         if processor is None and processor_path:
             processor = load_image_processor(processor_path)
         if processor is not None:
-            self.images = ImageReader(processor, ImageLimits(int(max_image_bytes), int(max_image_pixels)))
+            self.images = ImageReader(processor, ImageLimits(int(max_image_bytes), int(max_image_pixels)),
+                                      image_root=image_root)
             self._image_text, self.image_token_id = _image_tokens(self.tok)
         self._record_path: Optional[str] = None
 
@@ -285,8 +290,10 @@ class ChatBuilder(TreeBuilder):
                 refs: Sequence[Tuple[str, str]] = ()) -> Tuple[List[int], List[int], List[Any]]:
         """Token ids, loss mask and images of ``msgs``, training the assistant messages in ``train``
         (``refs``: the images the messages show, in order, each with the field that names it)."""
-        if refs and self.images is None:
-            raise DataError(f"{source}: the conversation has image parts; set tree_builder.processor_path to the "
+        if refs and getattr(self, "model_vision", None) is False:
+            raise DataError(f"{refs[0][1]}: {NO_VISION}")
+        if refs and self.images is None:  # named by the image part itself
+            raise DataError(f"{refs[0][1]}: the conversation has image parts; set tree_builder.processor_path to the "
                             "vision checkpoint's folder to read them")
         text = self._render(msgs)
         spans = []

@@ -53,6 +53,7 @@ def check_options(cfg: DictConfig) -> None:
     from treelit.cli.model_option_checks import check_model_options
 
     check_model_options(cfg)  # model.moe.routing, model.vision and what it runs with
+    _check_compile(cfg)
     objective = _check_objective(cfg)
     _check_optimizer(cfg)
     if (cfg.get("partition") or {}).get("name", "none") != "none" and objective is not None:
@@ -76,7 +77,7 @@ def _check_run_numbers(cfg: DictConfig) -> None:
         raise _error(f"verify_every must be a number of steps >= 0 (0: never), got {verify!r}")
     rows = cfg.get("chunk_rows")
     if rows is not None and not (_is_int(rows) and rows > 0):
-        raise _error(f"chunk_rows must be a positive number of rows (null: bounded to ~32 MiB of logits), got {rows!r}")
+        raise _error(f"chunk_rows must be a positive number of rows (null: 1/32 of a GPU's memory of logits, ~32 MiB on CPU), got {rows!r}")
     for key in ("ppo_epochs", "ppo_minibatches"):
         v = cfg.get(key, 1)
         if not (_is_int(v) and v >= 1):
@@ -250,6 +251,27 @@ def _check_lora(cfg: DictConfig) -> None:
     if (cfg.get("objective") or {}).get("reference") == "base" and opts is None:
         raise _error("objective.reference=base is the model with its LoRA adapters off, and this model has none: set "
                      "model.lora.rank (or objective.reference=initial for a frozen copy)")
+
+
+def _check_compile(cfg: DictConfig) -> None:
+    """``compile``: a backend name or a boolean, on a model and strategy whose layers treelit runs."""
+    setting = cfg.get("compile", False)
+    if setting in (False, None):
+        return
+    from treelit.models.compiled import compile_backend
+
+    try:
+        compile_backend(setting)
+    except ValueError as exc:
+        raise _error(_first_line(exc)) from None
+    setting = str(setting).lower() if isinstance(setting, bool) else setting  # as written: compile=true
+    target = str((cfg.get("model") or {}).get("_target_", ""))
+    if target.startswith("treelit.models.hf_adapter"):
+        raise _error(f"compile={setting}: the transformers adapter (model=hf_auto) runs eager; use model=hf (treelit's "
+                     "own decoder for Llama, Qwen2/2.5/3, Mistral checkpoints) or compile=false")
+    if strategy_kind(cfg) == "fsdp2":
+        raise _error(f"compile={setting} is not supported with FSDP2 (trainer=fsdp2, fsdp2_cpu): use trainer=ddp, "
+                     "ddp_cpu, cpu or gpu, or compile=false")
 
 
 def _build(node: Any, what: str) -> Any:

@@ -36,12 +36,12 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, ConfigError, register_resolvers, validate_config
 from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, process_rank,
                                  quiet_transformers_bars, tidy_library_logging, user_error_message)
+from treelit.cli.option_checks import world_size
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
 from treelit.cli.resume import find_resume_checkpoint, read_resume_checkpoint  # noqa: F401  (tests, tools)
 from treelit.cli.resume import resume as _resume
-from treelit.cli.startup_signals import StartupPreempted
-from treelit.cli.option_checks import world_size
 from treelit.cli.startup_lines import cp_line, images_line, routing_line
+from treelit.cli.startup_signals import StartupPreempted
 from treelit.cli.summary import data_line
 from treelit.utils.redact import redact_config, redact_text
 
@@ -281,6 +281,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
 
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
+    from treelit.builders.vision import check_model_images
     from treelit.models.factory import moe_experts, replay_shape
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
@@ -316,6 +317,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         critic = _build_critic(cfg, model, objective)
         check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
         check_lora_mode(model, cfg.mode)
+        check_model_images(builder, model)  # images and their token against the model's vision tower
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
                                  objective=objective, routing=replay_shape(model), experts=moe_experts(model))
         data_stats = datamodule.stats()
@@ -325,6 +327,10 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         _check_budget(cfg, data_stats)
 
         module = build_module(cfg, model, objective, critic)
+        if getattr(model, "compiled_layers", None) is not None:
+            from treelit.models.compiled import compile_line
+
+            log.info("%s", compile_line(model))
         callbacks = _instantiate_all(cfg.get("callbacks"))
         if (cfg.get("publish") or {}).get("dir"):  # online RL: the policy for the sampler (treelit.lightning.publish)
             callbacks.append(build(cfg.publish))
@@ -387,6 +393,7 @@ def build_module(cfg: DictConfig, model: Any, objective: Any, critic: Any = None
         on_nonfinite=cfg.get("on_nonfinite", "stop"),
         max_skipped_steps=cfg.get("max_skipped_steps", 10),
         critic=critic,
+        compile=cfg.get("compile", False),
     )
 
 

@@ -1,13 +1,15 @@
-"""Images named by records: read within the data file's folder, bounded, processed once per record.
+"""Images named by records: read within the data file's folder (or ``image_root``), bounded, processed
+once per record.
 
-A record names an image as a path relative to its data file (``"shots/turn3.png"``) or as a
+A record names an image as a path relative to its data file (``"shots/turn3.png"``), or to
+``tree_builder.image_root`` (a folder of screenshots beside the data, say), or as a
 ``data:image/...;base64,`` URI, in a chat content part (``{"type": "image", "image": ...}``,
 OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``) or in a raw branch's
 ``images`` list. Data files are written by others, so an image reference is data, never a
 capability:
 
-* a path resolves (symbolic links followed) inside the data file's folder or is refused -
-  ``../`` and absolute paths that leave it name the record and the path;
+* a path resolves (symbolic links followed) inside the data file's folder or ``image_root``
+  or is refused - ``../`` and absolute paths that leave both name the record and the path;
 * URLs other than ``data:`` are refused (nothing is fetched);
 * only PNG, JPEG, WEBP, GIF and BMP are decoded (no other Pillow plugin - EPS would run
   Ghostscript - ever sees the bytes);
@@ -27,11 +29,12 @@ import binascii
 import hashlib
 import io
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from treelit.data.records import DataError
 from treelit.tree.images import ProcessedImage
@@ -40,18 +43,29 @@ __all__ = ["ImageLimits", "ImageReader", "image_ref", "load_image_processor"]
 
 MiB = 1 << 20
 CACHE_BYTES = 256 * MiB  # processed pixel values kept per reader (a 1280x720 screenshot's are ~22 MB in float32)
+MIN_IMAGE_BYTES = 8  # fewer bytes than any PNG, JPEG, WEBP, GIF or BMP file has
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow's decoders for these only: never EPS (Ghostscript) or others
 
 
 def _format_of(raw: bytes) -> Optional[str]:
-    """The Pillow format whose signature ``raw`` starts with (nothing is parsed); None: no format's."""
+    """The Pillow format whose signature ``raw`` starts with (nothing is parsed); None: no format's.
+    (A signature check that fails on a short prefix - the DIB one unpacks 4 bytes - is no match.)"""
     Image.init()
     prefix = raw[:16]
     for fmt in Image.ID:
         accept = Image.OPEN[fmt][1]
-        if accept is not None and accept(prefix):
-            return fmt
+        try:
+            if accept is not None and accept(prefix):
+                return fmt
+        except Exception:  # noqa: BLE001 - a plugin's check on bytes it was not written for
+            continue
     return None
+
+
+def _one_line(exc: BaseException, n: int = 300) -> str:
+    """``Type: message`` of ``exc`` on one line, at most ``n`` characters of the message."""
+    msg = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {msg[:n]}{'...' if len(msg) > n else ''}"
 
 
 @dataclass(frozen=True)
@@ -100,8 +114,15 @@ class ImageReader:
     ``processor``: the checkpoint's processor (``image_processor`` attribute) or image processor;
     ``make(pixel_values, grid_thw, name)`` turns its output into the row's image objects."""
 
-    def __init__(self, processor: Any, limits: Optional[ImageLimits] = None, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, processor: Any, limits: Optional[ImageLimits] = None, cache_bytes: int = CACHE_BYTES,
+                 image_root: Optional[str] = None) -> None:
         self.image_processor = getattr(processor, "image_processor", processor)
+        self.image_root = None
+        if image_root is not None:
+            if not isinstance(image_root, str) or not image_root or "\x00" in image_root \
+                    or not os.path.isdir(image_root):
+                raise ValueError(f"tree_builder.image_root {image_root!r} is not a directory")
+            self.image_root = os.path.realpath(image_root)
         self.limits = limits or ImageLimits()
         merge = getattr(self.image_processor, "merge_size", None)
         if merge is None:
@@ -115,6 +136,8 @@ class ImageReader:
     def load_bytes(self, ref: str, data_path: Optional[str], where: str) -> Tuple[bytes, str]:
         """The encoded bytes of ``ref`` and a short name for messages."""
         lim = self.limits
+        if "\x00" in ref:
+            raise DataError(f"{where}: image {ref!r}: a path or URI cannot contain a NUL byte")
         if ref.startswith("data:"):
             head, _, payload = ref.partition(",")
             if ";base64" not in head or not head[5:].startswith("image/"):
@@ -129,15 +152,7 @@ class ImageReader:
         if "://" in ref:
             raise DataError(f"{where}: image {ref!r}: only paths relative to the data file and data: URIs are read "
                             "(nothing is downloaded)")
-        if data_path is None:
-            raise DataError(f"{where}: image {ref!r}: a path needs a data file to be relative to")
-        root = os.path.realpath(os.path.dirname(os.path.abspath(data_path)))
-        full = os.path.realpath(os.path.join(root, ref))
-        if os.path.commonpath([root, full]) != root:
-            raise DataError(f"{where}: image {ref!r} resolves outside the data file's folder {root}; images are read "
-                            "from that folder only")
-        if not os.path.isfile(full):
-            raise DataError(f"{where}: image {ref!r} does not exist (relative to {root})")
+        full = self._resolve(ref, data_path, where)
         size = os.path.getsize(full)
         if size > lim.max_image_bytes:
             raise DataError(f"{where}: image {ref!r} has {size} bytes, more than tree_builder.max_image_bytes="
@@ -145,22 +160,57 @@ class ImageReader:
         with open(full, "rb") as f:
             return f.read(lim.max_image_bytes + 1), ref
 
+    def _resolve(self, ref: str, data_path: Optional[str], where: str) -> str:
+        """The real path of image ``ref``: relative to the data file's folder, else to ``image_root``
+        (symbolic links followed); it must lie in one of the two folders and be a file."""
+        roots = [] if data_path is None else [os.path.realpath(os.path.dirname(os.path.abspath(data_path)))]
+        if self.image_root is not None:
+            roots.append(self.image_root)
+        if not roots:
+            raise DataError(f"{where}: image {ref!r}: a path needs a data file (or tree_builder.image_root) to be "
+                            "relative to")
+        inside, escapes = [], False  # folders it would be missing from; whether an existing path leaves them
+        for base in roots:
+            path = os.path.join(base, ref)
+            full = os.path.realpath(path)
+            if any(os.path.commonpath([r, full]) == r for r in roots):
+                if os.path.isfile(full):
+                    return full
+                inside.append(base)
+            elif os.path.lexists(path):  # a file or link outside both folders
+                escapes = True
+        names = (f"the data file's folder {roots[0]}" if data_path is not None else "") + (
+            f"{' and ' if data_path is not None else ''}tree_builder.image_root {self.image_root}"
+            if self.image_root is not None else "")
+        if escapes or not inside:
+            raise DataError(f"{where}: image {ref!r} resolves outside {names}; images are read from "
+                            f"{'that folder' if len(roots) == 1 else 'those folders'} only")
+        raise DataError(f"{where}: image {ref!r} does not exist (relative to {' or '.join(inside)})")
+
     def decode(self, raw: bytes, name: str, where: str):
+        if len(raw) < MIN_IMAGE_BYTES:
+            raise DataError(f"{where}: image {name!r} has {len(raw)} byte(s), too few to be an image (an empty or "
+                            "truncated file?)")
         fmt = _format_of(raw)
         if fmt is not None and fmt not in FORMATS:
             raise DataError(f"{where}: image {name!r} is {fmt}; only {', '.join(FORMATS)} images are read")
         try:
-            img = Image.open(io.BytesIO(raw), formats=list(FORMATS))
-            w, h = img.size
-            if w * h > self.limits.max_image_pixels:
-                raise DataError(f"{where}: image {name!r} has {w}x{h} = {w * h} pixels, more than "
-                                f"tree_builder.max_image_pixels={self.limits.max_image_pixels}")
-            img.load()
-            return img.convert("RGB")
-        except DataError:
+            with warnings.catch_warnings():  # the size is checked here, with one error line (Pillow's own
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # warning would print before it)
+                img = Image.open(io.BytesIO(raw), formats=list(FORMATS))
+                w, h = img.size
+                if w * h > self.limits.max_image_pixels:
+                    raise DataError(f"{where}: image {name!r} has {w}x{h} = {w * h} pixels, more than "
+                                    f"tree_builder.max_image_pixels={self.limits.max_image_pixels}")
+                img.load()
+                return img.convert("RGB")
+        except (DataError, MemoryError):
             raise
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise DataError(f"{where}: image {name!r} cannot be decoded ({type(exc).__name__}: {exc})") from None
+        except Image.DecompressionBombError as exc:
+            raise DataError(f"{where}: image {name!r} is refused by Pillow's decompression-bomb limit "
+                            f"({_one_line(exc)})") from None
+        except Exception as exc:  # noqa: BLE001 - any decoder failure on bytes from a data file is the data's
+            raise DataError(f"{where}: image {name!r} cannot be decoded ({_one_line(exc)})") from None
 
     def read(self, ref: str, data_path: Optional[str], where: str, token_id: int):
         """The :class:`~treelit.tree.images.ProcessedImage` of ``ref`` (processed once per content)."""
@@ -171,7 +221,13 @@ class ImageReader:
             pv, grid, n = self._cache[key]
         else:
             img = self.decode(raw, name, where)
-            out = self.image_processor(images=[img], return_tensors="pt")
+            try:
+                out = self.image_processor(images=[img], return_tensors="pt")
+            except MemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. Qwen's aspect-ratio limit (at most 200:1)
+                raise DataError(f"{where}: image {name!r} ({img.width}x{img.height}) is refused by the image "
+                                f"processor ({_one_line(exc)})") from None
             pv = out["pixel_values"]
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             n = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)

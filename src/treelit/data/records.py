@@ -56,6 +56,7 @@ ON_ERROR = ("raise", "skip")
 MAX_TOKEN_ID = 2**63 - 1
 BRANCH_KEYS = ("input_ids", "loss_mask", "weight", "group", "reward", "advantage", "old_logprobs", "ref_logprobs",
                "pair", "chosen", "token_rewards", "routed_experts", "images")
+CHAT_HINT = "a chat record (messages, no input_ids): render it with tree_builder=chat (the token builders read input_ids)"
 
 
 class DataError(TreeInputError):
@@ -148,6 +149,8 @@ def validate_token_record(rec: Any, source: str) -> None:
         raise DataError(f"{source}: a record must be a JSON object, got {type(rec).__name__}")
     check_key(rec.get("id"), f"{source}: id")
     branches = rec.get("branches")
+    if branches is None and ("messages" in rec or "traj" in rec):
+        raise DataError(f"{source}: {'messages' if 'messages' in rec else 'traj'}: {CHAT_HINT}")
     if not isinstance(branches, list) or not branches:
         raise DataError(f"{source}: branches: must be a non-empty list of branch objects, got {_show(branches)}")
     for b, br in enumerate(branches):
@@ -160,6 +163,8 @@ def validate_token_record(rec: Any, source: str) -> None:
                 if guess is not None:
                     raise DataError(f"{where}.{key}: unknown field; did you mean '{guess}'?")
         ids = br.get("input_ids")
+        if ids is None and "messages" in br:
+            raise DataError(f"{where}.messages: {CHAT_HINT}")
         if not isinstance(ids, list) or not ids:
             raise DataError(f"{where}.input_ids: must be a non-empty list of token ids, got {_show(ids)}")
         for i, t in enumerate(ids):

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from treelit import models  # the package face: the compiled layers (torchtune) only with compile=true
 from treelit.lightning.data import StepBatch
 from treelit.lightning.faults import NonFiniteStep, hold_launched_ranks
 from treelit.lightning.planner import MemoryPlanner
@@ -128,6 +129,8 @@ class TreeLitModule(pl.LightningModule):
         critic: a :class:`~treelit.models.critic.Critic` (``objective=ppo``): values and GAE
             advantages are computed before the first update of each step batch
             (:meth:`record_values`) and the value loss joins the policy loss.
+        compile: ``False``, ``True`` (inductor) or a ``torch.compile`` backend name: the model's
+            layers run compiled (:func:`~treelit.models.compiled.compile_layers`).
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class TreeLitModule(pl.LightningModule):
         on_nonfinite: str = "stop",
         max_skipped_steps: int = 10,
         critic: Optional[Critic] = None,
+        compile: Any = False,
     ) -> None:
         super().__init__()
         if mode not in ("tree", "linear"):
@@ -184,6 +188,8 @@ class TreeLitModule(pl.LightningModule):
         self.partition = partition
         check_lora_mode(model, mode)
         check_reference(model, objective)
+        if compile not in (False, None):
+            models.compile_layers(model, compile)
         self.budget_tokens = budget_tokens
         self.max_oom_retries = int(max_oom_retries)
         if on_nonfinite not in ("stop", "skip_step"):

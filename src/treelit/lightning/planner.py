@@ -109,7 +109,8 @@ def head_chunk_rows(model, chunk_rows: Optional[int], C: int = 1) -> int:
     if model is None:
         return 0
     rows = cp_chunk_rows(chunk_rows, model, C)
-    return int(rows) if rows else default_chunk_rows(int(output_weight(model).shape[0]))
+    w = output_weight(model)
+    return int(rows) if rows else default_chunk_rows(int(w.shape[0]), device=w.device)
 
 
 class MemoryBudgetError(BudgetError):

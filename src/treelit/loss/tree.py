@@ -75,7 +75,7 @@ def sft_tree_loss(model, batch, aggregation: str = "token-mean", attention="auto
 
     def run(m):
         h, _ = tree_hidden(m, batch, attention)
-        sel = torch.nonzero((W != 0) & (batch.parent >= 0)).squeeze(1)
+        sel = batch.targets(batch.weight_field(aggregation))
         coef = W[sel] / Z if Z > 0 else torch.zeros_like(W[sel])
         return weighted_nll(h[batch.parent[sel]], output_weight(m), batch.input_ids[sel], coef.to(h.dtype), chunk_rows=chunk_rows)
 
@@ -98,7 +98,7 @@ def tree_token_logprobs(
     """
     batch = prepare_batch(model, batch)
     if select is None:
-        select = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
+        select = batch.targets()
 
     def run(m):
         h, _ = tree_hidden(m, batch, attention)

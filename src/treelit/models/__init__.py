@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 from treelit.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from treelit.models.compiled import compile_layers
     from treelit.models.config import DecoderConfig
     from treelit.models.decoder import TreeDecoder, build_decoder
     from treelit.models.hf import load_hf_checkpoint, save_hf_checkpoint
     from treelit.models.registry import MODELS, build_model
 
 _EXPORTS = {
+    "compile_layers": "treelit.models.compiled",
     "DecoderConfig": "treelit.models.config",
     "TreeDecoder": "treelit.models.decoder",
     "build_decoder": "treelit.models.decoder",
@@ -27,4 +29,4 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["DecoderConfig", "TreeDecoder", "build_decoder", "build_model", "MODELS", "load_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["compile_layers", "DecoderConfig", "TreeDecoder", "build_decoder", "build_model", "MODELS", "load_hf_checkpoint", "save_hf_checkpoint"]

@@ -257,7 +257,8 @@ def layers_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_i
     ``tree_forward(x, layer_index, ctx)`` (treelit's recurrent layers do).
     Each layer runs through its module call (:func:`~treelit.utils.blocks.call_block`), so
     hooks on it (FSDP2's per-block unshard/reshard and gradient reduction) see the pass;
-    ``model.activation_checkpointing`` recomputes each layer in the backward. Callers go
+    ``model.activation_checkpointing`` recomputes each layer in the backward;
+    ``model.compiled_layers`` (:mod:`treelit.models.compiled`) runs attention layers compiled. Callers go
     through :func:`treelit.models.forward.decoder_hidden` (a model that runs its own layers,
     the transformers adapter, provides ``tree_hidden_states``).
     """
@@ -266,8 +267,12 @@ def layers_hidden(model: TransformerDecoder, input_ids: torch.Tensor, position_i
     h = _embed(model, input_ids, ctx)
     block = getattr(model, "mlp_token_block", None)
     extra = {} if block is None else {"mlp_block": block}  # None: _layer_forward's own default
+    compiled = getattr(model, "compiled_layers", None)  # compile=true (treelit.models.compiled)
     for i, layer in enumerate(model.layers):
-        body = functools.partial(_layer_forward, layer, i, position_ids, ctx, **extra)
+        if compiled is not None and compiled.takes(layer, ctx):
+            body = functools.partial(compiled.forward, layer, i, position_ids, ctx)
+        else:
+            body = functools.partial(_layer_forward, layer, i, position_ids, ctx, **extra)
         h = call_block(layer, body, h, checkpoint=ckpt, oom_guard=guard)
     record_pass(model, ctx)  # router logits to an open router-loss collection, if any
     return rms_norm(model.norm, h)

@@ -35,6 +35,7 @@ from treelit.objectives.paths import branch_target_sums
 from treelit.objectives.rl import DPO, GSPO, _pairs, _PolicyObjective
 from treelit.objectives.sft import SFT
 from treelit.tree.batch import check_aggregation, global_normalizer
+from treelit.utils.dispatch import host_floats
 
 __all__ = ["FoldSpec", "fold_spec", "loss_from_logprobs", "target_selection"]
 
@@ -68,7 +69,7 @@ def fold_spec(objective: Objective) -> FoldSpec:
 
 def target_selection(batch) -> torch.Tensor:
     """Tree tokens whose log-prob any objective reads: targets of some branch (``[M]`` long)."""
-    return torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
+    return batch.targets()
 
 
 def loss_from_logprobs(
@@ -126,6 +127,6 @@ def loss_from_logprobs(
                 r = objective._tree_ref(None, batch, sel, None)
         reg, m2 = objective._regularisers(logp, ent, W, r)
         total = main + reg
-        return (total / Z if Z > 0 else total * 0.0), {**metrics, **m2}
+        return (total / Z if Z > 0 else total * 0.0), host_floats({**metrics, **m2})
     fold_spec(objective)  # raises with the explanation
     raise AssertionError("unreachable")

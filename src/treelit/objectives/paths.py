@@ -14,26 +14,33 @@ prefix of its parent segment's last token, one vectorised pass per segment depth
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import numpy as np
 import torch
 
+from treelit.utils.dispatch import upload
+
 __all__ = ["path_prefix_sums", "branch_target_sums", "branch_runs"]
 
 
-def _segment_levels(batch):
+def _segment_levels(batch, device) -> List[torch.Tensor]:
+    """The row's segments by depth below the roots, on ``device``: planned on the host from the
+    row's host copies, uploaded in one copy, cached on the row."""
     cached = getattr(batch, "_seg_levels", None)
-    if cached is not None:
-        return cached
-    parent = batch.seg_parent.cpu().numpy()
+    if cached is not None and cached[0] == str(device):
+        return cached[1]
+    parent = batch.host("seg_parent")
     depth = np.zeros(len(parent), dtype=np.int64)
     for s in range(len(parent)):  # parents precede children
         if parent[s] >= 0:
             depth[s] = depth[parent[s]] + 1
-    levels = [np.flatnonzero(depth == d) for d in range(int(depth.max()) + 1 if len(depth) else 0)]
-    batch._seg_levels = levels
-    return levels
+    levels = [np.flatnonzero(depth == d) for d in range(1, int(depth.max()) + 1 if len(depth) else 0)]
+    buf = upload(np.concatenate(levels) if levels else np.zeros(0, dtype=np.int64), device)
+    ends = np.cumsum([0] + [len(lv) for lv in levels])
+    views = [buf[int(a): int(b)] for a, b in zip(ends[:-1], ends[1:])]
+    batch._seg_levels = (str(device), views)
+    return views
 
 
 def path_prefix_sums(batch, x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +53,7 @@ def path_prefix_sums(batch, x: torch.Tensor) -> torch.Tensor:
     seg_end_local = local[start + length - 1]
     offset = torch.zeros(len(start), dtype=x.dtype, device=x.device)
     parent = batch.seg_parent
-    for level in _segment_levels(batch)[1:]:
-        lv = torch.from_numpy(level).to(x.device)
+    for lv in _segment_levels(batch, x.device):
         p = parent[lv]
         offset = offset.index_put((lv,), offset[p] + seg_end_local[p])
     return local + offset[seg_of]
@@ -58,9 +64,9 @@ def branch_runs(batch) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     cached = getattr(batch, "_branch_runs", None)
     if cached is not None:
         return cached
-    ptr = batch.branch_ptr.cpu().numpy()
-    toks = batch.branch_tokens.cpu().numpy()
-    mask = batch.branch_mask.cpu().numpy().copy()
+    ptr = batch.host("branch_ptr")
+    toks = batch.host("branch_tokens")
+    mask = batch.host("branch_mask").copy()
     mask[ptr[:-1]] = False  # a branch's first token is never a target
     branch_of = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
     prev = np.concatenate([[False], mask[:-1]]) & (np.concatenate([[-1], branch_of[:-1]]) == branch_of)
@@ -75,7 +81,7 @@ def branch_runs(batch) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
 def branch_target_sums(batch, x: torch.Tensor) -> torch.Tensor:
     """``S_b = sum over branch b's target tokens of x`` for every branch (``[B]``)."""
     P = path_prefix_sums(batch, x)
-    b, first, last = (torch.from_numpy(a).to(x.device) for a in branch_runs(batch))
+    b, first, last = upload(np.stack(branch_runs(batch)), x.device)
     par = batch.parent[first]
     before = torch.where(par >= 0, P[par.clamp(min=0)], torch.zeros_like(P[first]))
     out = torch.zeros(batch.num_branches, dtype=x.dtype, device=x.device)

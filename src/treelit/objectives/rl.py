@@ -60,6 +60,7 @@ from treelit.objectives.behavior import branch_behavior, check_behavior_options,
 from treelit.objectives.paths import branch_target_sums
 from treelit.rl.gae import check_gae_options
 from treelit.tree.batch import check_aggregation
+from treelit.utils.dispatch import host_floats, upload
 
 __all__ = ["PPO", "GRPO", "GSPO", "DPO", "kl_estimate"]
 
@@ -185,15 +186,15 @@ class _PolicyObjective(Objective):
     def _regularisers(self, logp, ent, W, ref) -> Tuple[torch.Tensor, Dict[str, float]]:
         total = logp.new_zeros(())
         metrics: Dict[str, float] = {}
-        Wsum = float(W.sum()) if W.numel() else 0.0
+        Wsum = W.sum().clamp(min=1e-30)  # metrics stay tensors: read to the host once (host_floats)
         if self.kl_coef:
             kl = kl_estimate(logp, ref.to(logp.dtype), self.kl_estimator)
             total = total + self.kl_coef * (W.to(logp.dtype) * kl).sum()
-            metrics["kl_ref"] = float((W * kl.detach().double()).sum()) / max(Wsum, 1e-30)
+            metrics["kl_ref"] = (W * kl.detach().double()).sum() / Wsum
         if self.entropy_coef:
             total = total - self.entropy_coef * (W.to(logp.dtype) * ent).sum()
         if ent is not None:
-            metrics["entropy"] = float((W * ent.detach().double()).sum()) / max(Wsum, 1e-30)
+            metrics["entropy"] = (W * ent.detach().double()).sum() / Wsum
         return total, metrics
 
     def _check_advantages(self, batch) -> None:
@@ -201,8 +202,9 @@ class _PolicyObjective(Objective):
         if adv is None:
             raise ValueError(f"objective={self.name} needs advantages: give 'advantage' per branch, or rewards with "
                              "tree_builder.advantage=grpo|rloo|reinforce_pp|... (TokenTree.from_branches(advantages=...))")
-        missing = torch.nonzero(torch.isnan(torch.as_tensor(adv))).flatten()
-        if missing.numel():
+        missing = np.flatnonzero(np.isnan(batch.host("branch_adv") if isinstance(adv, torch.Tensor) and hasattr(batch, "host")
+                                          else np.asarray(adv, dtype=np.float64)))
+        if len(missing):
             raise ValueError(f"objective={self.name} needs an advantage on every branch; branch {int(missing[0])} has none")
 
     def tree_loss(self, model, batch, *, aggregation, normalizer, attention="auto", chunk_rows=None):
@@ -210,7 +212,7 @@ class _PolicyObjective(Objective):
         self._check_advantages(batch)
         batch = primitives.prepare_batch(model, batch)
         Z = self._Z(batch, aggregation, normalizer)
-        sel = torch.nonzero((batch.target_count > 0) & (batch.parent >= 0)).squeeze(1)
+        sel = batch.targets()
         need_ent = bool(self.entropy_coef)
         _, logp, ent = primitives.tree_token_logprobs(model, batch, attention, select=sel, with_entropy=need_ent, chunk_rows=chunk_rows)
         old = self._old_or_current(None if batch.token_old_logp is None else batch.token_old_logp[sel], logp)
@@ -219,7 +221,7 @@ class _PolicyObjective(Objective):
         ref = self._tree_ref(model, batch, sel, attention) if self.kl_coef else None
         reg, m2 = self._regularisers(logp, ent, W, ref)
         total = main + reg
-        return (total / Z if Z > 0 else total * 0.0), {**metrics, **m2}
+        return (total / Z if Z > 0 else total * 0.0), host_floats({**metrics, **m2})
 
     def linear_loss(self, model, branches, *, aggregation, normalizer, chunk_rows=None, max_tokens=8192):
         """Per branch, from the definitions: no tree code (see :mod:`treelit.loss.branches`)."""
@@ -291,13 +293,13 @@ class PPO(_PolicyObjective):
         folded = P * torch.minimum(r, rc) + Nn * g_neg
         term = -(folded if wb is None else wb.to(logp.dtype) * folded).sum()
         clipped = ((r.detach() < 1 - self.clip_low) | (r.detach() > 1 + self.clip_high)).double()
-        Wsum = max(float(W.sum()), 1e-30)
-        adv = batch.branch_adv
+        Wsum = W.sum().clamp(min=1e-30)  # metrics stay tensors: read to the host once (host_floats)
+        adv = torch.from_numpy(batch.host("branch_adv"))  # the advantages' statistics from the row's host copy
         metrics = {
-            "clip_frac": float((W * clipped).sum()) / Wsum,
+            "clip_frac": (W * clipped).sum() / Wsum,
             # KL(rollout || current) from the rollout policy's samples (PPO's diagnostic): bounded where the
             # update pushes a sampled token down, unlike the reverse estimate's exp(old - logp)
-            "approx_kl": float((W * kl_estimate(old.double(), logp.detach().double(), "k3")).sum()) / Wsum,
+            "approx_kl": (W * kl_estimate(old.double(), logp.detach().double(), "k3")).sum() / Wsum,
             "adv_mean": float(adv.mean()),
             "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
             "adv_min": float(adv.min()),
@@ -354,19 +356,23 @@ class GSPO(_PolicyObjective):
         d = d.index_put((sel,), logp - old.to(logp.dtype))
         S = branch_target_sums(batch, d)
         n = _targets_per_branch(batch)
-        k = batch.branch_weight.numpy() * (n * _branch_scale(n, aggregation))
-        keep = torch.from_numpy(np.flatnonzero(n > 0)).to(logp.device)
-        s = torch.exp(S[keep] / torch.from_numpy(n).to(S)[keep])
+        bw = batch.host("branch_weight")
+        keep_np = np.flatnonzero(n > 0)
+        # one upload: the kept branches, their target counts and weights (float64 holds the indices exactly)
+        plan = upload(np.stack([keep_np.astype(np.float64), n[keep_np], (bw * (n * _branch_scale(n, aggregation)))[keep_np],
+                                (bw * _branch_scale(n, aggregation))[keep_np]]), logp.device)
+        keep = plan[0].long()
+        s = torch.exp(S[keep] / plan[1].to(S))
         A = batch.branch_adv[keep].to(S.dtype)
         J = self._seq_term(s, A)
-        k = torch.from_numpy(k).to(S)
+        k_keep = plan[2].to(S)
         wb, behav_metrics = self._tree_behavior(batch, sel, old, batch.token_weights(aggregation)[sel])
         if wb is not None:  # each of the branch's per-token copies of J weighted by its token's w_t
             x = torch.zeros(batch.num_tokens, dtype=torch.float64, device=logp.device).index_put((sel,), wb)
             sums = branch_target_sums(batch, x).to(S)
-            k = torch.from_numpy(batch.branch_weight.numpy() * _branch_scale(n, aggregation)).to(S) * sums
-        term = -(k[keep] * J).sum()
-        return term, {"seq_ratio_mean": float(s.detach().mean()) if keep.numel() else 1.0, **behav_metrics}
+            k_keep = plan[3].to(S) * sums[keep]
+        term = -(k_keep * J).sum()
+        return term, {"seq_ratio_mean": s.detach().mean() if keep.numel() else 1.0, **behav_metrics}
 
     def _branch_term(self, b, lp, old, c, br, n_b, aggregation):
         mask = torch.from_numpy(br.masks[b][1:].astype(np.float64)).to(lp.device)
@@ -478,8 +484,8 @@ class DPO(_PolicyObjective):
 
 
 def _targets_per_branch(batch) -> np.ndarray:
-    ptr = batch.branch_ptr.numpy()
-    mask = batch.branch_mask.numpy().copy()
+    ptr = batch.host("branch_ptr")
+    mask = batch.host("branch_mask").copy()
     mask[ptr[:-1]] = False
     return np.add.reduceat(mask.astype(np.float64), ptr[:-1]) if len(mask) else np.zeros(0)
 

@@ -839,7 +839,8 @@ def cp_chunk_rows(chunk_rows: Optional[int], model, C: int) -> Optional[int]:
     the rest of a rank's activations."""
     if chunk_rows is not None or C <= 1:
         return chunk_rows
-    return max(1, default_chunk_rows(int(output_weight(model).shape[0])) // C)
+    w = output_weight(model)
+    return max(1, default_chunk_rows(int(w.shape[0]), device=w.device) // C)
 
 
 def check_cp_degree(degree: Any, world: int) -> int:

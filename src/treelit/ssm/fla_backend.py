@@ -61,31 +61,58 @@ def cuda_kernel(name: str) -> Callable:
     return fn
 
 
+class LevelPlan:
+    """Each depth level's tokens (segments in order) and ``cu_seqlens``, planned on the host once
+    per layout and uploaded in one copy (views of one buffer), shared by every recurrent layer of
+    the forward; ``cu_host`` keeps the host copy for kernels that plan on it (mamba-ssm's calls)."""
+
+    def __init__(self, layout, device: torch.device):
+        from treelit.utils.dispatch import upload
+
+        parts, spans, self.cu_host = [], [], []
+        off = 0
+        for segs in layout.levels:
+            starts, lens = layout.seg_start[segs], layout.seg_len[segs]
+            tok = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
+            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            parts += [tok, cu]
+            spans.append((off, len(tok), off + len(tok), len(cu)))
+            off += len(tok) + len(cu)
+            self.cu_host.append(cu)
+        buf = upload(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64), device)
+        self.tok = [buf[a: a + n] for a, n, _, _ in spans]
+        self.cu = [buf[c: c + m] for _, _, c, m in spans]
+        self.out_tokens = buf[:0] if not spans else torch.cat(self.tok)
+
+
+def level_plan(layout, device: torch.device) -> LevelPlan:
+    plans = layout.__dict__.setdefault("_level_plans", {})
+    if str(device) not in plans:
+        plans[str(device)] = LevelPlan(layout, device)
+    return plans[str(device)]
+
+
 def level_scan(kernel, inputs: List[torch.Tensor], layout, state_shape, init_state: Optional[torch.Tensor],
                dtype: torch.dtype = torch.float32):
-    """Run ``kernel(level_inputs, h0 [n,...], cu_seqlens) -> (out [T_level, ...], h_final [n,...])``
-    level by level; states are kept in ``dtype`` (the kernels' float32, or float64 for float64
-    inputs). Returns ``(out [T, ...], captured states or None)``."""
-    dev = inputs[0].device
+    """Run ``kernel(level_inputs, h0 [n,...], cu_seqlens, cu_seqlens on the host) -> (out [T_level, ...],
+    h_final [n,...])`` level by level (one call per level of segment depth; the indices from the
+    layout's :class:`LevelPlan`); states are kept in ``dtype`` (the kernels' float32, or float64 for
+    float64 inputs). Returns ``(out [T, ...], captured states or None)``."""
+    plan = level_plan(layout, inputs[0].device)
     final: Dict[int, torch.Tensor] = {}
     zero = inputs[0].new_zeros(state_shape, dtype=dtype)
-    out_idx, out_val = [], []
-    for segs in layout.levels:
-        starts, lens = layout.seg_start[segs], layout.seg_len[segs]
-        tok = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])).to(dev)
-        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(dev, torch.long)
+    out_val = []
+    for segs, tok, cu, cu_host in zip(layout.levels, plan.tok, plan.cu, plan.cu_host):
         h0 = torch.stack([
             final[int(p)] if p >= 0 else root_state(int(p), init_state, zero).to(dtype)
             for p in layout.seg_parent[segs]
         ])
-        o, hT = kernel([x[tok] for x in inputs], h0, cu)
+        o, hT = kernel([x.index_select(0, tok) for x in inputs], h0, cu, cu_host)
         for j, s in enumerate(segs):
             final[int(s)] = hT[j].to(dtype)
-        out_idx.append(tok)
         out_val.append(o)
-    idx = torch.cat(out_idx)
     vals = torch.cat(out_val)
-    out = vals.new_zeros((layout.T, *vals.shape[1:])).index_put((idx,), vals)
+    out = vals.new_zeros((layout.T, *vals.shape[1:])).index_put((plan.out_tokens,), vals)
     cap = None
     if len(layout.capture):
         seg_of = np.searchsorted(layout.seg_start, layout.capture, side="right") - 1
@@ -100,7 +127,7 @@ def _state_dtype(x: torch.Tensor) -> torch.dtype:
 def _delta_rule(name: str, q, k, v, beta, g, layout, init, scale) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     fn = cuda_kernel(name)
 
-    def kernel(xs, h0, cu):
+    def kernel(xs, h0, cu, cu_host):
         qq, kk, vv, bb, gg = (x[None] for x in xs)
         o, hT = fn(qq, kk, vv, gg, bb, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         return o[0].to(v.dtype), hT
@@ -128,7 +155,7 @@ def ssd_scan_fla(xs, dt, A, Bh, Ch, D, layout, init) -> Tuple[torch.Tensor, Opti
     Dh = D[:, None] if D.dim() == 1 else D
     H, P, N = xs.shape[1], xs.shape[2], Bh.shape[2]
 
-    def kernel(ins, h0, cu):
+    def kernel(ins, h0, cu, cu_host):
         x, d, b, c = ins
         o, hT = fn(c[None], b[None], (d[..., None] * x)[None], g=(d * A)[None], scale=1.0,
                    initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True, cu_seqlens=cu)
@@ -172,10 +199,9 @@ def ssd_scan_mamba(x, dt, A, B, C, D, layout, init, chunk_size: int) -> Tuple[to
     Dh = D[:, None] if D.dim() == 1 else D
     H, P, N = x.shape[1], x.shape[2], B.shape[2]
 
-    def kernel(ins, h0, cu):
+    def kernel(ins, h0, cu, cu_h):
         xx, dd, bb, cc = ins
         dev = xx.device
-        cu_h = cu.cpu().numpy()
         starts, lens = cu_h[:-1], np.diff(cu_h)
         size_class = np.ceil(np.log2(lens)).astype(np.int64)
         out_idx, out_val, seg_idx, seg_val = [], [], [], []

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from treelit.tree.batch import segments_from_parents
+from treelit.utils.dispatch import upload
 
 __all__ = ["RecurrentLayout", "tree_layout", "causal_layout", "external_layout", "root_state"]
 
@@ -101,13 +102,13 @@ def _levels(seg_parent: np.ndarray) -> List[np.ndarray]:
 def tree_layout(batch, K: int, external: bool = False, capture: Optional[np.ndarray] = None) -> RecurrentLayout:
     """Layout of a tree row; with ``external`` the row's roots continue an outside path.
     Segments are cut after every ``capture`` token so that its state is a segment's final one."""
-    parent = batch.parent.cpu().numpy()
+    parent = batch.host("parent")  # the row's host copies: planning never reads the device
     if capture is not None and len(capture):
         seg_start, seg_len, seg_parent = segments_from_parents(parent, np.asarray(capture, dtype=np.int64))
     else:
-        seg_start = batch.seg_start.cpu().numpy()
-        seg_len = batch.seg_len.cpu().numpy()
-        seg_parent = batch.seg_parent.cpu().numpy().copy()
+        seg_start = batch.host("seg_start")
+        seg_len = batch.host("seg_len")
+        seg_parent = batch.host("seg_parent").copy()
     root_ext = np.zeros(len(parent), dtype=bool)
     if external:
         root_ext[parent < 0] = True
@@ -116,7 +117,7 @@ def tree_layout(batch, K: int, external: bool = False, capture: Optional[np.ndar
     return RecurrentLayout(
         T=len(parent),
         K=K,
-        conv_src=torch.from_numpy(src).to(batch.device),
+        conv_src=upload(src, batch.device),
         seg_start=seg_start,
         seg_len=seg_len,
         seg_parent=seg_parent,

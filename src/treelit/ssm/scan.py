@@ -39,7 +39,7 @@ Faster backends are tested against these.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -211,6 +211,81 @@ def ssd_chunk(x, dt, A, Bh, Ch, D):
     return chunk
 
 
+class _Block:
+    """One block of one depth level: ``n`` active segments, ``L`` token offsets."""
+
+    __slots__ = ("rows", "idx", "valid", "flat", "finals")
+
+    def __init__(self, rows, idx, valid, flat, finals):
+        self.rows = rows  # [n] long: the level's active segments (None: all of them)
+        self.idx = idx  # [n, L] long: token of each (segment, offset); past a segment's end its last token
+        self.valid = valid  # [n, L] long 0/1: real tokens
+        self.flat = flat  # [m] long: positions of the real tokens in the block's n * L outputs
+        self.finals = finals  # host: (row j, segment) pairs whose last token is in this block
+
+
+class ScanPlan:
+    """Every index a scan of ``layout`` in blocks of ``chunk_size`` reads, planned on the host once
+    and uploaded in one copy (the views below slice that buffer). Built once per layout and block
+    size and shared by every recurrent layer of the forward (and its backward), so a scan asks
+    the host nothing: no index uploads per block, no boolean masks, no ``nonzero``."""
+
+    def __init__(self, layout: RecurrentLayout, chunk_size: int, device: torch.device):
+        from treelit.utils.dispatch import upload
+
+        seg_start, seg_len = layout.seg_start, layout.seg_len
+        parts, spec = [], []  # host arrays and, per block, the offsets of its views in the buffer
+        off = 0
+
+        def put(a: np.ndarray) -> Tuple[int, Tuple[int, ...]]:
+            nonlocal off
+            a = np.ascontiguousarray(a, dtype=np.int64)
+            parts.append(a.reshape(-1))
+            at = off
+            off += a.size
+            return at, a.shape
+
+        out_tokens = []
+        self.levels: List[Tuple[np.ndarray, list]] = []
+        for segs in layout.levels:
+            lens, starts = seg_len[segs], seg_start[segs]
+            blocks = []
+            for t0 in range(0, int(lens.max()), chunk_size):
+                act = np.flatnonzero(lens > t0)
+                L = min(chunk_size, int(lens[act].max()) - t0)
+                pos = t0 + np.arange(L)
+                valid = pos[None, :] < lens[act][:, None]
+                idx = starts[act][:, None] + np.minimum(pos[None, :], lens[act][:, None] - 1)
+                flat = np.flatnonzero(valid)
+                out_tokens.append(idx.reshape(-1)[flat])
+                finals = [(int(j), int(segs[j])) for j in act[lens[act] <= t0 + L]]
+                rows = None if len(act) == len(segs) else put(act)
+                blocks.append((rows, put(idx), put(valid), put(flat), finals))
+            self.levels.append((segs, blocks))
+        out_tokens = np.concatenate(out_tokens) if out_tokens else np.zeros(0, dtype=np.int64)
+        out_at = put(out_tokens)
+        buf = upload(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), device)
+
+        def view(at_shape):
+            if at_shape is None:
+                return None
+            at, shape = at_shape
+            return buf[at: at + int(np.prod(shape))].view(shape)
+
+        self.levels = [(segs, [_Block(view(r), view(i), view(v), view(f), fin) for r, i, v, f, fin in blocks])
+                       for segs, blocks in self.levels]
+        self.out_tokens = view(out_at)  # [T'] the token of each output row, blocks in order
+
+
+def scan_plan(layout: RecurrentLayout, chunk_size: int, device: torch.device) -> ScanPlan:
+    """The layout's :class:`ScanPlan` for ``chunk_size`` on ``device`` (made on first use)."""
+    plans = layout.__dict__.setdefault("_scan_plans", {})
+    key = (int(chunk_size), str(device))
+    if key not in plans:
+        plans[key] = ScanPlan(layout, chunk_size, device)
+    return plans[key]
+
+
 def chunked_scan(
     chunk: Chunk,
     layout: RecurrentLayout,
@@ -223,43 +298,31 @@ def chunked_scan(
     """Run ``chunk`` over every segment in blocks of up to ``chunk_size`` tokens, level by
     level, segments of a level in parallel; contract as :func:`segment_scan`. ``chunk``
     gets ``(states [n, ...], token indices [n, L], valid [n, L])``, where the rows of
-    ``valid`` are true on a prefix (the block's real tokens; the rest repeat the last one)."""
+    ``valid`` (0/1) are 1 on a prefix (the block's real tokens; the rest repeat the last one).
+    The indices come from the layout's :class:`ScanPlan` (uploaded once per forward)."""
     if chunk_size < 1:
         raise ValueError(f"ssm chunk_size must be >= 1, got {chunk_size}")
-    dev = like.device
-    seg_start, seg_len, seg_parent = layout.seg_start, layout.seg_len, layout.seg_parent
+    plan = scan_plan(layout, chunk_size, like.device)
+    seg_parent = layout.seg_parent
     final: Dict[int, torch.Tensor] = {}
     zero = like.new_zeros(state_shape)
-    out_idx, out_val = [], []
-    for segs in layout.levels:
-        lens = seg_len[segs]
-        starts = seg_start[segs]
+    out_val = []
+    for segs, blocks in plan.levels:
         init = []
         for s in segs:
             p = seg_parent[s]
             init.append(final[int(p)] if p >= 0 else root_state(int(p), init_state, zero))
         S = torch.stack(init)
-        for t0 in range(0, int(lens.max()), chunk_size):
-            act = np.flatnonzero(lens > t0)
-            full = len(act) == len(segs)
-            L = min(chunk_size, int(lens[act].max()) - t0)
-            pos = t0 + np.arange(L)
-            valid_np = pos[None, :] < lens[act][:, None]
-            idx_np = starts[act][:, None] + np.minimum(pos[None, :], lens[act][:, None] - 1)
-            idx = torch.from_numpy(idx_np).to(dev)
-            valid = torch.from_numpy(valid_np).to(dev)
-            act_t = torch.from_numpy(act).to(dev)
-            Sa, o = chunk(S if full else S[act_t], idx, valid)
-            S = Sa if full else S.index_copy(0, act_t, Sa)
-            out_idx.append(idx[valid])
-            out_val.append(o[valid])
-            for j in act[lens[act] <= t0 + L]:
-                final[int(segs[j])] = S[j]
-    idx = torch.cat(out_idx)
+        for b in blocks:
+            Sa, o = chunk(S if b.rows is None else S.index_select(0, b.rows), b.idx, b.valid)
+            S = Sa if b.rows is None else S.index_copy(0, b.rows, Sa)
+            out_val.append(o.flatten(0, 1).index_select(0, b.flat))
+            for j, seg in b.finals:
+                final[seg] = S[j]
     vals = torch.cat(out_val)
-    out = vals.new_zeros((layout.T, *out_shape)).index_put((idx,), vals)
+    out = vals.new_zeros((layout.T, *out_shape)).index_put((plan.out_tokens,), vals)
     cap = None
     if len(layout.capture):
-        seg_of = np.searchsorted(seg_start, layout.capture, side="right") - 1
+        seg_of = np.searchsorted(layout.seg_start, layout.capture, side="right") - 1
         cap = torch.stack([final[int(s)] for s in seg_of])
     return out, cap

@@ -119,6 +119,9 @@ class TreeBatch:
     mrope_position_ids: Optional[torch.Tensor] = None
     # a part of a row (subset) whose M-RoPE positions are its parent's: (parent row, token indices)
     mrope_parent: Optional[Any] = None
+    # host (numpy) copies of tensor fields, made where the row was built or before it moved to a
+    # device: name -> (the tensor they mirror, its values); see :meth:`host`
+    _host_copies: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -136,7 +139,7 @@ class TreeBatch:
         scale = np.divide(1.0, n_b, out=np.zeros(B), where=n_b > 0)
         idx = tree.branch_tokens
         t = lambda a, dt=torch.long: torch.from_numpy(np.ascontiguousarray(a)).to(dt)  # noqa: E731
-        return cls(
+        row = cls(
             input_ids=t(tree.input_ids),
             position_ids=t(tree.depth),
             parent=t(tree.parent),
@@ -161,6 +164,11 @@ class TreeBatch:
             image_row=None if getattr(tree, "image_row", None) is None or getattr(tree, "images", None) is None
             else t(tree.image_row),
         )
+        for f in fields(row):  # host copies (numpy views of the CPU tensors: no copy)
+            x = getattr(row, f.name)
+            if isinstance(x, torch.Tensor) and not x.requires_grad:
+                row._host_copies[f.name] = (x, x.numpy())
+        return row
 
     @classmethod
     def pack(cls, batches: Sequence["TreeBatch"]) -> "TreeBatch":
@@ -298,11 +306,11 @@ class TreeBatch:
 
     @property
     def flat_tokens(self) -> int:
-        return int(self.branch_ptr[-1])
+        return int(self.host("branch_ptr")[-1])
 
     @property
     def max_depth(self) -> int:
-        return int(self.position_ids.max()) + 1 if self.num_tokens else 0
+        return int(self.host("position_ids").max()) + 1 if self.num_tokens else 0
 
     @property
     def device(self) -> torch.device:
@@ -327,8 +335,13 @@ class TreeBatch:
     # loss folding ----------------------------------------------------------------------
     def token_weights(self, aggregation: str) -> torch.Tensor:
         """Folded per-token weights ``W [N]`` (float64) for ``aggregation``, before normalisation."""
+        return getattr(self, self.weight_field(aggregation))
+
+    @staticmethod
+    def weight_field(aggregation: str) -> str:
+        """The field holding the folded per-token weights for ``aggregation``."""
         check_aggregation(aggregation)
-        return self.target_weight_mean if aggregation == "seq-mean-token-mean" else self.target_weight_sum
+        return "target_weight_mean" if aggregation == "seq-mean-token-mean" else "target_weight_sum"
 
     def norm_contribution(self, aggregation: str) -> float:
         """This row's share of the normaliser ``Z``; sum these over an optimizer step."""
@@ -341,14 +354,45 @@ class TreeBatch:
 
     # movement --------------------------------------------------------------------------
     def to(self, device: Any) -> "TreeBatch":
-        kw = {
-            f.name: getattr(self, f.name).to(device)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
+        """The row on ``device``; it keeps host copies of its tensors (:meth:`host`), so that
+        planning on the device's row never reads the device back."""
+        kw, copies = {}, {}
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if isinstance(x, torch.Tensor):
+                kw[f.name] = x.to(device)
+                known = self._host_copy(f.name)
+                if known is None and x.device.type == "cpu":
+                    known = x.numpy() if not x.requires_grad else None
+                if known is not None:
+                    copies[f.name] = (kw[f.name], known)
         if self.images is not None:
             kw["images"] = self.images.to(device)
-        return replace(self, **kw)
+        return replace(self, _host_copies=copies, **kw)
+
+    def _host_copy(self, name: str) -> Optional[np.ndarray]:
+        entry = self._host_copies.get(name)
+        return entry[1] if entry is not None and entry[0] is getattr(self, name) else None
+
+    def targets(self, field_name: str = "target_count") -> torch.Tensor:
+        """``[M]`` tree tokens that have a parent and a non-zero ``field_name`` (by default: a
+        target of some branch), planned on the host and uploaded in one copy."""
+        from treelit.utils.dispatch import upload
+
+        return upload(np.flatnonzero((self.host(field_name) != 0) & (self.host("parent") >= 0)), self.device)
+
+    def host(self, name: str) -> np.ndarray:
+        """The values of tensor field ``name`` as a host (numpy) array, read-only by contract.
+
+        A row built on the host (:meth:`from_tree`) or moved from there (:meth:`to`) keeps them,
+        so the step's planning (segment tables, selections, layouts) never asks the device: on a
+        GPU each such read would be a host sync. A row made on the device copies the field once."""
+        known = self._host_copy(name)
+        if known is None:
+            x = getattr(self, name)
+            known = x.detach().cpu().numpy()
+            self._host_copies[name] = (x, known)
+        return known
 
     def advantage_weights(self, aggregation: str):
         """Folded ``(sum_b c_b max(A_b,0), sum_b c_b min(A_b,0))`` per token for ``aggregation``."""
@@ -363,18 +407,19 @@ class TreeBatch:
         """Raise a clear error if a token id is outside the vocabulary or a branch is too long."""
         if self.num_tokens == 0:
             raise TreeInputError("empty batch: no tokens")
-        bad = (self.input_ids < 0) | (self.input_ids >= vocab_size)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
+        ids = self.host("input_ids")
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if len(bad):
+            i = int(bad[0])
             b = self._branch_of_token(i)
             raise TreeInputError(
-                f"token id {int(self.input_ids[i])} at position {int(self.position_ids[i])} of branch {b} "
+                f"token id {int(ids[i])} at position {int(self.host('position_ids')[i])} of branch {b} "
                 f"is outside the model's vocabulary (size {vocab_size})"
             )
         if max_seq_len is not None:
-            lengths = torch.diff(self.branch_ptr)
-            too_long = torch.nonzero(lengths > max_seq_len)
-            if too_long.numel():
+            lengths = np.diff(self.host("branch_ptr"))
+            too_long = np.flatnonzero(lengths > max_seq_len)
+            if len(too_long):
                 b = int(too_long[0])
                 raise TreeInputError(
                     f"branch {b} has {int(lengths[b])} tokens, more than the model's max_seq_len "

@@ -63,7 +63,10 @@ def decode_routing(value: Any, where: str = "routed_experts") -> np.ndarray:
         n = math.prod(shape)  # Python ints: no overflow, so the byte count is checked before any array is made
         if len(raw) != n * dt.itemsize:
             raise _fail(where, f"b64 holds {len(raw)} bytes, shape {shape} of {dtype} needs {n * dt.itemsize}")
-        arr = np.frombuffer(raw, dtype=dt).astype(np.int64).reshape(shape)
+        try:  # an empty array can still have a dimension numpy cannot hold ([2**62, 0, 2])
+            arr = np.frombuffer(raw, dtype=dt).astype(np.int64).reshape(shape)
+        except ValueError:
+            raise _fail(where, f"shape {shape} is larger than an array can be") from None
     else:
         if not isinstance(value, (list, np.ndarray)):
             raise _fail(where, f"must be a [tokens][moe_layers][top_k] list of expert ids or "
