@@ -2,9 +2,10 @@
 reference is generated and complete, and every recipe's commands run as written.
 
 Recipes are the ``bash`` blocks of docs/recipes.md preceded by ``<!-- recipe: NAME -->``; each runs
-in a fresh folder with ``CKPT``, ``HYBRID_CKPT`` and ``DATA`` pointing at a tiny random Qwen3
-checkpoint, a tiny random Qwen3.5 checkpoint and a small token-tree file, and ``examples/`` the
-checkout's (as from the checkout's root), and must exit 0. One recipe runs in the default suite,
+in a fresh folder with ``examples/`` the checkout's (as from the checkout's root), starting from what
+an offline checkout has (a bundled data file, the quick start's export, an example script: no
+variable to set, but the SGLang recipe's ``CKPT``, the checkpoint its server serves, here a tiny
+random Qwen3), must exit 0 and must write nothing outside ``out/``, the folder .gitignore ignores. One recipe runs in the default suite,
 the others with ``-m slow``. Two recipes need a service the machine does not have and run against a
 local stand-in for it: ``slurm`` with ``sbatch`` and ``srun`` from tests/slurm_standin.py first on
 ``PATH``, ``online_rl_sglang`` with tests/sglang_standin.py serving ``CKPT`` as an SGLang server on
@@ -135,21 +136,12 @@ def test_docs_build_strictly(tmp_path):
 @pytest.fixture(scope="module")
 def recipe_inputs(tmp_path_factory):
     from hf_oracle import random_hf_checkpoint
-    from models.test_hf_hybrid import HYBRID
 
     root = tmp_path_factory.mktemp("recipe_inputs")
-    model_type, cfg = HYBRID["qwen3_5"]
-    random_hf_checkpoint(root / "hybrid", model_type, **dict(cfg, vocab_size=64))
     random_hf_checkpoint(root / "qwen3", "qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                          num_hidden_layers=2)
-    with open(root / "trees.jsonl", "w") as f:
-        for i in range(6):
-            prefix = [1, 2 + i, 3, 4, 5]
-            f.write(json.dumps({"id": f"t{i}", "branches": [
-                {"input_ids": prefix + [6, 7 + i]}, {"input_ids": prefix + [8, 9, 10 + i]},
-                {"input_ids": prefix[:3] + [11, 12], "loss_mask": [0, 0, 0, 1, 1]}]}) + "\n")
-    return {"CKPT": str(root / "qwen3"), "HYBRID_CKPT": str(root / "hybrid"), "DATA": str(root / "trees.jsonl")}
+    return {"CKPT": str(root / "qwen3")}
 
 
 def _recipe_params():
@@ -161,8 +153,32 @@ def test_every_recipe_is_run_by_a_test():
     assert set(STANDIN_RECIPES) <= set(recipes()), "a recipe with a stand-in test is gone or renamed"
 
 
-def _run_recipe(name, inputs, cwd: Path, path=()):
-    """Run recipe ``name`` in ``cwd`` as written (``path``: folders put first on ``PATH``)."""
+def test_recipes_start_from_what_a_checkout_has_and_write_under_one_ignored_folder():
+    """No recipe needs a file the reader must find first (the SGLang recipe's server checkpoint
+    aside): each starts from a bundled file, the quick start's export or an example script. Every
+    path a recipe writes is under out/, which .gitignore ignores (the runs once left untracked
+    folders in the checkout)."""
+    assert "/out/" in (REPO / ".gitignore").read_text().splitlines()
+    for name, block in recipes().items():
+        needs = set(re.findall(r"\$(\w+)", block)) - ({"CKPT"} if name == "online_rl_sglang" else set())
+        assert not needs, f"recipe {name!r} reads {sorted(needs)}, which an offline reader does not have"
+        for key in ("output_dir", "rl_dir", "data.directory", "publish.dir"):
+            for value in re.findall(rf"\b{re.escape(key)}=(\S+)", block):
+                assert value.startswith("out/"), (name, key, value)
+        for flag in ("--out", "--publish-dir", "--prompts"):
+            for value in re.findall(rf"{flag} (\S+)", block):
+                assert value.startswith("out/"), (name, flag, value)
+        for target in re.findall(r"> (\S+)", block):
+            assert target.startswith("out/"), (name, target)
+        if "treelit-train" in block and name != "slurm":  # (slurm: submitted from out/, see its test)
+            for cmd in re.split(r"\n(?!\s)", block):
+                if "treelit-train" in cmd and "resume_from" not in cmd:
+                    assert "output_dir=out/" in cmd or "rl_dir=out/" in cmd, (name, cmd)
+
+
+def _run_recipe(name, inputs, cwd: Path, path=(), extra=()):
+    """Run recipe ``name`` in ``cwd`` as written (``path``: folders put first on ``PATH``; ``extra``:
+    what the test itself put in ``cwd``)."""
     env = dict(os.environ, **inputs, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db")
     env["PATH"] = os.pathsep.join([*map(str, path), str(Path(sys.executable).parent), env.get("PATH", "")])
     (cwd / "examples").symlink_to(REPO / "examples")  # the recipes run from the checkout's root
@@ -179,6 +195,9 @@ def _run_recipe(name, inputs, cwd: Path, path=()):
                            capture_output=True)
     assert res.returncode == 0, f"recipe {name!r} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert "error:" not in res.stderr
+    # (the MLflow store, mlflow.db and mlruns/ beside it, is shared by every run, ignored by git too)
+    left = {p.name for p in cwd.iterdir()} - {"out", "examples", "mlflow.db", "mlflow.db.lock", "mlruns", *extra}
+    assert not left, f"recipe {name!r} wrote {sorted(left)} outside out/"
     return res
 
 
@@ -195,14 +214,15 @@ def test_slurm_recipe_runs_with_a_standin_for_sbatch_and_srun(recipe_inputs, tmp
     "nodes" of one task each train as one run named after the job."""
     from slurm_standin import install
 
-    res = _run_recipe("slurm", recipe_inputs, tmp_path, path=[install(tmp_path / "standin-bin")])
+    res = _run_recipe("slurm", recipe_inputs, tmp_path, path=[install(tmp_path / "standin-bin")],
+                      extra=["standin-bin"])
     job = re.search(r"Submitted batch job (\d+)", res.stdout)
     assert job, res.stdout
-    log = (tmp_path / f"slurm-{job[1]}.out").read_text()
+    log = (tmp_path / "out" / f"slurm-{job[1]}.out").read_text()
     assert "error:" not in log, log
-    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    runs = sorted(p.name for p in (tmp_path / "out" / "outputs").iterdir())
     assert runs == [f"slurm-{job[1]}"], f"one run folder named after the job, got {runs}"
-    out = tmp_path / "outputs" / runs[0]
+    out = tmp_path / "out" / "outputs" / runs[0]
     assert json.loads((out / "summary.json").read_text())["global_step"] == 2
     # both tasks trained: rank 1 logged beside rank 0, and the sharded checkpoint holds both ranks' shards
     assert (out / "train.log").is_file() and (out / "train.rank1.log").is_file()
@@ -236,7 +256,7 @@ def test_sglang_recipe_runs_against_a_standin_server(recipe_inputs, tmp_path):
                 time.sleep(0.1)
         else:
             pytest.fail("the SGLang stand-in did not come up within 60 s")
-        res = _run_recipe("online_rl_sglang", recipe_inputs, tmp_path)
+        res = _run_recipe("online_rl_sglang", recipe_inputs, tmp_path, extra=["standin_calls.jsonl", "standin.log"])
     finally:
         server.terminate()
         server.wait(30)
@@ -245,7 +265,7 @@ def test_sglang_recipe_runs_against_a_standin_server(recipe_inputs, tmp_path):
     updates = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [(u["body"]["weight_version"], Path(u["body"]["model_path"]).name, u["success"]) for u in updates] == [
         (str(v), f"step-{v}", True) for v in range(4)], updates  # versions 0 (initial weights) to 3
-    files = sorted((tmp_path / "rl" / "rollouts").iterdir())
+    files = sorted((tmp_path / "out" / "rl" / "rollouts").iterdir())
     assert [p.name for p in files] == [f"step-{i:06d}.jsonl.consumed" for i in range(3)], files
     for i, f in enumerate(files):
         records = [json.loads(line) for line in f.read_text().splitlines()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, List, Optional
@@ -48,3 +49,10 @@ def runs(uri: str, experiment: str = "treelit"):
     if exp is None:
         return client, []
     return client, sorted(client.search_runs([exp.experiment_id]), key=lambda r: r.info.start_time)
+
+
+def quotes_balance(msg: str) -> bool:
+    """Every quotation mark of ``msg`` has its partner (an apostrophe inside a word is none)."""
+    bare = re.sub(r"(?<=\w)'(?=\w)", "", msg)  # run's, don't
+    bare = re.sub(r"(?<=s)'(?=[\s,;:)])", "", bare)  # the processes' (a plural's apostrophe)
+    return all(bare.count(q) % 2 == 0 for q in ("'", '"', "`"))

@@ -157,7 +157,9 @@ def test_a_redirected_run_prints_a_few_plain_lines_not_bar_frames(monkeypatch, c
         _fake_run(bar, 300, 0.25, clock, File())
     lines = [r.getMessage() for r in caplog.records if r.name == "treelit.lightning.callbacks"]
     assert bar._lines and not bar.is_enabled  # Lightning's bar draws nothing
-    assert lines[0].startswith("step 1/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (0s, about ")
+    # the first step's line gives no estimate: a first step pays for compilation and warm-up
+    assert lines[0] == "step 1/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (0s)"
+    assert lines[1] == "step 81/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (20s, about 55s left)"
     assert lines[-1] == "step 300/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (1m15s)"
     steps = [int(re.match(r"step (\d+)/300", x).group(1)) for x in lines]
     assert steps == [1, 81, 161, 241, 300], steps
@@ -181,6 +183,52 @@ def test_a_terminal_keeps_the_bar_and_plain_can_be_forced(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="treelit.lightning.callbacks"):
         _fake_run(forced, 5, 1.0, clock, Terminal())
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"step {n}/5" for n in range(1, 6)]
+
+
+def test_the_time_left_is_not_extrapolated_from_the_first_step(monkeypatch, caplog):
+    """A 39 s run whose first step took 30 s was told "about 4m52s left" after it: the estimate
+    comes from the steps after the first."""
+    from treelit.lightning import callbacks
+    from treelit.lightning.callbacks import TreeProgressBar
+
+    clock = _Clock()
+    monkeypatch.setattr(callbacks.time, "monotonic", clock)
+
+    class File:
+        def isatty(self):
+            return False
+
+    bar = TreeProgressBar(log_every_s=0)
+    bar.get_metrics = lambda trainer, module: {}
+    trainer = types.SimpleNamespace(global_step=0, max_steps=10, is_global_zero=True)
+    old = sys.stdout
+    sys.stdout = File()
+    try:
+        bar.setup(trainer, None, "fit")
+    finally:
+        sys.stdout = old
+    bar._start, bar._last_line = (clock(), 0), None
+    with caplog.at_level(logging.INFO, logger="treelit.lightning.callbacks"):
+        for n, seconds in enumerate([30.0] + [1.0] * 9, start=1):
+            clock.t += seconds
+            trainer.global_step = n
+            bar.on_train_batch_end(trainer, None, {"loss": 5.8}, None, n - 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:3] == ["step 1/10 (30s)", "step 2/10 (31s, about 8s left)", "step 3/10 (32s, about 7s left)"], lines
+    assert lines[-1] == "step 10/10 (39s)"
+
+
+def test_under_the_bar_the_step_lines_go_to_the_log_file_only(tmp_path, cli_main, capsys):
+    """A run on a terminal draws the bar; its train.log still gets the step lines, its console
+    does not (the bar shows them)."""
+    out = tmp_path / "run"
+    assert cli_main("model.config.num_layers=1", "model.config.embed_dim=32", "model.config.intermediate_dim=64",
+                    "data.max_trees=8", "logger=none", "trainer.max_steps=3", "callbacks.progress.plain=false",
+                    f"output_dir={out}") == 0
+    logged = [ln for ln in (out / "train.log").read_text().splitlines() if re.search(r"step \d/3", ln)]
+    assert [re.search(r"step (\d)/3", ln).group(1) for ln in logged] == ["1", "3"], logged
+    printed = capsys.readouterr()
+    assert not re.search(r"^step \d/3", printed.out, re.M), printed.out
 
 
 # streamed data: counted as read ----------------------------------------------------------------
@@ -378,6 +426,15 @@ def test_list_selects_every_kind_and_group_as_the_readme_table_does(capsys):
             assert re.search(rf"\b{name}\b", sections[group]), (group, name)
         groups += 1
     assert groups >= 12
+    # and the other way: every config group `treelit list` shows has its row, every option of it is named
+    rows = {re.match(r"\| `(\w+)` \|", row).group(1): row for row in table}
+    for group, text in sections.items():
+        listed = re.search(r"config (?:options|presets): (.*)", text)
+        if listed is None or group not in sections or "select with " + group + "=NAME" not in text:
+            continue
+        assert group in rows, f"the guide's table of config groups lacks {group}"
+        for name in listed.group(1).split(", "):
+            assert f"`{name}`" in rows[group], (group, name)
 
 
 def test_a_default_run_without_triton_prints_no_triton_warning(tmp_path):
@@ -409,6 +466,39 @@ def test_an_online_rl_summary_shows_the_sampler_kl_and_says_why_the_first_update
     assert "0 is expected" in policy
     last.update(approx_kl=0.01, clip_frac=0.05)
     assert "0 is expected" not in format_summary(s)
+
+
+def test_a_summary_whose_first_step_is_its_last_shows_each_value_once():
+    """Two updates of one step batch (ppo_epochs=2, max_steps=2): the first recorded step is the
+    last. The summary once compared "(step 2 -> 2)" and a GSPO loss "-0.000 -> -0.000"."""
+    from treelit.cli.summary import format_summary
+
+    one = {"step": 2, "reward_mean": 0.4667, "seq_ratio_mean": 0.9951}
+    s = {"global_step": 2, "wall_seconds": 9.0, "rl": {"first": dict(one), "last": dict(one)},
+         "reward_margin": {"first": {"step": 0, "margin": -0.01, "logp_high": -6.2, "logp_low": -6.2},
+                           "last": {"step": 2, "margin": 0.08, "logp_high": -6.24, "logp_low": -6.32}},
+         "config": "c.yaml"}
+    out = format_summary(s)
+    assert "  reward      mean 0.467 over the step's branches (step 2)" in out
+    assert "  policy      sequence ratio 0.9951 (step 2)" in out
+    assert "  margin      -0.01 -> 0.08 nats (step 0 -> 2)" in out
+    assert "2 -> 2" not in out and "-0.000" not in out
+    sft = {"global_step": 2, "wall_seconds": 4.0, "loss": {"first": [2, -2.838e-09], "last": [2, -2.838e-09]},
+           "config": "c.yaml"}
+    assert format_summary(sft).splitlines()[0] == "done: 2 steps in 4s; loss -2.8e-09 (step 2)"
+
+
+def test_a_gspo_step_is_recorded_as_an_rl_step():
+    """GSPO logs its sequence ratio, not a token clip fraction: its steps are RL steps, so the
+    summary has its reward line."""
+    from treelit.lightning.callbacks import StepMetrics
+
+    batch = types.SimpleNamespace(micro_batches=[types.SimpleNamespace(branch_fields={"reward": [1.0, 0.0, None]})])
+    trainer = types.SimpleNamespace(callback_metrics={"seq_ratio_mean": 0.99, "loss": -2e-9}, global_step=2,
+                                    max_steps=2, log_every_n_steps=1)
+    cb = StepMetrics()
+    cb.on_train_batch_end(trainer, None, {"loss": -2e-9}, batch, 0)
+    assert cb.rl_first == cb.rl_last == {"step": 2, "reward_mean": 0.5, "seq_ratio_mean": 0.99}
 
 
 def test_a_resumed_run_says_how_many_steps_its_time_covers():

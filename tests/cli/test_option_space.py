@@ -2,11 +2,13 @@
 validation or is refused in one line naming one of its bad options, and the test's own judge
 (written from the rules the docs state, not from ``treelit.cli.option_checks``) agrees on which.
 
-Three generated sets: the full product of the process axes (strategy x devices x nodes x replicate
+Four generated sets: the full product of the process axes (strategy x devices x nodes x replicate
 degree x context-parallel degree), an all-pairs cover of every axis (each pair of values of any two
-axes meets in at least one combination), and an all-pairs cover of the values this machine can
-train with. Validation only (no model, no data): the
-default suite. A sample of the passing combinations trains one step in the slow set - a
+axes meets in at least one combination), an all-pairs cover of the values this machine can train
+with, and an all-pairs cover of the model axes over values otherwise good. The model axes: a dense
+or a MoE preset, the MoE routing mode (a typo among them), and ``model.vision=true`` on a
+vision-language checkpoint (its config.json only: nothing is loaded). Every refusal's quotes
+balance. Validation only (no model, no data): the default suite. A sample of the passing combinations trains one step in the slow set - a
 combination that passes validation and fails later is what that test exists to catch."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import pytest
 from omegaconf import OmegaConf
 
-from cli_helpers import TINY, cli_cmd, cli_env
+from cli_helpers import TINY, cli_cmd, cli_env, quotes_balance
 from treelit.cli.config import CONF_DIR, ConfigError, compose, validate_config
 
 PROCESS_AXES = {
@@ -44,6 +46,10 @@ AXES = {
     "grad_clip": [None, 0.0, 1.0, -1.0],
     "lr": [3e-3, 1e39, -1.0],
     "reference": ["data", "base", "initial"],
+    "model": ["tiny", "moe"],
+    "routing": ["live", "replay", "replayed"],
+    "vision": [False, True],
+    "verify_every": [0, 2],
 }
 DEFAULTS = {name: values[0] for name, values in AXES.items()}
 # the values this machine can train with (one node, two processes, a budget the data's paths fit)
@@ -52,6 +58,13 @@ TRAIN_AXES = {
     "cp": [1, 2], "partition": ["none", "free-null", "free-512"], "critic": ["none", "shared"],
     "objective": ["sft", "grpo", "ppo"], "lora": [None, 4], "lora_dropout": [0.0], "mode": ["tree", "linear"],
     "grad_clip": [None, 0.0, 1.0], "lr": [3e-3], "reference": ["data", "initial"],
+}
+
+# the model's axes over values that are otherwise good: the routing and vision judgements are the ones met
+MODEL_AXES = {
+    "trainer": ["cpu", "ddp_cpu", "fsdp2_cpu"], "devices": [1, 2], "cp": [1, 2], "mode": ["tree", "linear"],
+    "partition": ["none", "free-null"], "verify_every": [0, 2], "model": ["tiny", "moe"],
+    "routing": ["live", "replay", "replayed"], "vision": [False, True],
 }
 
 
@@ -77,10 +90,16 @@ def all_pairs(axes: Dict[str, Sequence], seed: int = 0) -> List[Dict]:
     return rows
 
 
+def train_pairs() -> List[Dict]:
+    """The all-pairs cover of the values this machine can train with (the model axes at their defaults)."""
+    return [dict(DEFAULTS, **c) for c in all_pairs(TRAIN_AXES, seed=1)]
+
+
 def combinations() -> List[Dict]:
     product = [dict(DEFAULTS, **dict(zip(PROCESS_AXES, values)))
                for values in itertools.product(*PROCESS_AXES.values())]
-    return product + all_pairs(AXES) + all_pairs(TRAIN_AXES, seed=1)
+    model = [dict(DEFAULTS, **c) for c in all_pairs(MODEL_AXES, seed=2)]
+    return product + all_pairs(AXES) + train_pairs() + model
 
 
 def judge(c: Dict) -> Set[str]:
@@ -114,10 +133,32 @@ def judge(c: Dict) -> Set[str]:
         bad.add("grad_clip")
     if c["lr"] < 0 or c["lr"] > 3.4e38:
         bad.add("optimizer.lr")
+    if fsdp and c["verify_every"]:
+        bad.add("verify_every")
+    # MoE routing: live or replay; replay needs a model with MoE layers (the vision checkpoint has none)
+    if c["routing"] not in ("live", "replay"):
+        bad.add("model.moe.routing")
+    elif c["routing"] == "replay" and (c["vision"] or c["model"] != "moe"):
+        bad.add("model.moe.routing")
+    # the vision tower runs in tree mode, in one process, without context parallelism or the
+    # per-branch verification
+    if c["vision"] and (c["mode"] != "tree" or c["verify_every"] or world > 1 or fsdp
+                        or (c["trainer"] != "cpu" and c["cp"] > 1)):
+        bad.add("model.vision=true")
     return bad
 
 
 _COMPOSED: Dict[tuple, object] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def vision_checkpoint() -> str:
+    """A folder with the config.json of a vision-language checkpoint (no weights: nothing is loaded)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="treelit-vl-"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {"depth": 1}}))
+    return str(folder)
 
 
 def config(c: Dict):
@@ -127,12 +168,18 @@ def config(c: Dict):
     if c["trainer"] not in _COMPOSED:
         _COMPOSED[c["trainer"]] = compose([f"trainer={c['trainer']}"])
     cfg = copy.deepcopy(_COMPOSED[c["trainer"]])
+    if c["vision"]:  # model=hf_auto on a vision checkpoint
+        cfg.model = OmegaConf.load(Path(CONF_DIR) / "model" / "hf_auto.yaml")
+        cfg.model.hf_checkpoint, cfg.model.vision = vision_checkpoint(), True
+    elif c["model"] == "moe":
+        cfg.model = OmegaConf.load(Path(CONF_DIR) / "model" / "qwen3_moe_tiny.yaml")
     for group, name in (("partition", "none" if c["partition"] == "none" else "redundancy_free"),
                         ("critic", c["critic"]), ("objective", c["objective"])):
         cfg[group] = OmegaConf.load(Path(CONF_DIR) / group / f"{name}.yaml")
     values = {"trainer.devices": c["devices"], "trainer.num_nodes": c["num_nodes"], "mode": c["mode"],
               "grad_clip": c["grad_clip"], "optimizer.lr": c["lr"], "model.lora.rank": c["lora"],
-              "model.lora.dropout": c["lora_dropout"]}
+              "model.lora.dropout": c["lora_dropout"], "model.moe.routing": c["routing"],
+              "verify_every": c["verify_every"]}
     if c["trainer"] != "cpu":
         values["trainer.strategy.context_parallel_degree"] = c["cp"]
     if c["trainer"] == "fsdp2_cpu":
@@ -163,6 +210,7 @@ def _name(c: Dict) -> str:
 
 def test_every_combination_passes_or_is_refused_in_one_line_naming_a_bad_option():
     combos = combinations()
+    assert any(c["vision"] for c in combos) and any(c["routing"] == "replay" and c["model"] == "moe" for c in combos)
     assert len(combos) >= 300  # the product of the process axes (270) and the all-pairs covers
     wrong = []
     for c in combos:
@@ -173,6 +221,8 @@ def test_every_combination_passes_or_is_refused_in_one_line_naming_a_bad_option(
             wrong.append(f"{_name(c)}: refused ({msg}), but nothing is wrong")
         elif msg is not None and ("\n" in msg or not any(b in msg for b in bad)):
             wrong.append(f"{_name(c)}: the refusal names none of {sorted(bad)} in one line: {msg!r}")
+        elif msg is not None and not quotes_balance(msg):
+            wrong.append(f"{_name(c)}: the refusal's quotes do not balance: {msg!r}")
     assert not wrong, f"{len(wrong)} of {len(combos)}:\n" + "\n".join(wrong[:20])
 
 
@@ -215,7 +265,7 @@ def training_sample(n: int = 8) -> List[Dict]:
     """Passing combinations of the values this machine can train with (one node, at most two
     processes, no DPO: no bundled preference pairs), spread over strategies, partitioning, LoRA,
     critic and CP."""
-    ok = [c for c in all_pairs(TRAIN_AXES, seed=1) if verdict(c) is None]
+    ok = [c for c in train_pairs() if verdict(c) is None]
     picked, seen = [], set()
     for c in ok:
         key = (c["trainer"], c["cp"] > 1, c["partition"] != "none", bool(c["lora"]), c["critic"])

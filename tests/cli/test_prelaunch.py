@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from cli_helpers import TINY, cli_cmd, cli_env
+from cli_helpers import TINY, cli_cmd, cli_env, quotes_balance
 from treelit.cli.config import ConfigError, compose, validate_config
 
 
@@ -25,6 +25,7 @@ def _refusal(*overrides: str) -> str:
         validate_config(compose(list(overrides)))
     msg = str(info.value)
     assert "\n" not in msg, msg
+    assert quotes_balance(msg), msg
     return msg
 
 

@@ -271,6 +271,36 @@ def test_a_resumed_run_says_how_many_steps_kept_the_earlier_values(tmp_path, mlf
                                                           (5, 15.0), (6, 16.0)]
 
 
+def test_a_clean_resume_says_nothing_about_redone_steps(tmp_path, mlflow_db, caplog):
+    """A run resumed from its last step redoes nothing: once its data statistics (logged at step 0
+    when the run began) made it say "kept the earlier run's values for 1 redone step(s) (0-0)"."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    from treelit.cli.config import compose
+    from treelit.cli.train import _start_tracking
+    from treelit.lightning.mlflow_logger import TreeMLFlowLogger
+
+    _, uri = mlflow_db
+    cfg = compose(["logger=none", f"output_dir={tmp_path}"])
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    stats = {"trees": 8, "branches": 68}
+    lg = TreeMLFlowLogger(tracking_uri=uri, run_name="first")
+    _start_tracking([lg], cfg, stats, tmp_path, None)
+    for step in range(2):
+        lg.log_metrics({"loss": float(step)}, step=step)
+    lg.finalize("success")
+    again = TreeMLFlowLogger(tracking_uri=uri, run_name="first", run_id=lg.run_id)
+    with caplog.at_level(logging.INFO, logger="treelit.lightning.mlflow_logger"):
+        _start_tracking([again], cfg, stats, tmp_path, {"global_step": 2, "path": str(tmp_path / "last.ckpt")})
+        for step in range(2, 4):  # the checkpoint was at step 2: nothing is redone
+            again.log_metrics({"loss": 10.0 + step}, step=step)
+        again.finalize("success")
+    assert not [r.getMessage() for r in caplog.records if "redone" in r.getMessage()]
+    assert [m.value for m in MlflowClient(uri).get_metric_history(lg.run_id, "data/trees")] == [8.0]
+
+
 def test_a_checkpoint_written_over_a_hard_link_leaves_the_linked_file_alone(tmp_path):
     """resume_from=auto makes last.ckpt.partial a hard link to step-N.ckpt; if that link
     survived, the next write of last.ckpt.partial must make a new file, not truncate step-N."""

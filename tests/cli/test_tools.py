@@ -84,3 +84,78 @@ def test_stats_errors_are_one_line(tmp_path, capsys):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert f"treelit stats: error: " in err and expected in err and "Traceback" not in err, err
+
+
+def _vision_chat(tmp_path):
+    """A processor folder (Qwen's vision tokens, a tiny image processor) and two conversations
+    whose calls show one shared screenshot and one of their own."""
+    import numpy as np
+
+    from treelit.data.tokenizers import build_qwen_vl_tokenizer
+    from vision_oracle import image_processor, random_image
+
+    proc = build_qwen_vl_tokenizer(tmp_path / "proc")
+    image_processor().save_pretrained(proc)
+    rng = np.random.default_rng(0)
+    for name in ("home", "a", "b"):
+        random_image(rng, 16, 24).save(tmp_path / f"{name}.png")
+
+    def conv(shot):
+        return [{"role": "user", "content": [{"type": "image", "image": "home.png"}, {"type": "text", "text": "go"}]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [{"type": "image", "image": f"{shot}.png"}]},
+                {"role": "assistant", "content": "done"}]
+
+    path = tmp_path / "agent.jsonl"
+    path.write_text("".join(json.dumps({"id": s, "group": "g", "messages": conv(s)}) + "\n" for s in ("a", "b")))
+    return path, proc
+
+
+def test_stats_reads_image_records_with_a_processor(tmp_path, capsys):
+    """Its error once asked for tree_builder.processor_path, an option treelit stats does not have."""
+    pytest.importorskip("PIL")
+    path, proc = _vision_chat(tmp_path)
+    assert main(["stats", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pass --processor with the vision checkpoint's folder" in err, err
+    assert "tree_builder" not in err
+    assert main(["stats", str(path), "--processor", str(proc), "--group-key", "group"]) == 0
+    out = capsys.readouterr().out
+    assert f"(processor {proc})" in out and "trees: 1" in out
+    # four calls: the first two show home.png only (one shared prefix), the last two home.png and their own
+    assert "images: 6" in out and "distinct_images: 3" in out and "shared_images: 1" in out, out
+
+
+def test_stats_reads_recorded_moe_routing(tmp_path, capsys):
+    from treelit.tree.routing import encode_routing
+
+    path = tmp_path / "moe.jsonl"
+    rows = [{"id": f"r{i}", "branches": [{"input_ids": [1, 2, 3 + i], "routed_experts": [[[0, 1], [2, 3]]] * 3},
+                                         {"input_ids": [1, 2, 9],  # (the shared tokens agree)
+                                          "routed_experts": encode_routing([[[0, 1], [2, 3]]] * 2 + [[[0, 5], [1, 2]]])},
+                                         {"input_ids": [1, 7]}]} for i in range(2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    for line in ("routed_branches: 4", "moe_layers: 2", "top_k: 2", "max_expert_id: 5"):
+        assert line in out, (line, out)
+    rows[1]["branches"][0]["routed_experts"] = [[[0, 1], [2]]] * 3  # ragged: checked as training checks it
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["stats", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:2: branches[0].routed_experts" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_data_train_path_takes_a_bundled_name_as_treelit_stats_does(tmp_path):
+    from app_helpers import SMALL
+    from treelit.cli.config import ConfigError, validate_config
+    from treelit.cli.train import run
+
+    cfg = compose([*SMALL, "data=jsonl", "data.train_path=synthetic_agentic.jsonl.gz", "data.max_trees=4",
+                   "trainer.max_steps=1", "logger=none", f"output_dir={tmp_path / 'out'}"])
+    validate_config(cfg)
+    summary = run(cfg)
+    assert summary["global_step"] == 1 and summary["data"]["trees"] == 4
+    with pytest.raises(ConfigError, match=r"data.train_path: data file 'synthetic_agentic.jsonl' does not exist \(nor "
+                                          r"is it a bundled data file: .*synthetic_agentic.jsonl.gz"):
+        validate_config(compose(["data=jsonl", "data.train_path=synthetic_agentic.jsonl"]))

@@ -87,6 +87,13 @@ def test_image_parts_become_the_processors_tokens_and_pixels(builder, vl_dir, tm
     mask = tree.loss_mask(tree.num_branches - 1)
     ids = np.asarray(want)
     assert not mask[ids == 151655].any() and mask.any()  # image tokens are never targets
+    # the data's image counts (the start-up line, data statistics, the summary): per call, the
+    # first call's branch shows a, the second a and b
+    from treelit.lightning.data import _image_totals
+
+    want_counts = ({"images": 3, "distinct_images": 2, "shared_images": 1} if export == "per_call" else
+                   {"images": 2, "distinct_images": 2, "shared_images": 0})
+    assert _image_totals([tree]) == want_counts
 
 
 def test_raw_branches_reference_images_too(vl_dir, tmp_path):

@@ -12,9 +12,9 @@ import torch
 import treelit
 from app_helpers import SMALL
 from routing_oracle import routing_for
-from treelit.cli.config import compose
-from treelit.cli.console import SetupError
+from treelit.cli.config import ConfigError, compose
 from treelit.cli.train import run
+from treelit.data.records import DataError
 from treelit.tree.routing import encode_routing
 
 TREES = [[[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]], [[2, 9, 10, 3], [2, 9, 4]], [[5, 6, 7, 8, 9, 10, 11], [5, 6, 1]]]
@@ -78,11 +78,12 @@ def test_a_prefix_branch_with_short_records_steps_the_same_in_tree_and_linear_mo
 
 def test_replay_options_and_data_are_checked_before_training(tmp_path):
     data = write_data(tmp_path / "data.jsonl")
-    with pytest.raises(SetupError, match=r"model.moe.routing=replay needs a mixture-of-experts model; this model "
-                                         r"\(qwen3\) has no MoE layers"):
+    # (judged from the options, before the model is built: the preset's defaults name no experts)
+    with pytest.raises(ConfigError, match=r"model.moe.routing=replay needs a mixture-of-experts model; "
+                                          r"model.preset=qwen3_tiny has no MoE layers"):
         run(compose([f"output_dir={tmp_path / 'a'}", *SMALL, "model=qwen3_tiny", "model.moe.routing=replay",
                      "data=jsonl", f"data.train_path={data}"]))
     wrong = write_data(tmp_path / "wrong.jsonl", layers=3)
-    with pytest.raises(treelit.data.records.DataError,
+    with pytest.raises(DataError,
                        match=rf"^{wrong}:1: branches\[0\].routed_experts: routing for 3 MoE layers; the model has 2$"):
         run(compose([f"output_dir={tmp_path / 'b'}", *COMMON, f"data.train_path={wrong}", "model.moe.routing=replay"]))

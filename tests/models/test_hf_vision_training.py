@@ -128,7 +128,7 @@ def test_lora_on_the_language_model_with_images(pool, tmp_path_factory):  # noqa
 # -- refusals -----------------------------------------------------------------------------------------
 def _cfg(**over):
     base = {"mode": "tree", "verify_every": 0, "partition": {"name": "none"}, "critic": {"kind": "none"},
-            "trainer": {"strategy": "auto"}}
+            "trainer": {"strategy": "auto"}, "model": {"vision": True}}
     for k, v in over.items():
         base[k] = v
     return OmegaConf.create(base)
@@ -141,17 +141,17 @@ def _cfg(**over):
     ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "context_parallel_degree": 1}}},
      "trainer=fsdp2 with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
-     "trainer.strategy.context_parallel_degree with model.vision=true"),
+     "trainer.strategy.context_parallel_degree=2 with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.DDP"}, "devices": 2, "num_nodes": 1}},
      "trainer.devices=2 x trainer.num_nodes=1 with model.vision=true: several processes"),
 ])
-def test_what_does_not_run_with_images_is_refused_by_option(over, match, tmp_path_factory):
-    from treelit.cli.train import check_vision_run
+def test_what_does_not_run_with_images_is_refused_by_option(over, match):
+    from treelit.cli.config import ConfigError
+    from treelit.cli.model_option_checks import check_vision_options
 
-    ours, _ = models("qwen2_5_vl", tmp_path_factory)
-    check_vision_run(_cfg(), ours)  # the plain tree run passes
-    with pytest.raises(ValueError, match=match):
-        check_vision_run(_cfg(**over), ours)
+    check_vision_options(_cfg())  # the plain tree run passes (judged from the options: no model is built)
+    with pytest.raises(ConfigError, match=match):
+        check_vision_options(_cfg(**over))
 
 
 def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
@@ -160,11 +160,10 @@ def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
     text_model = treelit.build_model("qwen2_tiny", vocab_size=40, max_seq_len=64)
     with pytest.raises(treelit.TreeInputError, match="the row has images and this model has no vision tower"):
         treelit.tree_loss(text_model, tree)
-    from treelit.cli.train import check_vision_run
+    from treelit.cli.model_option_checks import check_vision_options
 
     # partitioning and a shared critic run with images
-    check_vision_run(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}),
-                     type("M", (), {"vision": object()})())
+    check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}))
 
 
 def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from treelit.builders.checks import check_limits, check_needs, check_pairs, lines, pinned
+from treelit.builders.checks import check_limits, check_live_routing, check_needs, check_pairs, lines, pinned
 from treelit.data.records import DataError, ReadStats, Record
 from treelit.rl.advantages import AdvantageError, compute_advantages, estimator_scope, groups_of
 from treelit.tree.token_tree import TokenTree
@@ -78,6 +78,13 @@ class Limits:
     # model.moe.routing=replay: (MoE layers, experts, top_k) every branch's routed_experts must fit
     # (None: the model routes live; with ``needs`` known, recorded routing is then dropped unread)
     routing: Optional[Tuple[int, int, int]] = None
+    # the model's experts per MoE layer (None: no MoE layers, or not known): under live routing a
+    # record's routed_experts is not used, but an expert id outside the model is still an error
+    experts: Optional[int] = None
+    # keep and check recorded routing without a model to fit (treelit stats: every field decoded as training would)
+    keep_routing: bool = False
+    # (one warning per run that live routing ignores recorded routing: set once it was given)
+    said: List[str] = field(default_factory=list, compare=False, repr=False)
 
 
 class _Own:
@@ -282,11 +289,14 @@ class Assembler:
         branches = b.encode(rec)
         if not branches:
             raise DataError(f"{src}: the record has nothing to train on")
+        if (self.limits.vocab_size is not None and self.limits.routing is None  # checked against a live model
+                and any(br.get("routed_experts") is not None for br in branches)):
+            check_live_routing(src, branches, self.limits)
         needs = self.limits.needs
         if needs is not None:
             drop = [k for k, need in (("advantage", "advantage"), ("old_logprobs", "old_logprobs"),
                                       ("ref_logprobs", "ref_logprobs")) if not needs.get(need)]
-            if self.limits.routing is None:
+            if self.limits.routing is None and not self.limits.keep_routing:
                 drop.append("routed_experts")
             for br in branches:
                 for k in drop:

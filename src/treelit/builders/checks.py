@@ -7,14 +7,19 @@ record's ``file:line`` and names the field, so that a user can fix the record (o
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from treelit.data.records import DataError, finite_number
 from treelit.tree.routing import check_routing_model, check_routing_shape, decode_routing
 from treelit.tree.token_tree import TreeInputError
 
-__all__ = ["check_limits", "check_needs", "check_pairs", "pinned", "lines"]
+__all__ = ["check_limits", "check_live_routing", "check_needs", "check_pairs", "pinned", "lines"]
+
+log = logging.getLogger(__name__)
 
 
 def lines(encs: Sequence[Any]) -> str:
@@ -76,6 +81,34 @@ def check_replay_routing(src: str, br: Dict[str, Any], routing: Tuple[int, int, 
     except TreeInputError as exc:
         raise DataError(f"{src}: {exc}") from None
     br["routed_experts"] = arr
+
+
+def check_live_routing(src: str, branches: List[Dict[str, Any]], limits) -> None:
+    """model.moe.routing=live and a record with ``routed_experts``: the recorded routing is not
+    used (one warning per run, naming the first such record), but its expert ids are still
+    checked against the model's experts (``limits.experts``): an id outside them is an error, as
+    under replay - a sampler that recorded another model's routing is worth knowing about."""
+    if not limits.said:
+        limits.said.append("live routing")
+        first = next(br for br in branches if br.get("routed_experts") is not None)
+        log.warning("%s: %s.routed_experts: the records' recorded MoE routing is not used under "
+                    "model.moe.routing=live (each MoE layer routes by its own router); set model.moe.routing=replay "
+                    "to train on the sampler's experts (said once for the whole data)", src, first["_where"])
+    experts = limits.experts
+    if not experts:
+        return
+    for br in branches:
+        if br.get("routed_experts") is None:
+            continue
+        field = f"{br['_where']}.routed_experts"
+        try:
+            arr = decode_routing(br["routed_experts"], field)
+        except TreeInputError as exc:
+            raise DataError(f"{src}: {exc}") from None
+        if arr.size and arr.max() >= experts:
+            t, layer = (int(x) for x in np.argwhere(arr >= experts)[0][:2])
+            raise DataError(f"{src}: {field}: expert id {int(arr[t, layer].max())} at token {t}, MoE layer {layer} "
+                            f"is out of range (the model has {experts} experts: 0..{experts - 1})")
 
 
 def _target_without(br: dict, field: str):

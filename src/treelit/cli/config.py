@@ -26,6 +26,18 @@ def bundled_path(name: str) -> str:
     return str(path)
 
 
+def _bundled_names() -> List[str]:
+    """The bundled data files, as names ``data.train_path`` and ``treelit stats`` take."""
+    root = resources.files("treelit") / "data" / "bundled"
+    names = []
+    for entry in root.iterdir():
+        if entry.is_file() and entry.name.endswith((".jsonl", ".json", ".gz", ".parquet")):
+            names.append(entry.name)
+        elif entry.is_dir():
+            names += [f"{entry.name}/{e.name}" for e in entry.iterdir() if e.is_file() and e.name.endswith(".gz")]
+    return sorted(names)
+
+
 def _qwen_tokenizer() -> str:
     from treelit.data.tokenizers import qwen_tokenizer_dir
 
@@ -135,7 +147,11 @@ def check_input_files(cfg: DictConfig) -> None:
     data = cfg.get("data") or {}
     path = data.get("train_path") if hasattr(data, "get") else None
     if local(path) and not os.path.exists(path):
-        raise ConfigError(f"data.train_path: data file {path!r} does not exist")
+        from treelit.utils.paths import bundled_data
+
+        if bundled_data(path) is None:  # (a bundled file's name is read from the package, as treelit stats does)
+            raise ConfigError(f"data.train_path: data file {path!r} does not exist (nor is it a bundled data file: "
+                              f"{', '.join(_bundled_names())})")
     source = data.get("source") if hasattr(data, "get") else None
     if hasattr(source, "get"):
         paths = source.get("paths")

@@ -78,13 +78,14 @@ class ConsoleFormatter(logging.Formatter):
 class ConsoleHandler(logging.Handler):
     """INFO to stdout, warnings and errors to stderr, through ``tqdm.write`` (the progress
     bar is cleared and redrawn around the line). In a multi-process run only rank 0 prints
-    INFO lines; other ranks print their warnings and errors, prefixed with their rank."""
+    INFO lines; other ranks print their warnings and errors, prefixed with their rank. A record
+    with ``file_only`` set (``log.info(..., extra={"file_only": True})``) is for ``train.log`` only."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             rank = process_rank()
-            if rank and record.levelno < logging.WARNING:
-                return
+            if rank and record.levelno < logging.WARNING or getattr(record, "file_only", False):
+                return  # (file_only: a line for train.log, e.g. a step line while the bar shows the step)
             msg = self.format(record)
             if any(n in msg for n in NOISE):
                 return

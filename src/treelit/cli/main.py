@@ -4,6 +4,7 @@
     treelit stats DATA                    # flat/tree tokens, POR, ideal speedup of a data file
     treelit stats 'shards/*.jsonl.gz' more/   # files, globs, directories: as data=stream reads them
     treelit stats tau_bench_airline/gpt-4o-airline.json.gz --group-key task_id   # a bundled file, chat data
+    treelit stats agent.jsonl --processor CKPT   # records with images (a vision checkpoint's processor)
 
 ``treelit list`` prints names as they are used in ``treelit-train`` options: a kind that
 is a config group (``model``, ``attention``, ...) lists its config options, each
@@ -13,8 +14,9 @@ shown with the override that selects it; a data source with the ``data=`` option
 streams it; then the config groups that are not registry kinds (``data``, ``optimizer``,
 ``trainer``, ...) with their options, as the README's table lists them. ``treelit stats`` reads token records and
 chat records alike (the builder is detected from the first record; chat data is
-tokenized with ``--tokenizer``, by default the bundled Qwen2 BPE). Errors in the input
-print one line, no traceback.
+tokenized with ``--tokenizer``, by default the bundled Qwen2 BPE; records with images need
+``--processor DIR``, a vision checkpoint's folder). Images and recorded MoE routing are
+counted too. Errors in the input print one line, no traceback.
 """
 
 from __future__ import annotations
@@ -151,8 +153,10 @@ def _resolve_data_paths(paths: List[str]) -> List[str]:
         raise DataError(str(exc).replace("data.source.paths: ", "", 1)) from None
 
 
-def _stats(paths: List[str], builder: str, tokenizer: Optional[str], group_key: Optional[str]) -> int:
+def _stats(paths: List[str], builder: str, tokenizer: Optional[str], group_key: Optional[str],
+           processor: Optional[str] = None) -> int:
     from treelit.builders.base import make_tree_builder
+    from treelit.data.records import DataError
     from treelit.data.stats import stream_stats
 
     files = _resolve_data_paths(paths)
@@ -161,12 +165,20 @@ def _stats(paths: List[str], builder: str, tokenizer: Optional[str], group_key: 
     if name == "chat":
         from treelit.data.tokenizers import qwen_tokenizer_dir
 
-        options["tokenizer_path"] = tokenizer or qwen_tokenizer_dir()
+        # a vision checkpoint's folder has the tokenizer with its image tokens
+        options["tokenizer_path"] = tokenizer or processor or qwen_tokenizer_dir()
+    if processor:
+        options["processor_path"] = processor
     if group_key:
         options["group_key" if name == "chat" else "key"] = group_key
-    stats = stream_stats(files, make_tree_builder(name, **options))  # streamed: any size, progress bar
+    try:
+        stats = stream_stats(files, make_tree_builder(name, **options))  # streamed: any size, progress bar
+    except DataError as exc:  # the builders name the training option; here it is --processor
+        raise DataError(str(exc).replace("set tree_builder.processor_path to", "pass --processor with")
+                        .replace("tree_builder.processor_path", "--processor")) from None
     print(f"{'file':>16}: {files[0]}" if len(files) == 1 else f"{'files':>16}: {len(files):,} ({files[0]} ... {files[-1]})")
-    print(f"{'builder':>16}: {name}" + (f" (tokenizer {options['tokenizer_path']})" if name == "chat" else ""))
+    print(f"{'builder':>16}: {name}" + (f" (tokenizer {options['tokenizer_path']})" if name == "chat" else "")
+          + (f" (processor {processor})" if processor else ""))
     for k, v in stats.items():
         print(f"{k:>16}: {v:.4f}" if isinstance(v, float) else f"{k:>16}: {v:,}")
     return 0
@@ -185,11 +197,13 @@ def main(argv=None) -> int:
                     "(default: the bundled Qwen2 BPE)")
     st.add_argument("--group-key", default=None, help="records sharing this field form one tree "
                     "(chat and groups builders; e.g. task_id for tau-bench)")
+    st.add_argument("--processor", default=None, metavar="DIR", help="records with images: a vision checkpoint's "
+                    "folder (its image processor; for chat data also its tokenizer unless --tokenizer is given)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "list":
             return _list()
-        return _stats(args.path, args.builder, args.tokenizer, args.group_key)
+        return _stats(args.path, args.builder, args.tokenizer, args.group_key, args.processor)
     except Exception as exc:
         from treelit.cli.console import full_error_requested, user_error_message
 

@@ -5,7 +5,8 @@ there (the strategy's ``setup_environment``, the optimizer's first step, the mod
 constructor) fails once per process, after the MLflow run was opened, with a traceback each.
 Everything here reads the config only - no model, no data, no process group - so a bad value
 is one ``error:`` line naming the option and the fix within seconds, before any process is
-started or any run is tracked. The objects cheap to build (the objective, the optimizer
+started or any run is tracked (the ``model`` group's routing and vision options:
+:mod:`treelit.cli.model_option_checks`). The objects cheap to build (the objective, the optimizer
 on a two-element parameter, the learning-rate schedule) are built here and thrown away, so
 their own checks run too; what needs the model (LoRA targets, the layer kinds context
 parallelism covers) is judged when the model is built, still before launch.
@@ -49,6 +50,9 @@ def check_options(cfg: DictConfig) -> None:
     _check_processes(cfg)
     _check_partition(cfg)
     _check_lora(cfg)
+    from treelit.cli.model_option_checks import check_model_options
+
+    check_model_options(cfg)  # model.moe.routing, model.vision and what it runs with
     _check_compile(cfg)
     objective = _check_objective(cfg)
     _check_optimizer(cfg)

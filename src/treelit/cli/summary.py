@@ -105,19 +105,40 @@ def build_summary(
     return redact_config(s)
 
 
+def _num(x: float, digits: int = 3) -> str:
+    """A loss or reward with ``digits`` decimals; one that would print as ``-0.000`` (a clipped
+    policy loss near 0) in two significant figures instead."""
+    return f"{x:.{digits}f}" if x == 0 or abs(x) >= 0.5 * 10 ** -digits else f"{x:.1e}"
+
+
+def _pair(a: Dict[str, Any], b: Dict[str, Any], key: str, fmt) -> str:
+    """``first -> last``, or the one value when the first step is the last."""
+    return fmt(b[key]) if a["step"] == b["step"] else f"{fmt(a[key])} -> {fmt(b[key])}"
+
+
+def _g4(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _span(a: Dict[str, Any], b: Dict[str, Any]) -> str:
+    return f"(step {b['step']})" if a["step"] == b["step"] else f"(step {a['step']} -> {b['step']})"
+
+
 def _rl_rows(s: Dict[str, Any], row: Any) -> None:
     """What an RL user reads, first step -> last: the mean reward of the step's branches, the
     reward margin (mean log-prob per token of high- minus low-reward branches), the KL to the
-    reference / rollout policy, the clip fraction."""
+    reference / rollout policy, the clip fraction, GSPO's sequence ratio. A run whose first
+    recorded step is its last (one step batch, several updates) shows that step's values once."""
     rl, margin = s.get("rl"), s.get("reward_margin")
     if rl:
         a, b = rl["first"], rl["last"]
-        span = f"(step {a['step']} -> {b['step']})"
+        span = _span(a, b)
         if "reward_mean" in a and "reward_mean" in b:
-            row("reward", f"mean {a['reward_mean']:.3f} -> {b['reward_mean']:.3f} over the step's branches {span}")
-        parts = [f"{label} {a[k]:.4g} -> {b[k]:.4g}" for k, label in
+            row("reward", f"mean {_pair(a, b, 'reward_mean', _num)} over the step's branches {span}")
+        parts = [f"{label} {_pair(a, b, k, _g4)}" for k, label in
                  (("behavior/kl", "KL sampler to trainer"), ("kl_ref", "KL to reference"),
-                  ("approx_kl", "KL to rollout policy"), ("clip_frac", "clip fraction"))
+                  ("approx_kl", "KL to rollout policy"), ("clip_frac", "clip fraction"),
+                  ("seq_ratio_mean", "sequence ratio"))
                  if k in a and k in b]
         if parts:
             still = all(not x.get(k) for x in (a, b) for k in ("approx_kl", "clip_frac") if k in x)
@@ -126,14 +147,15 @@ def _rl_rows(s: Dict[str, Any], row: Any) -> None:
                    if still and ("approx_kl" in a or "clip_frac" in a) else "")
             row("policy", f"{', '.join(parts)} {span}{why}")
         if "critic/value_loss" in a and "critic/value_loss" in b:  # PPO with a value function
-            ev = [x.get("critic/explained_variance", float("nan")) for x in (a, b)]
-            row("critic", f"value loss {a['critic/value_loss']:.4g} -> {b['critic/value_loss']:.4g}, explained "
-                          f"variance {ev[0]:.3f} -> {ev[1]:.3f}, values mean {a['critic/values_mean']:.3f} -> "
-                          f"{b['critic/values_mean']:.3f} against returns mean {a['critic/returns_mean']:.3f} -> "
-                          f"{b['critic/returns_mean']:.3f} {span}")
+            a = {**a, "critic/explained_variance": a.get("critic/explained_variance", float("nan"))}
+            b = {**b, "critic/explained_variance": b.get("critic/explained_variance", float("nan"))}
+            row("critic", f"value loss {_pair(a, b, 'critic/value_loss', _g4)}, explained variance "
+                          f"{_pair(a, b, 'critic/explained_variance', lambda x: f'{x:.3f}')}, values mean "
+                          f"{_pair(a, b, 'critic/values_mean', lambda x: f'{x:.3f}')} against returns mean "
+                          f"{_pair(a, b, 'critic/returns_mean', lambda x: f'{x:.3f}')} {span}")
     if margin:
         a, b = margin["first"], margin["last"]
-        row("margin", f"{a['margin']:.2f} -> {b['margin']:.2f} nats (step {a['step']} -> {b['step']}): mean "
+        row("margin", f"{_pair(a, b, 'margin', lambda x: f'{x:.2f}')} nats {_span(a, b)}: mean "
                       f"log-prob per token of high- minus low-reward branches ({b['logp_high']:.2f} vs "
                       f"{b['logp_low']:.2f} at the end)")
 
@@ -148,7 +170,8 @@ def format_summary(s: Dict[str, Any]) -> str:
                 f"in {_duration(s['wall_seconds'])})")
     if "loss" in s and "rl" not in s:  # a clipped policy loss starts near 0 and says little: the RL rows below
         (a, la), (b, lb) = s["loss"]["first"], s["loss"]["last"]
-        head += f"; loss {la:.3f} (step {a}) -> {lb:.3f} (step {b})"
+        head += (f"; loss {_num(lb)} (step {b})" if a == b else
+                 f"; loss {_num(la)} (step {a}) -> {_num(lb)} (step {b})")
     lines: List[str] = [head]
 
     def row(key: str, text: str) -> None:
@@ -163,6 +186,9 @@ def format_summary(s: Dict[str, Any]) -> str:
     if d.get("flat_tokens"):
         row("data", ("streamed; the first " if d.get("streamed") else "") + f"{d['trees']:,} trees, {d['branches']:,} branches: {d['tree_tokens']:,} tree tokens instead of "
                     f"{d['flat_tokens']:,} flat (POR {d['por']:.2f}, ideal speedup {d['ideal_speedup']:.2f}x)")
+    if d.get("images"):
+        row("images", f"{d['distinct_images']:,} distinct in the trees, {d['shared_images']:,} of them shared by "
+                      f"several branches ({d['images']:,} shown over the branches)")
     v = s.get("verify")
     if v:
         text = (f"tree = per-branch: loss rel. diff {v.get('loss_rel_diff', float('nan')):.1e}, "

@@ -36,10 +36,12 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from treelit.cli.config import CONF_DIR, LAST_RUN_NAME, ConfigError, register_resolvers, validate_config
 from treelit.cli.console import (SetupError, full_error_requested, hydra_error_message, process_rank,
                                  quiet_transformers_bars, tidy_library_logging, user_error_message)
+from treelit.cli.option_checks import world_size
 from treelit.cli.preflight import check_space, check_writable, lock_output_dir
 from treelit.cli.resume import find_resume_checkpoint, read_resume_checkpoint  # noqa: F401  (tests, tools)
 from treelit.cli.rerun import check_earlier_run
 from treelit.cli.resume import resume as _resume
+from treelit.cli.startup_lines import cp_line, images_line, routing_line
 from treelit.cli.startup_signals import StartupPreempted
 from treelit.cli.summary import data_line
 from treelit.utils.redact import redact_config, redact_text
@@ -107,7 +109,8 @@ def _setup_errors() -> Iterator[None]:
     except (ValueError, KeyError) as exc:
         if user_error_message(exc) is not None:
             raise
-        raise SetupError(str(exc).strip("'\"")) from exc
+        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # (a KeyError's str is its repr)
+        raise SetupError(text) from exc
 
 
 SMALL_MODEL_PARAMS = 5_000_000
@@ -174,7 +177,8 @@ def _start_tracking(loggers: List[Any], cfg: DictConfig, data_stats: Dict[str, A
     for lg in loggers:
         lg.log_hyperparams(_flat_params(cfg))
         if type(lg).__name__.endswith("MLFlowLogger"):
-            lg.log_metrics({f"data/{k}": float(v) for k, v in data_stats.items()}, step=0)
+            if not getattr(lg, "reopened", False):  # a continued run has them (at step 0: not a redone step)
+                lg.log_metrics({f"data/{k}": float(v) for k, v in data_stats.items()}, step=0)
             if resume:  # the continued run keeps its first config.yaml; this one goes beside it
                 lg.experiment.log_text(lg.run_id, (out / "config.yaml").read_text(),
                                        f"config-resumed-at-step-{resume['global_step']}.yaml")
@@ -279,7 +283,7 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
     from treelit.lightning.callbacks import HFExport
     from treelit.lightning.mlflow_logger import MLflowRunInCheckpoint
     from treelit.builders.vision import check_model_images
-    from treelit.models.factory import replay_shape
+    from treelit.models.factory import moe_experts, replay_shape
     from treelit.models.lora import check_lora_mode, check_reference
     from treelit.utils.launchers import shared_run_name  # torch.distributed: not for --help
 
@@ -305,6 +309,9 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
             log.info("%s", hybrid)
         if lora_line(model):
             log.info("%s", lora_line(model))
+        for line in (routing_line(replay_shape(model)), cp_line(_cp_degree(cfg), world_size(cfg))):
+            if line:  # what is on: MoE routing replay, context parallelism
+                log.info("%s", line)
         if _cp_degree(cfg) > 1:  # the layer kinds it covers: judged here, before any process starts
             from treelit.partition.context_parallel import check_cp_model
 
@@ -315,12 +322,13 @@ def _train(cfg: DictConfig, out: Path, started: float) -> Dict[str, Any]:
         critic = _build_critic(cfg, model, objective)
         check_reference(model, objective)  # before the data's checks: an option error is the first thing to fix
         check_lora_mode(model, cfg.mode)
-        check_vision_run(cfg, model)
         check_model_images(builder, model)  # images and their token against the model's vision tower
         datamodule.check_against(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None),
-                                 objective=objective, routing=replay_shape(model))
+                                 objective=objective, routing=replay_shape(model), experts=moe_experts(model))
         data_stats = datamodule.stats()
         log.info("data: %s", data_line(data_stats))
+        if images_line(data_stats):
+            log.info("%s", images_line(data_stats))
         _check_budget(cfg, data_stats)
 
         module = build_module(cfg, model, objective, critic)
@@ -463,46 +471,6 @@ def _build_critic(cfg: DictConfig, model, objective):
              f"its own model, {sum(p.numel() for p in critic.parameters()) / 1e6:.2f}M parameters",
              critic.vf_coef, critic.value_clip, objective.gamma, objective.lam)
     return critic
-
-
-def check_vision_run(cfg: DictConfig, model) -> None:
-    """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option
-    before training: each of these runs branches apart or splits a row over processes, which has not
-    been checked against a per-branch reference with images."""
-    if getattr(model, "vision", None) is None:
-        return
-    strategy = cfg.trainer.get("strategy")
-    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
-    why = {
-        f"mode={cfg.mode}": (cfg.mode != "tree", "the per-branch baseline has no image inputs; mode=tree trains "
-                                                 "exactly what it would"),
-        f"verify_every={cfg.verify_every}": (int(cfg.verify_every or 0) > 0, "it runs the per-branch baseline, which "
-                                                                             "has no image inputs"),
-        "trainer.strategy.context_parallel_degree": (
-            hasattr(strategy, "get") and int(strategy.get("context_parallel_degree", 1) or 1) > 1,
-            "a row split over ranks would need each image's embeddings and tower gradient exchanged"),
-        f"critic={(cfg.get('critic') or {}).get('kind', 'none')}": (
-            (cfg.get("critic") or {}).get("kind", "none") == "separate",
-            "a separate critic's own trunk has not been checked against a per-branch reference with images "
-            "(critic=shared has)"),
-        "trainer=fsdp2": ("FSDP2" in target, "sharding the vision tower has not been checked against a per-branch "
-                                             "reference with images"),
-        f"trainer.devices={cfg.trainer.get('devices', 1)} x trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}": (
-            "FSDP2" not in target and _processes(cfg.trainer) > 1,
-            "several processes have not been checked against a per-branch reference with images (a rank whose rows "
-            "show no image leaves the tower without a gradient)"),
-    }
-    for option, (bad, reason) in why.items():
-        if bad:
-            raise ValueError(f"{option} with model.vision=true: {reason}")
-
-
-def _processes(trainer: Any) -> int:
-    n = 1
-    for key in ("devices", "num_nodes"):
-        v = trainer.get(key, 1)
-        n *= v if isinstance(v, int) else (2 if str(v) in ("auto", "-1") else len(v) if hasattr(v, "__len__") else 1)
-    return n
 
 
 def hybrid_line(model, ssm: str) -> str:

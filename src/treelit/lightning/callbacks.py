@@ -48,6 +48,12 @@ class TreeProgressBar(TQDMProgressBar):
     ``log_every_s`` seconds, and the last step, e.g.
     ``step 40/300: loss 5.812, tree_tok/s 2,954, flat_tok/s 11,610 (20s, about 2m10s left)``.
     ``plain``: ``None`` decides from the terminal, ``True``/``False`` forces lines/the bar.
+    Under the bar the same lines go to ``train.log`` only (``extra={"file_only": True}``: the
+    console handler leaves them out), so the run's log holds its steps either way.
+
+    The time left is estimated from the steps after this run's first: the first step pays for
+    compilation, the allocator's warm-up and the first batches' reading, and a 39 s run was once
+    told "about 4m52s left" after it. The first step's line gives no estimate.
     """
 
     def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
@@ -58,6 +64,7 @@ class TreeProgressBar(TQDMProgressBar):
         self._lines = False  # printing plain lines instead of the bar
         self._start: Optional[Tuple[float, int]] = None  # (time, global step) when training started
         self._last_line: Optional[Tuple[float, int]] = None  # (time, step) of the last line printed
+        self._first_end: Optional[Tuple[float, int]] = None  # (time, global step) when this run's first step ended
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # disables the bar on ranks other than 0
@@ -78,19 +85,22 @@ class TreeProgressBar(TQDMProgressBar):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._over_steps(trainer)  # a resumed run starts mid-epoch: no on_train_epoch_start
-        self._start, self._last_line = (time.monotonic(), int(trainer.global_step)), None
+        self._start, self._last_line, self._first_end = (time.monotonic(), int(trainer.global_step)), None, None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         self._over_steps(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._lines:
-            now = time.monotonic()
+        now = time.monotonic()
+        if self._first_end is None:
+            self._first_end = (now, int(trainer.global_step))
+        if self._lines or self._logs_steps(trainer):
             last = trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
             if self._last_line is None or last or now - self._last_line[0] >= self.log_every_s:
                 self._print_line(trainer, pl_module, now)
-            return
+            if self._lines:
+                return
         bar = self.train_progress_bar
         n = trainer.global_step
         if bar is not None and self.is_enabled and (n % self.refresh_rate == 0 or n == bar.total):
@@ -99,20 +109,26 @@ class TreeProgressBar(TQDMProgressBar):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        if self._lines and self._last_line is not None and self._last_line[1] != trainer.global_step:
+        if ((self._lines or self._logs_steps(trainer)) and self._last_line is not None
+                and self._last_line[1] != trainer.global_step):
             self._print_line(trainer, pl_module, time.monotonic())  # stopped before max_steps
+
+    def _logs_steps(self, trainer: pl.Trainer) -> bool:
+        """Under the bar: the step lines still go to the log file (rank 0 only, as the bar)."""
+        return self.is_enabled and bool(getattr(trainer, "is_global_zero", True))
 
     def _print_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, now: float) -> None:
         n, total = int(trainer.global_step), trainer.max_steps
         self._last_line = (now, n)
         head = f"step {n}/{total}" if total and total > 0 else f"step {n}"
         metrics = ", ".join(f"{k} {_number(v)}" for k, v in self.get_metrics(trainer, pl_module).items())
-        t0, n0 = self._start or (now, 0)
-        elapsed = now - t0
-        tail = _duration(elapsed)
-        if total and total > 0 and n > n0 and n < total:
-            tail += f", about {_duration(elapsed / (n - n0) * (total - n))} left"
-        log.info("%s%s (%s)", head, f": {metrics}" if metrics else "", tail)
+        t0, _ = self._start or (now, 0)
+        tail = _duration(now - t0)
+        t1, n1 = self._first_end or (now, n)
+        if total and total > 0 and n > n1 and n < total:  # the rate of the steps after the first
+            tail += f", about {_duration((now - t1) / (n - n1) * (total - n))} left"
+        extra = None if self._lines else {"file_only": True}  # under the bar: train.log only
+        log.info("%s%s (%s)", head, f": {metrics}" if metrics else "", tail, extra=extra)
 
     def get_metrics(self, trainer, pl_module):
         items = super().get_metrics(trainer, pl_module)
@@ -407,11 +423,11 @@ class StepMetrics(pl.Callback):
     For RL it also keeps, in ``rl_first`` / ``rl_last``, what an RL user reads of those two
     steps: the mean reward of the step's branches (``reward_mean``, from the data: in a
     multi-process run, this process's branches), and the objective's ``clip_frac``,
-    ``approx_kl`` (against the rollout policy) and ``kl_ref`` (against the reference) when it
-    logs them."""
+    ``approx_kl`` (against the rollout policy), ``kl_ref`` (against the reference) and GSPO's
+    ``seq_ratio_mean`` when it logs them."""
 
     RL_KEYS = ("clip_frac", "approx_kl", "kl_ref", "behavior/kl", "critic/explained_variance", "critic/value_loss",
-               "critic/values_mean", "critic/returns_mean", "critic/clip_fraction")
+               "critic/values_mean", "critic/returns_mean", "critic/clip_fraction", "seq_ratio_mean")
 
     def __init__(self) -> None:
         self.first: Optional[Tuple[int, float]] = None

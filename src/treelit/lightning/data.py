@@ -31,7 +31,9 @@ from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.sequences import SequencesBuilder
 from treelit.data.limits import MiB, ReadLimits, out_of_memory
 from treelit.data.records import DataError, ReadStats, iter_file, read_records
+from treelit.utils.paths import resolve_data_path
 from treelit.tree.batch import TreeBatch
+from treelit.tree.images import image_counts
 from treelit.tree.token_tree import TokenTree
 from treelit.utils.distributed import data_parallel_rank
 
@@ -164,6 +166,16 @@ _PRESENT_TOGETHER = {
 }
 
 
+def _image_totals(trees: Any) -> Dict[str, int]:
+    """The data's image counts (:func:`~treelit.tree.images.image_counts` summed over the trees);
+    empty when no tree has images (the statistics of text data stay as they were)."""
+    total = {"images": 0, "distinct_images": 0, "shared_images": 0}
+    for tree in trees:
+        for k, v in image_counts(tree).items():
+            total[k] += v
+    return total if total["images"] else {}
+
+
 def conform_batches(batches: List[TreeBatch]) -> List[TreeBatch]:
     """Give every batch the same optional fields so that any of them pack together: a branch
     field some trees lack is None on theirs, missing rollout/reference log-probs are NaN
@@ -257,7 +269,7 @@ class TreeDataModule(pl.LightningDataModule):
             raise ValueError("data.train_path is required (a .jsonl, .json or .parquet file)")
         if micro_batch_tokens <= 0 or micro_batches_per_step <= 0:
             raise ValueError("data.micro_batch_tokens and data.micro_batches_per_step must be positive")
-        self.train_path = str(train_path)
+        self.train_path = resolve_data_path(str(train_path))  # a bundled file's name too
         self.builder = tree_builder or SequencesBuilder()
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.micro_batches_per_step = int(micro_batches_per_step)
@@ -298,13 +310,14 @@ class TreeDataModule(pl.LightningDataModule):
             log.warning("%s: skipped %d malformed record%s (data.on_error=skip)", self.train_path, n, "s" if n != 1 else "")
 
     def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None,
-                      routing: Optional[Tuple[int, int, int]] = None) -> None:
+                      routing: Optional[Tuple[int, int, int]] = None, experts: Optional[int] = None) -> None:
         """Build the trees checked against the model (vocabulary, context length) and what
         ``objective`` reads from the data, so that anything the first step would trip on fails
         here, before training, naming the record (``on_error=skip``: skipped and counted)."""
         limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
                         None if objective is None else objective.data_needs(),
-                        "the objective" if objective is None else f"objective={objective.name}", routing)
+                        "the objective" if objective is None else f"objective={objective.name}", routing,
+                        experts)
         if limits != self.limits:
             self.limits = limits
             self.trees = []
@@ -323,6 +336,7 @@ class TreeDataModule(pl.LightningDataModule):
             "ideal_speedup": flat / tree,
             "records_skipped": self.read_stats.skipped,
             "longest_branch": max((b.max_depth for b in self._batches), default=0),
+            **_image_totals(t.tree for t in self.trees),
         }
 
     # the step stream -----------------------------------------------------------------------

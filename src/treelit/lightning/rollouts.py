@@ -142,11 +142,12 @@ class RolloutDirDataModule(pl.LightningDataModule):
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None,
-                      routing: Optional[Tuple[int, int, int]] = None) -> None:
+                      routing: Optional[Tuple[int, int, int]] = None, experts: Optional[int] = None) -> None:
         """Records are checked against the model and the objective as each file arrives."""
         self.limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
                              None if objective is None else objective.data_needs(),
-                             "the objective" if objective is None else f"objective={objective.name}", routing)
+                             "the objective" if objective is None else f"objective={objective.name}", routing,
+                             experts)
         self.setup()
 
     def stats(self) -> Dict[str, Any]:

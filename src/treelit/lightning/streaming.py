@@ -39,7 +39,7 @@ from treelit.data.limits import MiB, ReadLimits
 from treelit.data.records import DataError, ReadStats
 from treelit.data.sources import DataSource
 from treelit.data.stream import TreeStream
-from treelit.lightning.data import StepBatch, _empty_batch, _tree_cost, conform_batches, tree_origin
+from treelit.lightning.data import StepBatch, _empty_batch, _image_totals, _tree_cost, conform_batches, tree_origin
 from treelit.tree.batch import TreeBatch
 from treelit.utils.distributed import data_parallel_rank
 
@@ -156,14 +156,15 @@ class StreamingTreeDataModule(pl.LightningDataModule):
             self._make_readers()
 
     def check_against(self, vocab_size: int, max_seq_len: Optional[int], objective: Any = None,
-                      routing: Optional[Tuple[int, int, int]] = None) -> None:
+                      routing: Optional[Tuple[int, int, int]] = None, experts: Optional[int] = None) -> None:
         """Check records against the model and the objective as they are read; the first step is
         built here, so bad records at the start of the data fail before training. (A stream is
         not read whole in advance: later records are checked when they come; ``on_error=skip``
         skips and counts them.)"""
         self.limits = Limits(int(vocab_size), None if max_seq_len is None else int(max_seq_len),
                              None if objective is None else objective.data_needs(),
-                             "the objective" if objective is None else f"objective={objective.name}", routing)
+                             "the objective" if objective is None else f"objective={objective.name}", routing,
+                             experts)
         self.readers = {}
         self.setup()
         self._ready[self.next_index] = self._produce(self.next_index)
@@ -183,6 +184,7 @@ class StreamingTreeDataModule(pl.LightningDataModule):
             "longest_branch": max((b.max_depth for b in batches), default=0),  # of the trees read so far
             "streamed": True, "records_read": self.read_stats.read,  # so far: not the whole data
             "readers": self._num_readers(),
+            **_image_totals(t.tree for t in self.trees),  # of the trees read so far
         }
 
     # steps ----------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from treelit.models.lora import apply_lora, lora_options
 from treelit.models.moe import MoEFeedForward
 from treelit.models.registry import build_model
 
-__all__ = ["make_model", "parse_dtype", "set_router_aux_loss", "set_moe_routing", "moe_routing", "replay_shape"]
+__all__ = ["make_model", "parse_dtype", "set_router_aux_loss", "set_moe_routing", "moe_experts", "moe_routing",
+           "replay_shape"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,6 +115,13 @@ def replay_shape(model):
     else:
         layers = sum(isinstance(m, MoEFeedForward) for m in model.modules())
     return (layers, int(moe["num_experts"]), int(moe["top_k"]))
+
+
+def moe_experts(model) -> Optional[int]:
+    """The experts of each MoE layer of ``model`` (None: no MoE layers), whatever its routing mode."""
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    n = moe.get("num_experts") if moe else None
+    return int(n) if n else None
 
 
 def set_router_aux_loss(model, coef: Optional[float] = None, definition: Optional[str] = None) -> None:

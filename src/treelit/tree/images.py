@@ -29,7 +29,7 @@ import torch
 
 from treelit.tree.errors import TreeInputError
 
-__all__ = ["ProcessedImage", "ImageSet", "image_digest", "merge_keys"]
+__all__ = ["ProcessedImage", "ImageSet", "image_counts", "image_digest", "merge_keys"]
 
 
 def image_digest(pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> str:
@@ -169,3 +169,23 @@ def merge_keys(ids: np.ndarray, images: Sequence[ProcessedImage], table: Dict[st
         off[span] = np.arange(im.num_tokens)
         at += im.num_tokens
     return keys, img, off
+
+
+def image_counts(tree: Any) -> Dict[str, int]:
+    """A tree's images (``TokenTree`` with ``images`` / ``image_row``): ``images`` the branches
+    show in all (an image once per branch that shows it), ``distinct_images`` the tree holds (each
+    encoded once), ``shared_images`` of those shown by more than one branch. All 0 without images."""
+    out = {"images": 0, "distinct_images": 0, "shared_images": 0}
+    images, rows = getattr(tree, "images", None), getattr(tree, "image_row", None)
+    if images is None or rows is None:
+        return out
+    starts = images.row_offsets.numpy()
+    shown = np.zeros(images.num_images, dtype=np.int64)
+    ptr = tree.branch_ptr
+    for b in range(len(ptr) - 1):
+        r = rows[tree.branch_tokens[ptr[b]:ptr[b + 1]]]
+        r = r[r >= 0]
+        if r.size:
+            shown[np.unique(np.searchsorted(starts, r, side="right") - 1)] += 1
+    out.update(images=int(shown.sum()), distinct_images=int((shown > 0).sum()), shared_images=int((shown > 1).sum()))
+    return out

@@ -22,10 +22,11 @@ from __future__ import annotations
 import fnmatch
 import glob as _glob
 import os
+from importlib import resources
 from pathlib import Path
-from typing import Callable, Iterator, List, Sequence, Type, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Type, Union
 
-__all__ = ["confined", "glob_files", "walk_files", "not_a_checkpoint"]
+__all__ = ["bundled_data", "confined", "glob_files", "walk_files", "not_a_checkpoint", "resolve_data_path"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -124,3 +125,19 @@ def not_a_checkpoint(path: PathLike) -> str:
     shown = head.hex(" ") if head else "nothing (an empty file)"
     return f"a Lightning checkpoint is a zip archive written by torch.save, and this file starts with {shown}"
 
+
+def bundled_data(name: str) -> Optional[str]:
+    """The path of the data file ``name`` shipped inside the package (``treelit/data/bundled``,
+    e.g. ``synthetic_agentic.jsonl.gz``, ``tau_bench_airline/gpt-4o-airline.json.gz``), or None."""
+    if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        return None
+    path = resources.files("treelit") / "data" / "bundled" / name
+    return str(path) if path.is_file() else None
+
+
+def resolve_data_path(path: str) -> str:
+    """``path`` as given when it exists (or is a glob), else the bundled data file of that name
+    when there is one (``data.train_path=synthetic_agentic.jsonl.gz``, as ``treelit stats`` takes it)."""
+    if os.path.exists(os.path.expanduser(path)) or any(c in path for c in "*?["):
+        return path
+    return bundled_data(path) or path

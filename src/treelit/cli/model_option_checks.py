@@ -1,0 +1,177 @@
+"""The ``model`` group's options judged before launch: the MoE routing mode and the vision tower.
+
+These were once judged where the model is built (``set_moe_routing``, ``make_hf_model``, the run's
+check of a model with its vision tower), 20 s and more into a run that loads a real checkpoint,
+although none of them needs the weights: the routing mode is a word, whether a model has experts
+is in its preset's defaults or its ``config.json``, and what a vision run cannot combine with is
+in the rest of the config. So each is one ``error:`` line here, before the model loads (the same
+checks still stand where the model is built, for models made from Python).
+
+Whether a model has MoE layers is only refused here when it plainly has none: a preset whose
+defaults and ``model.config`` name no experts, or a checkpoint whose ``config.json`` (or its
+``text_config``) has no key about experts at all. Anything less sure is left to the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from treelit.cli.errors import ConfigError
+
+__all__ = ["check_model_options", "check_vision_options", "has_moe_layers"]
+
+HF_ADAPTER = "treelit.models.hf_adapter.make_hf_model"
+
+
+def check_model_options(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` (one line) for the first bad ``model.moe`` / ``model.vision`` setting."""
+    model = cfg.get("model") or {}
+    if not hasattr(model, "get"):
+        return
+    _check_routing(model)
+    check_vision_options(cfg)
+
+
+# routing -------------------------------------------------------------------------------------------
+
+def _check_routing(model: Any) -> None:
+    from treelit.models.config import ROUTING_MODES
+
+    moe = model.get("moe") or {}
+    if not hasattr(moe, "keys"):
+        raise ConfigError(f"model.moe must be a group of options (routing: {' or '.join(ROUTING_MODES)}), got {moe!r}")
+    unknown = sorted(str(k) for k in moe.keys() if k != "routing")
+    if unknown:
+        raise ConfigError(f"model.moe.{unknown[0]}: no such option (the options under model.moe are: routing)")
+    routing = moe.get("routing") or "live"
+    if routing not in ROUTING_MODES:
+        raise ConfigError(f"model.moe.routing={routing}: not a routing mode; use {' or '.join(ROUTING_MODES)} "
+                          "(replay: the experts the sampler recorded in routed_experts)")
+    if routing != "replay":
+        return
+    name, moe_layers = has_moe_layers(model)
+    if moe_layers is False:
+        raise ConfigError(f"model.moe.routing=replay needs a mixture-of-experts model; {name} has no MoE layers: "
+                          "use model.moe.routing=live, or a MoE model (model=qwen3_moe_tiny, or a checkpoint with "
+                          "experts)")
+    if str(model.get("_target_", "")) == HF_ADAPTER and model.get("activation_checkpointing"):
+        raise ConfigError("model.moe.routing=replay with model.activation_checkpointing=true is not supported on "
+                          "model=hf_auto (transformers recomputes its layers outside treelit's passes); set "
+                          "model.activation_checkpointing=false")
+
+
+def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":
+    """``(how the model is named, True / False / None)``: whether the model group ``model`` builds
+    a model with MoE layers (None: not known without building it)."""
+    ckpt = model.get("hf_checkpoint")
+    if ckpt and ckpt != "???":
+        conf = Path(str(ckpt)) / "config.json"
+        try:
+            data = json.loads(conf.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return f"the checkpoint {str(ckpt)!r}", None
+        parts = [data] + [v for k, v in data.items() if k == "text_config" and isinstance(v, dict)]
+        experts = any("expert" in str(k).lower() for part in parts for k in part)
+        return f"the checkpoint {str(ckpt)!r} ({data.get('model_type', 'unknown model_type')})", experts
+    preset = model.get("preset")
+    if not preset:
+        return "the model", None
+    from treelit.models.registry import MODELS
+
+    try:
+        make = MODELS.get(str(preset))
+    except KeyError:  # an unknown preset: named where the model is built, with the known ones
+        return f"model.preset={preset}", None
+    defaults = getattr(make, "defaults", None)
+    if defaults is None:  # a plugin's preset: its defaults are not known without building it
+        return f"model.preset={preset}", None
+    overrides = model.get("config") or {}
+    moe = overrides.get("moe", defaults.get("moe")) if hasattr(overrides, "get") else defaults.get("moe")
+    return f"model.preset={preset}", bool(moe)
+
+
+# the vision tower ---------------------------------------------------------------------------------
+
+def _processes(trainer: Any) -> int:
+    n = 1
+    for key in ("devices", "num_nodes"):
+        v = trainer.get(key, 1)
+        n *= v if isinstance(v, int) else (2 if str(v) in ("auto", "-1") else len(v) if hasattr(v, "__len__") else 1)
+    return n
+
+
+def check_vision_options(cfg: DictConfig) -> None:
+    """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option:
+    each of these runs branches apart or splits a row over processes, which has not been checked
+    against a per-branch reference with images. And the tower's own options without it."""
+    model = cfg.get("model") or {}
+    vision = model.get("vision", False)
+    if not vision:
+        for key in ("freeze_vision", "vision_images_per_pass"):
+            value = model.get(key)
+            if value:
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise ConfigError(f"model.{key}={shown} needs model.vision=true (a checkpoint loaded with "
+                                  "its vision tower)")
+        return
+    if vision is not True:
+        raise ConfigError(f"model.vision must be true or false, got {vision!r}")
+    per_pass = model.get("vision_images_per_pass", 0)
+    if not (isinstance(per_pass, int) and not isinstance(per_pass, bool) and per_pass >= 0):
+        raise ConfigError(f"model.vision_images_per_pass must be an integer >= 0 (0: all images at once), "
+                          f"got {per_pass!r}")
+    tr = cfg.get("trainer") or {}
+    strategy = tr.get("strategy")
+    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
+    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
+    critic = (cfg.get("critic") or {}).get("kind", "none")
+    verify = cfg.get("verify_every", 0)
+    why = {
+        f"mode={cfg.get('mode')}": (cfg.get("mode", "tree") != "tree",
+                                    "the per-branch baseline has no image inputs; mode=tree trains exactly what it would"),
+        f"verify_every={verify}": (isinstance(verify, int) and verify > 0,
+                                   "it runs the per-branch baseline, which has no image inputs (use verify_every=0)"),
+        f"trainer.strategy.context_parallel_degree={cp}": (
+            isinstance(cp, int) and cp > 1,
+            "a row split over ranks would need each image's embeddings and tower gradient exchanged "
+            "(use context_parallel_degree=1)"),
+        f"critic={critic}": (critic == "separate", "a separate critic's own trunk has not been checked against a "
+                                                   "per-branch reference with images (critic=shared has)"),
+        "trainer=fsdp2": ("FSDP2" in target or "ModelParallelStrategy" in target,
+                          "sharding the vision tower has not been checked against a per-branch reference with images"),
+        f"trainer.devices={tr.get('devices', 1)} x trainer.num_nodes={tr.get('num_nodes', 1)}": (
+            _processes(tr) > 1,
+            "several processes have not been checked against a per-branch reference with images (a rank whose rows "
+            "show no image leaves the tower without a gradient)"),
+    }
+    for option, (bad, reason) in why.items():
+        if bad:
+            raise ConfigError(f"{option} with model.vision=true: {reason}")
+    _check_vision_checkpoint(model)
+
+
+def _check_vision_checkpoint(model: Any) -> None:
+    """The checkpoint's ``config.json`` names a vision family with its tower (read, not loaded)."""
+    ckpt = model.get("hf_checkpoint")
+    if not ckpt or ckpt == "???":
+        return
+    conf = Path(str(ckpt)) / "config.json"
+    try:
+        data = json.loads(conf.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # (a missing or broken config.json: its own line, check_input_files)
+        return
+    if not isinstance(data, dict):
+        return
+    from treelit.models.errors import CheckpointError
+    from treelit.models.hf_vision import check_vision_config
+
+    try:
+        check_vision_config(SimpleNamespace(**data), f"model.hf_checkpoint: {conf}")
+    except CheckpointError as exc:
+        said = str(exc)
+        raise ConfigError(said if "model.vision=true" in said else f"{said} (model.vision=true)") from None
+
