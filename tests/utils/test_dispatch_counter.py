@@ -71,3 +71,11 @@ def test_as_tensor_of_a_device_tensor_is_no_upload():
     with DispatchCounter() as c:
         (torch.as_tensor(x) * 2).sum()
     assert c.counts.uploads == 0 and c.counts.launches == 2
+
+
+def test_the_counter_leaves_torch_as_it_found_it():
+    before_tensor, before_torch = dict(torch.Tensor.__dict__), {n: getattr(torch, n) for n in ("from_numpy", "tensor")}
+    with DispatchCounter():
+        torch.ones(2).tolist()
+    assert dict(torch.Tensor.__dict__) == before_tensor
+    assert all(getattr(torch, n) is f for n, f in before_torch.items())

@@ -138,6 +138,7 @@ class DispatchCounter(TorchDispatchMode):
 
     def __enter__(self):
         counter = self
+        self._own_tensor_attrs = {a for a in ("to", "tolist", "numpy") if a in torch.Tensor.__dict__}
         for name in _HOST_FACTORIES:
             orig = getattr(torch, name)
             self._patched[name] = orig
@@ -184,7 +185,11 @@ class DispatchCounter(TorchDispatchMode):
         finally:
             for name, orig in self._patched.items():
                 if name.startswith("Tensor."):
-                    setattr(torch.Tensor, name[len("Tensor."):], orig)
+                    attr = name[len("Tensor."):]
+                    if attr in self._own_tensor_attrs:
+                        setattr(torch.Tensor, attr, orig)
+                    else:  # inherited (from TensorBase): leave torch.Tensor's own dict as it was
+                        delattr(torch.Tensor, attr)
                 else:
                     setattr(torch, name, orig)
             self._patched.clear()
