@@ -109,8 +109,8 @@ def anchored_rollout(model, br, masks, w, seed, spread=(0.3, 0.6)):
             key = tuple(ids[: t + 1])
             if key not in offsets:
                 offsets[key] = (float(rng.normal(0, spread[0])), float(rng.normal(0, spread[1])))
-            p.append(float(lp[t - 1]) + offsets[key][0])
-            q.append(p[-1] + offsets[key][1])
+            p.append(min(float(lp[t - 1]) + offsets[key][0], 0.0 if offsets[key][0] == 0 else -1e-3))  # log-probs
+            q.append(min(p[-1] + offsets[key][1], p[-1] if offsets[key][1] == 0 else -1e-3))
         prox.append(p)
         behav.append(q)
     return prox, behav
