@@ -256,3 +256,54 @@ def test_bad_bounds_are_one_line_naming_the_option():
     assert "\n" not in str(err.value)
     validate_config(compose(["objective=gspo", "objective.behavior_correction=mis", "objective.behavior_is_level=geometric",
                              "old_logprobs=rollout"]))
+
+
+def test_trainer_recomputes_proximal_and_trains_with_a_geometric_mask():
+    """Through the training module (``old_logprobs=rollout``): the records' log-probs stay as the
+    behaviour ones, the proximal ones are recomputed (tree, partitioned tree, linear), and the loss
+    equals the per-branch formula with the proximal model's log-probs."""
+    import copy
+
+    from helpers import randomize_
+    from treelit.lightning.module import TreeLitModule
+    from treelit.loss.branches import Branches
+
+    model = cached_model("qwen2_tiny", torch.float64)
+    prox_model = randomize_(copy.deepcopy(model), seed=5, std=0.3)
+    br, masks, w = FIXED
+    with torch.no_grad():
+        _, behav = anchored_rollout(model, br, masks, w, seed=8, spread=(0.15, 0.8))
+        prox = [[None] + [float(x) for x in branch_logprobs(prox_model, ids)[0]] for ids in br]
+    case = dict(name="grpo", behavior_correction="mis", behavior_is_level="geometric", behavior_is_cap=1.5)
+    obj = make_objective(**case)
+    ref = reference(case, model, br, masks, w, FIXED_ADV, prox, behav, "token-mean")
+    for mode, partition in (("tree", "none"), ("tree", "redundancy_free"), ("linear", "none")):
+        batch = treelit.TokenTree.from_branches(br, masks, w, advantages=FIXED_ADV, old_logprobs=behav).to_batch()
+        batch.source_branches = Branches.build(br, masks, w, advantages=FIXED_ADV, old_logprobs=behav)
+        module = TreeLitModule(prox_model, obj, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), mode=mode,
+                               old_logprobs="rollout", partition=partition, budget_tokens=7)
+        module.record_rollout_logprobs([batch])
+        if mode == "tree":
+            loss = lambda: obj.tree_loss(model, batch, aggregation="token-mean", normalizer=None)[0]  # noqa: E731
+        else:
+            loss = lambda: obj.linear_loss(model, batch.source_branches, aggregation="token-mean",  # noqa: E731
+                                           normalizer=None)[0]
+        assert_equivalent(model, loss, ref, torch.float64, f"{mode}/{partition}")
+
+
+def test_a_sequence_level_refuses_per_token_advantages():
+    """A critic's GAE advantages are per token: a branch-level weight has no single advantage to
+    fold into, so both forms refuse in one line."""
+    model = cached_model("qwen2_tiny", torch.float64)
+    br, masks, w = FIXED
+    with torch.no_grad():
+        prox, behav = anchored_rollout(model, br, masks, w, seed=8)
+    obj = make_objective("ppo", behavior_correction="tis", behavior_is_level="geometric")
+    batch = corrected_batch(br, masks, w, FIXED_ADV, prox, behav)
+    batch.critic_pairs = object()  # what GAE with a critic leaves on the row
+    with pytest.raises(ValueError, match=r"^objective.behavior_is_level=geometric weights whole branches, and a critic's"):
+        obj.tree_loss(model, batch, aggregation="token-mean", normalizer=None)
+    branches = corrected_branches(br, masks, w, FIXED_ADV, prox, behav)
+    branches.token_adv = [np.zeros(len(ids)) for ids in br]
+    with pytest.raises(ValueError, match="use objective.behavior_is_level=token with a critic"):
+        obj.linear_loss(model, branches, aggregation="token-mean", normalizer=None)

@@ -57,7 +57,8 @@ def tree_branch_weights(batch, opts: BehaviorOptions) -> Tuple[torch.Tensor, Dic
     if cached is not None and cached[0] == opts and cached[1] is prox and cached[2] is behav:
         return cached[3]
     target = (batch.target_count != 0) & (batch.parent >= 0)  # where a log-ratio is read: on the device
-    x = torch.where(target.to(prox.device), prox.double() - behav.to(prox.device).double(), prox.new_zeros((), dtype=torch.float64))
+    d = prox.double() - behav.to(prox.device).double()
+    x = torch.where(target.to(prox.device), d, torch.zeros_like(d))
     S = branch_target_sums(batch, x)  # the branches' summed log-ratios: path sums, one pass over the tree
     _, n = _targets(batch)
     live = np.where(n > 0, batch.host("branch_weight"), 0.0)  # trained branches, by their weights
