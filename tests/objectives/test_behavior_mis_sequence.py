@@ -307,3 +307,8 @@ def test_a_sequence_level_refuses_per_token_advantages():
     branches.token_adv = [np.zeros(len(ids)) for ids in br]
     with pytest.raises(ValueError, match="use objective.behavior_is_level=token with a critic"):
         obj.linear_loss(model, branches, aggregation="token-mean", normalizer=None)
+    from treelit.cli.config import ConfigError, compose, validate_config
+
+    with pytest.raises(ConfigError, match="critic=shared with objective.behavior_is_level=geometric: a sequence-level"):
+        validate_config(compose(["experiment=ppo_critic", "old_logprobs=rollout", "objective.behavior_correction=tis",
+                                 "objective.behavior_is_level=geometric"]))
