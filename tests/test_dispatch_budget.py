@@ -96,3 +96,43 @@ def test_the_modules_update_meets_the_budget_too(models, objective):
         out = module.compute_gradients([batch])
     assert out["loss"] != 0 and c.counts.launches > 100
     assert c.counts.syncs <= SYNCS - 1 and c.counts.uploads <= UPLOADS, dict(c.counts.sites)
+
+
+@pytest.mark.parametrize("options", [dict(behavior_correction="mis", behavior_is_cap=1.01),
+                                     dict(behavior_correction="mis", behavior_is_level="geometric", behavior_is_cap=1.01),
+                                     dict(behavior_correction="tis", behavior_is_level="sequence", behavior_is_cap=1.01)])
+@pytest.mark.parametrize("objective", ["grpo", "gspo"])
+def test_behaviour_corrections_ask_the_host_nothing_more(models, objective, options):
+    """MIS and the sequence-level corrections (their per-branch path sums, folds and metrics) add no
+    sync to the loss and backward; their uploads (the path sums' two plans, kept on the row, the branches'
+    plan and PPO's fold plan) keep the step within the budget."""
+    import torch
+
+    from treelit.objectives import make_objective
+    from treelit.objectives.behavior import split_behavior
+    from treelit.utils.dispatch import DispatchCounter
+
+    tree = B.rl_tree(TREES["every_turn_6"]())
+
+    def row():  # as after old_logprobs=rollout: the records' log-probs kept, the proximal ones computed
+        batch = tree.to_batch()
+        split_behavior(batch)
+        batch.token_old_logp = batch.token_old_logp + 0.05 * (torch.arange(batch.num_tokens, dtype=torch.float64) % 3)
+        return batch
+
+    def count(obj):
+        model = models["attention"]
+        obj.tree_loss(model, row(), aggregation="token-mean", normalizer=None, attention="sdpa_dense")[0].backward()
+        batch = row()
+        with DispatchCounter(where=True) as c:
+            loss, metrics = obj.tree_loss(model, batch, aggregation="token-mean", normalizer=None, attention="sdpa_dense")
+            loss.backward()
+        return c.counts, metrics
+
+    plain, _ = count(make_objective(objective))
+    corrected, metrics = count(make_objective(objective, **options))
+    key = "behavior/" + ("" if options.get("behavior_is_level", "token") == "token" else "seq_") + (
+        "masked_frac" if options["behavior_correction"] == "mis" else "truncated_frac")
+    assert 0 < metrics[key] <= 1, metrics  # the correction acted
+    assert corrected.syncs == plain.syncs, dict(corrected.sites)
+    assert corrected.uploads <= min(UPLOADS, plain.uploads + 4), dict(corrected.sites)

@@ -38,6 +38,9 @@ DOCUMENTED_REFUSALS = {
     ("objective.behavior_correction", "tis"): "old_logprobs=rollout",
     ("objective.behavior_correction", "decoupled"): "old_logprobs=rollout",
     ("model.moe.routing", "replay"): "mixture-of-experts model",
+    ("objective.behavior_correction", "mis"): "old_logprobs=rollout",
+    ("objective.behavior_is_level", "sequence"): "behavior_correction",
+    ("objective.behavior_is_level", "geometric"): "behavior_correction",
 }
 # a group file whose options are judged on a machine it may not fit: what the refusal says (a GPU trainer)
 DOCUMENTED_SELECTIONS = {"trainer=gpu": "CUDA", "trainer=ddp": "CUDA", "trainer=fsdp2": "CUDA"}

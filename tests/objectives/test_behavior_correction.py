@@ -243,7 +243,7 @@ def test_trainer_keeps_behaviour_and_recomputes_proximal():
 
 
 def test_bad_options_and_missing_behaviour():
-    with pytest.raises(ValueError, match="behavior_correction must be one of none, tis, decoupled"):
+    with pytest.raises(ValueError, match="behavior_correction must be one of none, tis, mis, decoupled"):
         make_objective("ppo", behavior_correction="is")
     with pytest.raises(ValueError, match="behavior_is_cap must be a positive number or null"):
         make_objective("grpo", behavior_correction="tis", behavior_is_cap=0)

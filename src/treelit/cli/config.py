@@ -279,6 +279,10 @@ def check_critic_config(cfg: DictConfig) -> None:
     if name != "ppo":
         raise ConfigError(f"critic={kind} trains with objective=ppo (GAE advantages from a value function), not "
                           f"objective={name}")
+    level = (cfg.get("objective") or {}).get("behavior_is_level", "token")
+    if level not in (None, "token"):
+        raise ConfigError(f"critic={kind} with objective.behavior_is_level={level}: a sequence-level correction weights "
+                          "whole branches, and the critic's advantages are per token; use objective.behavior_is_level=token")
     adv = (cfg.get("tree_builder") or {}).get("advantage")
     if adv not in (None, "none"):
         raise ConfigError(f"critic={kind} with tree_builder.advantage={adv}: the critic computes the advantages (GAE "

@@ -48,7 +48,7 @@ def path_prefix_sums(batch, x: torch.Tensor) -> torch.Tensor:
     cs = torch.cumsum(x, 0)
     start, length = batch.seg_start, batch.seg_len
     before = torch.where(start > 0, cs[(start - 1).clamp(min=0)], torch.zeros_like(cs[:1]).expand(start.shape[0]))
-    seg_of = torch.repeat_interleave(torch.arange(len(start), device=x.device), length)
+    seg_of = torch.repeat_interleave(torch.arange(len(start), device=x.device), length, output_size=x.shape[0])  # no sync
     local = cs - before[seg_of]  # sum from the segment start
     seg_end_local = local[start + length - 1]
     offset = torch.zeros(len(start), dtype=x.dtype, device=x.device)
@@ -81,7 +81,11 @@ def branch_runs(batch) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
 def branch_target_sums(batch, x: torch.Tensor) -> torch.Tensor:
     """``S_b = sum over branch b's target tokens of x`` for every branch (``[B]``)."""
     P = path_prefix_sums(batch, x)
-    b, first, last = upload(np.stack(branch_runs(batch)), x.device)
+    cached = getattr(batch, "_runs_on", None)  # the runs' one upload, kept on the row per device
+    if cached is None or cached[0] != str(x.device):
+        cached = (str(x.device), upload(np.stack(branch_runs(batch)), x.device))
+        batch._runs_on = cached
+    b, first, last = cached[1]
     par = batch.parent[first]
     before = torch.where(par >= 0, P[par.clamp(min=0)], torch.zeros_like(P[first]))
     out = torch.zeros(batch.num_branches, dtype=x.dtype, device=x.device)

@@ -30,12 +30,15 @@ equal the current policy's (detached): one on-policy step. Reference log-probs c
 from the data or, with ``reference=initial``, from a frozen copy of the initial model, or with
 ``reference=base`` from the model itself with its LoRA adapters off (one model in memory).
 
-**Off-policy correction** (``behavior_correction=tis|decoupled``, ``ppo``/``grpo``/``gspo``):
+**Off-policy correction** (``behavior_correction=tis|mis|decoupled``, ``ppo``/``grpo``/``gspo``):
 the old log-probs are then the trainer's proximal ones and the sampler's are kept as
 behaviour log-probs; a per-token constant weight ``w_t`` (:mod:`treelit.objectives.behavior`)
 multiplies the token's clipped surrogate, which folds as ``w_t (P_t min(r_t, clip(r_t)) +
 N_t g(r_t))``. GSPO counts its sequence term once per target token, each copy weighted by
-that token's ``w_t``: the branch term becomes ``(sum_t c_{b,t} w_t) J_b``.
+that token's ``w_t``: the branch term becomes ``(sum_t c_{b,t} w_t) J_b``. At a sequence level
+(``behavior_is_level=sequence|geometric``) a branch's weight ``w_b`` is one constant for all its
+tokens: it multiplies the branch's advantage in the fold, ``P_t = sum_{A_b > 0} c_{b,t} w_b A_b``,
+and GSPO's branch term (:mod:`treelit.objectives.behavior_seq`).
 
 Every objective has ``tree_loss`` (the fold) and ``linear_loss`` (the plain
 per-branch formula); tests compare both with references written from the papers.
@@ -57,6 +60,7 @@ from treelit.loss.branches import Branches, as_branches
 from treelit.models.lora import adapters_disabled
 from treelit.objectives.base import OBJECTIVES, Objective
 from treelit.objectives.behavior import branch_behavior, check_behavior_options, tree_behavior
+from treelit.objectives.behavior_seq import folded_advantages, refuse_token_advantages, tree_branch_weights
 from treelit.objectives.paths import branch_target_sums
 from treelit.rl.gae import check_gae_options
 from treelit.tree.batch import check_aggregation
@@ -102,8 +106,11 @@ class _PolicyObjective(Objective):
     """Shared plumbing: log-probs in both forms, old/reference log-probs, KL and entropy."""
 
     def __init__(self, kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0, reference: str = "data",
-                 behavior_correction: str = "none", behavior_is_cap: Optional[float] = 2.0):
-        self.behavior_correction, self.behavior_is_cap = check_behavior_options(behavior_correction, behavior_is_cap)
+                 behavior_correction: str = "none", behavior_is_cap: Optional[float] = 2.0,
+                 behavior_is_cap_low: Optional[float] = None, behavior_is_level: str = "token"):
+        self.behavior = check_behavior_options(behavior_correction, behavior_is_cap, behavior_is_cap_low, behavior_is_level)
+        self.behavior_correction, self.behavior_is_cap = self.behavior.kind, self.behavior.cap
+        self.behavior_is_cap_low, self.behavior_is_level = self.behavior.low, self.behavior.level
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"objective.kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if reference not in REFERENCES:
@@ -166,10 +173,19 @@ class _PolicyObjective(Objective):
 
     # off-policy correction (treelit.objectives.behavior) -----------------------------------------
     def _tree_behavior(self, batch, sel, prox, W):
-        return tree_behavior(batch, sel, prox, W, self.behavior_correction, self.behavior_is_cap)
+        """Token level: the weights [M] and metrics; a sequence level: None and the token and branch
+        metrics (its per-branch weights fold where the advantages fold)."""
+        wb, metrics = tree_behavior(batch, sel, prox, W, self.behavior)
+        if self.behavior.kind != "none" and self.behavior.level != "token":
+            metrics = {**metrics, **tree_branch_weights(batch, self.behavior)[1]}
+        return wb, metrics
 
     def _branch_behavior(self, br: Branches, b: int, prox: torch.Tensor) -> Optional[torch.Tensor]:
-        return branch_behavior(br, b, prox, self.behavior_correction, self.behavior_is_cap)
+        return branch_behavior(br, b, prox, self.behavior)
+
+    def _branch_level(self) -> bool:
+        """A sequence-level correction: one weight per branch."""
+        return self.behavior.kind != "none" and self.behavior.level != "token"
 
     def _Z(self, batch, aggregation, normalizer) -> float:
         if normalizer is not None:
@@ -282,7 +298,9 @@ class PPO(_PolicyObjective):
         return r.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
 
     def _tree_term(self, batch, sel, logp, old, aggregation):
-        P, Nn = (x[sel].to(logp.dtype) for x in batch.advantage_weights(aggregation))
+        folds = folded_advantages(batch, self.behavior, aggregation) if self._branch_level() \
+            else batch.advantage_weights(aggregation)  # sequence level: each branch's A_b weighted by its w_b
+        P, Nn = (x[sel].to(logp.dtype) for x in folds)
         r = torch.exp(logp - old.to(logp.dtype))
         rc = self._clip(r)
         g_neg = torch.maximum(r, rc)
@@ -312,6 +330,8 @@ class PPO(_PolicyObjective):
         r = torch.exp(lp - old.to(lp.dtype))
         token_adv = getattr(br, "token_adv", None)  # per-token advantages (GAE with a critic)
         if token_adv is not None:
+            if self._branch_level():
+                raise refuse_token_advantages(self.behavior)
             A = torch.from_numpy(token_adv[b][1:]).to(lp)
             J = torch.minimum(r * A, self._clip(r) * A)
             if self.dual_clip is not None:
@@ -367,7 +387,9 @@ class GSPO(_PolicyObjective):
         J = self._seq_term(s, A)
         k_keep = plan[2].to(S)
         wb, behav_metrics = self._tree_behavior(batch, sel, old, batch.token_weights(aggregation)[sel])
-        if wb is not None:  # each of the branch's per-token copies of J weighted by its token's w_t
+        if self._branch_level():  # the branch's one weight w_b on all its copies of J
+            k_keep = k_keep * tree_branch_weights(batch, self.behavior)[0][keep].to(S)
+        elif wb is not None:  # each of the branch's per-token copies of J weighted by its token's w_t
             x = torch.zeros(batch.num_tokens, dtype=torch.float64, device=logp.device).index_put((sel,), wb)
             sums = branch_target_sums(batch, x).to(S)
             k_keep = plan[3].to(S) * sums[keep]
