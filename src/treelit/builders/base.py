@@ -28,6 +28,7 @@ from treelit.data.records import DataError, Record, validate_token_record
 from treelit.loss.branches import Branches
 from treelit.registry import get_registry
 from treelit.rl.advantages import ADVANTAGES
+from treelit.rl.tree_node import TREE_NODE, check_node_options
 from treelit.tree.token_tree import TokenTree, TreeInputError
 
 __all__ = ["TREE_BUILDERS", "BuiltTree", "TreeBuilder", "TokenBuilder", "build_tree_from_branches",
@@ -177,6 +178,8 @@ class TokenBuilder(TreeBuilder):
         image_root: a folder images may also be read from (paths relative to it, or leading into
             it), under the same rules as the data file's folder.
         max_image_bytes, max_image_pixels: bounds on one image (an error names the record).
+        node_local, node_global, node_sqrt_leaves: the weights of ``advantage=tree_node`` (credit per
+            node of the merged tree; see :mod:`treelit.rl.tree_node`).
         advantage_options: extra keyword arguments of the estimator.
     """
 
@@ -184,10 +187,16 @@ class TokenBuilder(TreeBuilder):
                  processor_path: Optional[str] = None, image_token_id: Optional[int] = None,
                  image_root: Optional[str] = None,
                  max_image_bytes: int = ImageLimits.max_image_bytes, max_image_pixels: int = ImageLimits.max_image_pixels,
+                 node_local: float = 1.0, node_global: float = 0.0, node_sqrt_leaves: bool = False,
                  **advantage_options: Any) -> None:
         if logprob_conflict not in ("raise", "split"):
             raise ValueError(f"tree_builder.logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
-        if advantage is not None:
+        self.node_credit = check_node_options(node_local, node_global, node_sqrt_leaves)
+        if advantage == TREE_NODE:
+            if advantage_options:
+                raise ValueError(f"tree_builder.{sorted(advantage_options)[0]}: advantage=tree_node takes no estimator "
+                                 "options (its weights are tree_builder.node_local, node_global, node_sqrt_leaves)")
+        elif advantage is not None:
             ADVANTAGES.get(advantage)  # unknown names list the known ones
         self.advantage = advantage
         self.advantage_options = advantage_options

@@ -100,6 +100,7 @@ class TreeBatch:
     adv_pos_mean: Optional[torch.Tensor] = None  # [N] the same with 1/n_b (seq-mean-token-mean)
     adv_neg_mean: Optional[torch.Tensor] = None  # [N]
     branch_adv: Optional[torch.Tensor] = None  # [B] float64
+    branch_token_adv: Optional[torch.Tensor] = None  # [F] float64: per-(branch, token) advantages (tree_node)
     branch_old_logp: Optional[torch.Tensor] = None  # [F] float64
     branch_ref_logp: Optional[torch.Tensor] = None  # [F] float64
     # the sampler's (behaviour) log-probs, kept when the proximal ones replace token_old_logp
@@ -456,14 +457,17 @@ def segments_from_parents(parent: np.ndarray, breaks: Optional[np.ndarray] = Non
 # optional per-token fields: a partition takes its tokens' rows, packing concatenates them
 _RL_TOKEN_FIELDS = ("token_old_logp", "token_ref_logp", "adv_pos_sum", "adv_neg_sum", "adv_pos_mean", "adv_neg_mean",
                     "token_behav_logp", "token_routing")
-_RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp", "branch_behav_logp")
+_RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp", "branch_behav_logp",
+                                 "branch_token_adv")
 
 
 def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Optional[torch.Tensor]]:
     out: Dict[str, Optional[torch.Tensor]] = {name: None for name in _RL_FIELDS}
     f64 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))  # noqa: E731
     if tree.branch_adv is not None:
-        a = tree.branch_adv[branch_of]
+        # per (branch, token) pair: the branch's advantage, or each token's own (tree_node credit)
+        pair = getattr(tree, "branch_token_adv", None)
+        a = tree.branch_adv[branch_of] if pair is None else pair
         pos, neg = w_flat * np.maximum(a, 0.0), w_flat * np.minimum(a, 0.0)
         out.update(
             adv_pos_sum=f64(np.bincount(idx, weights=pos, minlength=N)),
@@ -471,6 +475,7 @@ def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Opti
             adv_pos_mean=f64(np.bincount(idx, weights=pos * inv_n, minlength=N)),
             adv_neg_mean=f64(np.bincount(idx, weights=neg * inv_n, minlength=N)),
             branch_adv=f64(tree.branch_adv),
+            branch_token_adv=None if pair is None else f64(pair),
         )
     for name, short in (("old", "old"), ("ref", "ref")):
         if getattr(tree, f"branch_{short}") is not None:

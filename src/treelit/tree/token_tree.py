@@ -173,6 +173,7 @@ class TokenTree:
     branch_weight: np.ndarray
     branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
     branch_adv: Optional[np.ndarray] = None  # [B] advantages (RL)
+    branch_token_adv: Optional[np.ndarray] = None  # [F] per (branch, token) advantages (tree_node), else None
     branch_old: Optional[np.ndarray] = None  # [F] rollout log-probs per branch token (NaN: unknown)
     branch_ref: Optional[np.ndarray] = None  # [F] reference log-probs per branch token
     token_old: Optional[np.ndarray] = None  # [N] the (agreed) rollout log-prob of each tree token
