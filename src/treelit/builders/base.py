@@ -61,6 +61,7 @@ class TreeBuilder:
     reward_per_record: bool = False
     logprob_conflict: str = "raise"
     logprob_tol: float = 1e-4
+    routing_conflict: str = "error"
 
     def encode(self, record: Record) -> List[Dict[str, Any]]:
         """Token-level branch dicts of one validated record (``input_ids``, optional ``loss_mask``,
@@ -85,7 +86,7 @@ class TreeBuilder:
 
     def tree(self, branches: Sequence[Dict[str, Any]], tree_id: str, source: str) -> BuiltTree:
         return build_tree_from_branches(branches, tree_id, source, logprob_conflict=self.logprob_conflict,
-                                        logprob_tol=self.logprob_tol)
+                                        logprob_tol=self.logprob_tol, routing_conflict=self.routing_conflict)
 
     def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
         """All trees of ``records`` (in memory, ``on_error=raise``, no model checks)."""
@@ -105,11 +106,13 @@ def build_tree_from_branches(
     *,
     logprob_conflict: str = "raise",
     logprob_tol: float = 1e-4,
+    routing_conflict: str = "error",
 ) -> BuiltTree:
     """One tree from token-level branch dicts (``input_ids``, ``loss_mask``, ``weight``, RL fields).
 
     ``advantage`` (per branch), ``old_logprobs`` and ``ref_logprobs`` (per token) become the
-    tree's RL data when present; see :meth:`TokenTree.from_branches` for ``logprob_conflict``.
+    tree's RL data when present; see :meth:`TokenTree.from_branches` for ``logprob_conflict`` and
+    ``routing_conflict``.
     Errors are :class:`DataError` s; their ``branches`` attribute holds the branches at fault.
     """
     fields: Dict[str, List[Any]] = {k: [b.get(k) for b in branches] for k in BRANCH_FIELDS if any(k in b for b in branches)}
@@ -142,6 +145,7 @@ def build_tree_from_branches(
             logprob_tol=logprob_tol,
             routed_experts=lp["routed_experts"],
             images=images,
+            routing_conflict=routing_conflict,
         )
     except TreeInputError as exc:
         raise DataError(str(exc), branches=exc.branches, detail=exc.detail) from exc
@@ -169,6 +173,8 @@ class TokenBuilder(TreeBuilder):
             ``reinforce_pp``, ``reinforce_pp_baseline``, ``raw``; groups as the builder defines them).
         logprob_conflict: ``raise`` or ``split`` when branches disagree on a shared token's
             old/reference log-prob by more than ``logprob_tol``.
+        routing_conflict: ``error`` or ``split`` when branches disagree on a shared token's recorded
+            MoE experts (``routed_experts``).
         processor_path: local directory of a vision checkpoint's image processor: a branch's
             ``images`` (paths relative to the data file, or data: URIs) are read and each of its
             ``image_token_id`` tokens (one per image, in order) becomes the processor's placeholder
@@ -188,9 +194,12 @@ class TokenBuilder(TreeBuilder):
                  image_root: Optional[str] = None,
                  max_image_bytes: int = ImageLimits.max_image_bytes, max_image_pixels: int = ImageLimits.max_image_pixels,
                  node_local: float = 1.0, node_global: float = 0.0, node_sqrt_leaves: bool = False,
-                 **advantage_options: Any) -> None:
+                 routing_conflict: str = "error", **advantage_options: Any) -> None:
         if logprob_conflict not in ("raise", "split"):
             raise ValueError(f"tree_builder.logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
+        if routing_conflict not in ("error", "split"):
+            raise ValueError(f"tree_builder.routing_conflict must be 'error' or 'split', got {routing_conflict!r}")
+        self.routing_conflict = routing_conflict
         self.node_credit = check_node_options(node_local, node_global, node_sqrt_leaves)
         if advantage == TREE_NODE:
             if advantage_options:

@@ -64,6 +64,11 @@ class StepBatch:
     def flat_tokens(self) -> int:
         return sum(b.flat_tokens for b in self.micro_batches)
 
+    @property
+    def shared_tokens_lost(self) -> int:
+        """Tree tokens that log-prob / routing splits added (``tree/shared_tokens_lost``)."""
+        return sum(b.shared_tokens_lost for b in self.micro_batches)
+
 
 def tree_origin(t: BuiltTree) -> str:
     """A tree as messages name it: its id and the record it came from (``file:line``)."""

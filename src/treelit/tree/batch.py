@@ -92,6 +92,8 @@ class TreeBatch:
     num_targets: int
     num_sequences: int
     branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
+    # tree tokens that log-prob / routing splits added (tokens no longer shared; 0 in a partition)
+    shared_tokens_lost: int = 0
     # RL (optional): per-token rollout/reference log-probs (NaN: unknown), folded advantages
     token_old_logp: Optional[torch.Tensor] = None  # [N] float64
     token_ref_logp: Optional[torch.Tensor] = None  # [N] float64
@@ -160,6 +162,7 @@ class TreeBatch:
             branch_tree=torch.zeros(B, dtype=torch.long),
             num_targets=int(n_b.sum()),
             num_sequences=int((n_b > 0).sum()),
+            shared_tokens_lost=int(getattr(tree, "shared_tokens_lost", 0)),
             branch_fields={k: list(v) for k, v in tree.branch_fields.items()},
             **_rl_fields(tree, idx, target, w_flat, scale[branch_of], branch_of, N),
             images=getattr(tree, "images", None),
@@ -212,6 +215,7 @@ class TreeBatch:
             branch_tree=torch.cat([b.branch_tree + int(o) for b, o in zip(batches, tree_off)]),
             num_targets=sum(b.num_targets for b in batches),
             num_sequences=sum(b.num_sequences for b in batches),
+            shared_tokens_lost=sum(b.shared_tokens_lost for b in batches),
             branch_fields={k: [v for b in batches for v in b.branch_fields[k]] for k in sorted(keys)},
             **{name: _cat_optional(batches, name) for name in _RL_FIELDS},
             source_branches=(type(batches[0].source_branches).concat([b.source_branches for b in batches])
