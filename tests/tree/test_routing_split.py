@@ -51,36 +51,84 @@ def expected_lost(branches, recs):
     return len(split) - len(plain)
 
 
+def own_records(branches, recs):
+    """Each branch's routing over all its tokens from the definition: its own record, and for a
+    token it did not record (its final one) the record of the first branch that reached the same
+    token by the same tokens and the same routing (the copy of the tree it shares); -1 (live) else."""
+    seen = {}
+    for b, r in zip(branches, recs):
+        for t in range(len(r)):
+            seen.setdefault((tuple(b[: t + 1]), r[:t].tobytes()), r[t])
+    out = []
+    for b, r in zip(branches, recs):
+        rows = [r[t] if t < len(r) else seen.get((tuple(b[: t + 1]), r[:t].tobytes()), np.full(r.shape[1:], -1))
+                for t in range(len(b))]
+        out.append(np.stack(rows).astype(np.int64))
+    return out
+
+
+def compare(path, recs, kind="native", budget=None, aggregation="token-mean"):
+    """Loss and every gradient of the split tree (replayed) against transformers per branch."""
+    if kind == "native":
+        ours, strip = treelit.load_hf_checkpoint(path, dtype=torch.float64), ""
+    else:
+        from hf_oracle import make_exact
+
+        ours, strip = treelit.load_hf_model(path, dtype=torch.float64), "hf."
+        make_exact(ours.hf)
+    set_moe_routing(ours, "replay")
+    tree = TokenTree.from_branches(BRANCHES, MASKS, WEIGHTS, routed_experts=recs, routing_conflict="split")
+    ours.zero_grad(set_to_none=True)
+    if budget is None:
+        loss = treelit.tree_loss(ours, tree, aggregation)
+        loss.backward()
+        value = loss.item()
+    else:
+        value = treelit.tree_backward(ours, tree, aggregation, "redundancy_free", budget)
+    ref = load_hf_oracle(path, dtype=torch.float64)
+    expected = replay_branch_loss(ref, BRANCHES, MASKS, WEIGHTS, own_records(BRANCHES, recs), aggregation, None)
+    expected.backward()
+    if kind == "native":
+        from treelit.models.hf import hf_to_tune_state_dict
+
+        theirs = hf_to_tune_state_dict(hf_grads(ref, ours.config.tie_word_embeddings), ours.config)
+    else:
+        theirs = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    mine = {n[len(strip):]: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert mine.keys() == theirs.keys()
+    assert expected.item() != 0 and max(g.norm().item() for g in theirs.values()) > 0  # it trains
+    assert abs(value - expected.item()) <= 1e-10 * abs(expected.item()), (value, expected.item())
+    assert max_rel_grad_diff(mine, theirs, 1e-6) <= 1e-10
+    return tree
+
+
 def test_routing_split_equals_per_branch_replay(tmp_path):
     """Default suite: branch 4 disagrees with branch 0 at position 2 (all later tokens split off),
     the duplicate branch 5 at position 5; native qwen3_moe against transformers per branch."""
     recs = records([(4, 2, 1), (5, 5, 0)])
     random_hf_checkpoint(tmp_path, "qwen3_moe", **TINY)
-    ours = treelit.load_hf_checkpoint(tmp_path, dtype=torch.float64)
-    set_moe_routing(ours, "replay")
     with pytest.raises(treelit.TreeInputError, match="routing_conflict='split'"):
         TokenTree.from_branches(BRANCHES, MASKS, WEIGHTS, routed_experts=recs)  # today's behaviour: an error
-    tree = TokenTree.from_branches(BRANCHES, MASKS, WEIGHTS, routed_experts=recs, routing_conflict="split")
+    tree = compare(tmp_path, recs)
     assert tree.shared_tokens_lost == expected_lost(BRANCHES, recs) == 4 + 2  # branch 4: 3, 4, 5, 6; branch 5: 6, 7
     assert tree.branches() == BRANCHES
-    ours.zero_grad(set_to_none=True)
-    loss = treelit.tree_loss(ours, tree, "token-mean")
-    loss.backward()
-    ref = load_hf_oracle(tmp_path, dtype=torch.float64)
-    expected = replay_branch_loss(ref, BRANCHES, MASKS, WEIGHTS, recs, "token-mean", None)
-    expected.backward()
-    from treelit.models.hf import hf_to_tune_state_dict
-
-    theirs = hf_to_tune_state_dict(hf_grads(ref, ours.config.tie_word_embeddings), ours.config)
-    mine = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
-    assert mine.keys() == theirs.keys()
-    assert expected.item() != 0 and max(g.norm().item() for g in theirs.values()) > 0  # it trains
-    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
-    assert max_rel_grad_diff(mine, theirs, 1e-6) <= 1e-10
     # the per-branch routing the tree keeps for mode=linear is each branch's own record
-    t = treelit.TokenTree.from_branches(BRANCHES, MASKS, WEIGHTS, routed_experts=recs, routing_conflict="split")
     for b, r in enumerate(recs):
-        np.testing.assert_array_equal(t.token_routing[t.branch_tokens[t.branch_ptr[b]:t.branch_ptr[b + 1]]], r)
+        np.testing.assert_array_equal(tree.token_routing[tree.branch_tokens[tree.branch_ptr[b]:tree.branch_ptr[b + 1]]], r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["native", "hf_auto"])
+@pytest.mark.parametrize("budget", [None, 7])
+@pytest.mark.parametrize("last", [True, False])
+@pytest.mark.parametrize("aggregation", ["token-mean", "sum"])
+def test_routing_split_everywhere(kind, budget, last, aggregation, tmp_path):
+    """Both model paths, partitioned, final tokens unrecorded (as samplers return them)."""
+    recs = records([(4, 2, 1), (5, 5, 0), (1, 3, 1)])
+    if not last:
+        recs = [r[:-1] for r in recs]
+    random_hf_checkpoint(tmp_path, "qwen3_moe", **TINY)
+    compare(tmp_path, recs, kind, budget, aggregation)
 
 
 def test_shared_tokens_lost_counts_logprob_and_routing_splits():
