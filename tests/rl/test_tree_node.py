@@ -45,28 +45,34 @@ def branch_logprobs(model, ids):
     return torch.log_softmax(h @ output_weight(model).t(), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def ref_advantages(branches, rewards, local, glob, sqrt_leaves):
+def ref_advantages(branches, rewards, local, glob, sqrt_leaves, old=None):
     """Per branch, per position, from the definition: L(b, i) = the branches through the prefix
-    b[:i+1]; a node is a run of positions with the same L; its parent node is the L of the position
-    before the run (the whole group before position 0)."""
+    b[:i+1] (``old``: with a log-prob split, also agreeing on its old log-probs); a node is a run of
+    positions with the same L; its parent node is the L of the position before the run (the whole
+    group before position 0)."""
     r = np.asarray(rewards, dtype=np.float64)
     root = sum(rewards) / len(rewards)
 
-    def through(ids, i):
-        return tuple(c for c, o in enumerate(branches) if len(o) > i and list(o[: i + 1]) == list(ids[: i + 1]))
+    def same(x, y):
+        return x is None or y is None or abs(x - y) <= 1e-4
+
+    def through(b, i):
+        ids = branches[b]
+        return tuple(c for c, o in enumerate(branches) if len(o) > i and list(o[: i + 1]) == list(ids[: i + 1])
+                     and (old is None or all(same(old[c][j], old[b][j]) for j in range(i + 1))))
 
     def value(s):
         return sum(r[c] for c in s) / len(s)
 
     out = []
-    for ids in branches:
+    for b, ids in enumerate(branches):
         adv = []
         for i in range(len(ids)):
-            s = through(ids, i)
+            s = through(b, i)
             j = i
-            while j > 0 and through(ids, j - 1) == s:
+            while j > 0 and through(b, j - 1) == s:
                 j -= 1
-            vp = value(through(ids, j - 1)) if j > 0 else root
+            vp = value(through(b, j - 1)) if j > 0 else root
             a = local * (value(s) - vp) + glob * (value(s) - root)
             adv.append(a / math.sqrt(len(s)) if sqrt_leaves else a)
         out.append(adv)
@@ -112,22 +118,30 @@ def _perturb(model, seed):
 
 
 def check(objective_name="ppo", agg="token-mean", local=1.0, glob=0.5, sqrt_leaves=True, seed=0,
-          branches=NASTY, rewards=REWARDS):
+          branches=NASTY, rewards=REWARDS, split=None, budget=None):
+    """``split``: (branch, position) whose old log-prob disagrees with the other branches' (the tree
+    splits there: logprob_conflict=split); ``budget``: the partitioned step (tokens per pass)."""
     model = tiny_model("qwen2_5_tiny", seed=seed)
     objective = make_objective(objective_name)
     groups = ["g"] * len(branches)
     groups[-1] = "h"  # the last branch is a tree of its own: two trees packed in one row
     recs, masks, old = _records(model, branches, rewards, groups)
+    if split is not None:
+        b, t = split
+        old[b][t] -= 0.5
+        recs[b].data["branches"][0]["old_logprobs"] = old[b]
     builder = make_tree_builder("groups", advantage="tree_node", node_local=local, node_global=glob,
-                                node_sqrt_leaves=sqrt_leaves)
+                                node_sqrt_leaves=sqrt_leaves, logprob_conflict="split" if split else "raise")
     asm = Assembler(builder, limits=Limits(needs=objective.data_needs(), objective=f"objective={objective.name}"))
     built = [t for r in recs for t in asm.add(r)] + asm.flush()
     assert len(built) == 2
+    assert (built[0].tree.shared_tokens_lost > 0) == (split is not None)
     # the advantages of every (branch, token) pair are the definition's, computed per tree
     members = [[b for b, g in enumerate(groups) if g == k] for k in ("g", "h")]
     expect = {}
     for bt, idx in zip(built, members):
-        ref = ref_advantages([branches[b] for b in idx], [rewards[b] for b in idx], local, glob, sqrt_leaves)
+        ref = ref_advantages([branches[b] for b in idx], [rewards[b] for b in idx], local, glob, sqrt_leaves,
+                             [old[b] for b in idx] if split else None)
         t = bt.tree
         for j, b in enumerate(idx):
             got = t.branch_token_adv[t.branch_ptr[j]: t.branch_ptr[j + 1]]
@@ -140,7 +154,15 @@ def check(objective_name="ppo", agg="token-mean", local=1.0, glob=0.5, sqrt_leav
     Z = batch.norm_contribution(agg) if agg != "sum" else 1.0
 
     def tree():
-        return objective.tree_loss(model, batch, aggregation=agg, normalizer=Z)[0]
+        if budget is None:
+            return objective.tree_loss(model, batch, aggregation=agg, normalizer=Z)[0]
+        from treelit.partition.engine import PartitionStats, run_micro_batch
+
+        stats = PartitionStats()
+        res = run_micro_batch(model, objective, batch, aggregation=agg, normalizer=Z, budget_tokens=budget,
+                              stats=stats)
+        assert stats.partitions > 1
+        return torch.tensor(res.loss, dtype=torch.float64)
 
     def linear():  # the framework's own per-branch path (mode=linear) on the records' branches
         return objective.linear_loss(model, batch.source_branches, aggregation=agg, normalizer=Z)[0]
@@ -181,6 +203,19 @@ def test_tree_node_random_tree_search_shapes(seed):
     branches.append([3, 4, 5])
     rewards = [float(x) for x in rng.normal(size=len(branches))]
     check("grpo", "token-mean", 1.0, 1.0, True, seed=seed, branches=branches, rewards=rewards)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [(4, 3), (1, 5), (2, 2)])
+def test_tree_node_follows_log_prob_splits(split):
+    """A branch that disagrees on an old log-prob leaves the shared nodes there (its own copies)."""
+    check("ppo", "token-mean", 1.0, 0.5, True, split=split)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [7, 9])
+def test_tree_node_partitioned(budget):
+    check("grpo", "seq-mean-token-mean", 1.0, 1.0, True, budget=budget)
 
 
 # bad values: one line naming the option or the record's file:line and field ---------------------
