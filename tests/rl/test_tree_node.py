@@ -252,3 +252,21 @@ def test_sequence_level_objective_and_critic_are_refused():
         _assemble([{"branches": [{"input_ids": [1, 2], "reward": 1.0}]}], objective="gspo")
     with pytest.raises(DataError, match="with a critic computes GAE advantages"):
         _assemble([{"branches": [{"input_ids": [1, 2], "reward": 1.0}]}], reward=True, advantage=False)
+
+
+def test_rows_with_and_without_node_credit_pack():
+    """A row without per-token advantages (e.g. the padding pass's) conforms to one with them: its
+    branches' own advantage on every token (0 without), so both pack and read back per branch."""
+    from treelit.lightning.data import conform_batches
+    from treelit.loss.branches import as_branches
+    from treelit.tree.token_tree import TokenTree
+
+    recs = [Record({"branches": [{"input_ids": [1, 2, 3], "reward": 1.0}, {"input_ids": [1, 2, 4], "reward": 0.0}]},
+                   "d.jsonl:1", position=0)]
+    (built,) = make_tree_builder("sequences", advantage="tree_node")(recs)
+    plain = TokenTree.from_branches([[5, 6, 7]], advantages=[0.25]).to_batch()
+    empty = TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]]).to_batch()
+    rows = conform_batches([built.tree.to_batch(), plain, empty])
+    row = TreeBatch.pack(rows)
+    br = as_branches(row)
+    np.testing.assert_array_equal(np.concatenate(br.token_adv), [0.0, 0.0, 0.5, 0.0, 0.0, -0.5, 0.25, 0.25, 0.25, 0, 0])
