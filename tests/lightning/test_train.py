@@ -131,8 +131,10 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, one_tree_jsonl, h
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("treelit")
     (r,) = client.search_runs([exp.experiment_id])
-    for key in ("loss", "lr", "grad_norm", "tree_tokens", "flat_tokens", "por", "tree_tok/s", "flat_tok/s", "peak_mem_bytes"):
+    for key in ("loss", "lr", "grad_norm", "tree_tokens", "flat_tokens", "por", "tree_tok/s", "flat_tok/s", "peak_mem_bytes",
+                "tree/shared_tokens_lost"):
         assert key in r.data.metrics, key
+    assert r.data.metrics["tree/shared_tokens_lost"] == 0.0  # nothing split
     assert r.data.params["optimizer.lr"] == str(cfg.optimizer.lr)
     arts = {a.path for a in client.list_artifacts(r.info.run_id)}
     assert {"config.yaml", "hf_checkpoint", "summary.json"} <= arts

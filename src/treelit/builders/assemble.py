@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from treelit.builders.checks import check_limits, check_live_routing, check_needs, check_pairs, lines, pinned
 from treelit.data.records import DataError, ReadStats, Record
 from treelit.rl.advantages import AdvantageError, compute_advantages, estimator_scope, groups_of
+from treelit.rl.tree_node import TREE_NODE, apply_node_credit
 from treelit.tree.token_tree import TokenTree
 
 if TYPE_CHECKING:  # annotations only: the interface (builders.base) runs this module, not the reverse
@@ -126,6 +127,17 @@ class _Unit:
 _BATCH = ("__batch__",)
 
 
+def _check_tree_node(needs: Dict[str, bool], objective: str) -> None:
+    """``tree_builder.advantage=tree_node`` needs an objective that weighs each token by its own advantage."""
+    if needs.get("reward"):
+        raise DataError(f"tree_builder.advantage=tree_node: {objective} with a critic computes GAE advantages from "
+                        "the critic's values, which would replace the node credit (itself a baseline: the mean reward "
+                        "of the leaves below each node); use one of the two")
+    if needs.get("advantage") and not needs.get("token_advantage"):
+        raise DataError(f"tree_builder.advantage=tree_node: {objective} weighs each branch by one advantage, not each "
+                        "token by its own; use objective=ppo or objective=grpo")
+
+
 def _all_groups(n: int) -> str:
     return "the only group" if n == 1 else f"all {n} groups"
 
@@ -152,7 +164,11 @@ class Assembler:
         needs = self.limits.needs
         self.estimator = builder.advantage if (needs is None or needs.get("advantage")) else None
         self.scope = None
-        if self.estimator is not None:
+        if builder.advantage == TREE_NODE and needs is not None:
+            _check_tree_node(needs, self.limits.objective)
+        if self.estimator == TREE_NODE:
+            self.scope = "tree"  # computed on each merged tree (treelit.rl.tree_node)
+        elif self.estimator is not None:
             self.scope = estimator_scope(self.estimator)
             if self.scope == "batch" and window is not None:
                 raise DataError(
@@ -352,7 +368,7 @@ class Assembler:
         while pending:
             encs = pending.pop(0)
             try:
-                counts = self._fill_advantages(encs) if self.estimator is not None else (0, 0)
+                counts = self._fill_advantages(encs) if self.estimator not in (None, TREE_NODE) else (0, 0)
                 trees = self._trees(encs)
             except DataError as exc:
                 bad = {id(e) for e in getattr(exc, "at_fault", None) or ()}
@@ -440,6 +456,8 @@ class Assembler:
                 built = self.b.tree(branches, tree_id, first.rec.source)
             except DataError as exc:
                 raise pinned(exc, members) from None
+            if self.estimator == TREE_NODE:
+                apply_node_credit(built.tree, [float(br["reward"]) for br in branches], self.b.node_credit)
             recs = list(OrderedDict((id(e), e) for e, _ in members).values())
             built.positions = [e.rec.position for e in recs]
             built.sources = [e.rec.source for e in recs]

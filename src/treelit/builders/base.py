@@ -28,6 +28,7 @@ from treelit.data.records import DataError, Record, validate_token_record
 from treelit.loss.branches import Branches
 from treelit.registry import get_registry
 from treelit.rl.advantages import ADVANTAGES
+from treelit.rl.tree_node import TREE_NODE, check_node_options
 from treelit.tree.token_tree import TokenTree, TreeInputError
 
 __all__ = ["TREE_BUILDERS", "BuiltTree", "TreeBuilder", "TokenBuilder", "build_tree_from_branches",
@@ -60,6 +61,7 @@ class TreeBuilder:
     reward_per_record: bool = False
     logprob_conflict: str = "raise"
     logprob_tol: float = 1e-4
+    routing_conflict: str = "error"
 
     def encode(self, record: Record) -> List[Dict[str, Any]]:
         """Token-level branch dicts of one validated record (``input_ids``, optional ``loss_mask``,
@@ -84,7 +86,7 @@ class TreeBuilder:
 
     def tree(self, branches: Sequence[Dict[str, Any]], tree_id: str, source: str) -> BuiltTree:
         return build_tree_from_branches(branches, tree_id, source, logprob_conflict=self.logprob_conflict,
-                                        logprob_tol=self.logprob_tol)
+                                        logprob_tol=self.logprob_tol, routing_conflict=self.routing_conflict)
 
     def __call__(self, records: Iterable[Record]) -> List[BuiltTree]:
         """All trees of ``records`` (in memory, ``on_error=raise``, no model checks)."""
@@ -104,11 +106,13 @@ def build_tree_from_branches(
     *,
     logprob_conflict: str = "raise",
     logprob_tol: float = 1e-4,
+    routing_conflict: str = "error",
 ) -> BuiltTree:
     """One tree from token-level branch dicts (``input_ids``, ``loss_mask``, ``weight``, RL fields).
 
     ``advantage`` (per branch), ``old_logprobs`` and ``ref_logprobs`` (per token) become the
-    tree's RL data when present; see :meth:`TokenTree.from_branches` for ``logprob_conflict``.
+    tree's RL data when present; see :meth:`TokenTree.from_branches` for ``logprob_conflict`` and
+    ``routing_conflict``.
     Errors are :class:`DataError` s; their ``branches`` attribute holds the branches at fault.
     """
     fields: Dict[str, List[Any]] = {k: [b.get(k) for b in branches] for k in BRANCH_FIELDS if any(k in b for b in branches)}
@@ -141,6 +145,7 @@ def build_tree_from_branches(
             logprob_tol=logprob_tol,
             routed_experts=lp["routed_experts"],
             images=images,
+            routing_conflict=routing_conflict,
         )
     except TreeInputError as exc:
         raise DataError(str(exc), branches=exc.branches, detail=exc.detail) from exc
@@ -168,6 +173,8 @@ class TokenBuilder(TreeBuilder):
             ``reinforce_pp``, ``reinforce_pp_baseline``, ``raw``; groups as the builder defines them).
         logprob_conflict: ``raise`` or ``split`` when branches disagree on a shared token's
             old/reference log-prob by more than ``logprob_tol``.
+        routing_conflict: ``error`` or ``split`` when branches disagree on a shared token's recorded
+            MoE experts (``routed_experts``).
         processor_path: local directory of a vision checkpoint's image processor: a branch's
             ``images`` (paths relative to the data file, or data: URIs) are read and each of its
             ``image_token_id`` tokens (one per image, in order) becomes the processor's placeholder
@@ -177,6 +184,8 @@ class TokenBuilder(TreeBuilder):
         image_root: a folder images may also be read from (paths relative to it, or leading into
             it), under the same rules as the data file's folder.
         max_image_bytes, max_image_pixels: bounds on one image (an error names the record).
+        node_local, node_global, node_sqrt_leaves: the weights of ``advantage=tree_node`` (credit per
+            node of the merged tree; see :mod:`treelit.rl.tree_node`).
         advantage_options: extra keyword arguments of the estimator.
     """
 
@@ -184,10 +193,19 @@ class TokenBuilder(TreeBuilder):
                  processor_path: Optional[str] = None, image_token_id: Optional[int] = None,
                  image_root: Optional[str] = None,
                  max_image_bytes: int = ImageLimits.max_image_bytes, max_image_pixels: int = ImageLimits.max_image_pixels,
-                 **advantage_options: Any) -> None:
+                 node_local: float = 1.0, node_global: float = 0.0, node_sqrt_leaves: bool = False,
+                 routing_conflict: str = "error", **advantage_options: Any) -> None:
         if logprob_conflict not in ("raise", "split"):
             raise ValueError(f"tree_builder.logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
-        if advantage is not None:
+        if routing_conflict not in ("error", "split"):
+            raise ValueError(f"tree_builder.routing_conflict must be 'error' or 'split', got {routing_conflict!r}")
+        self.routing_conflict = routing_conflict
+        self.node_credit = check_node_options(node_local, node_global, node_sqrt_leaves)
+        if advantage == TREE_NODE:
+            if advantage_options:
+                raise ValueError(f"tree_builder.{sorted(advantage_options)[0]}: advantage=tree_node takes no estimator "
+                                 "options (its weights are tree_builder.node_local, node_global, node_sqrt_leaves)")
+        elif advantage is not None:
             ADVANTAGES.get(advantage)  # unknown names list the known ones
         self.advantage = advantage
         self.advantage_options = advantage_options

@@ -259,6 +259,9 @@ class ChatBuilder(TreeBuilder):
             tokenizer = load_tokenizer(tokenizer_path)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer at {tokenizer_path!r} has no chat template")
+        if advantage == "tree_node":
+            raise ValueError("tree_builder.advantage=tree_node needs a reward per branch (tree_builder=sequences or "
+                             "groups); the chat builder has one reward per conversation")
         if advantage is not None:
             ADVANTAGES.get(advantage)
         self.tok = tokenizer

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from treelit.data.records import DataError, finite_number
+from treelit.rl.tree_node import TREE_NODE
 from treelit.tree.routing import check_routing_model, check_routing_shape, decode_routing
 from treelit.tree.token_tree import TreeInputError
 
@@ -124,7 +125,15 @@ def _target_without(br: dict, field: str):
 def check_needs(rec, branches: List[Dict[str, Any]], limits, est: Optional[str], builder) -> None:
     """What the objective (and the advantage estimator) read from the record is there."""
     needs, src, obj = limits.needs or {}, rec.source, limits.objective
-    if est is not None:
+    if est == TREE_NODE:  # every leaf's reward; the advantages are the tree's
+        for br in branches:
+            if br.get("advantage") is not None:
+                raise DataError(f"{src}: {br['_where']}.advantage: tree_builder.advantage=tree_node computes every "
+                                "token's advantage from the branches' rewards; drop the record's advantage or the option")
+            if not finite_number(br.get("reward")):
+                raise DataError(f"{src}: {br['_where']}.reward: tree_builder.advantage=tree_node needs a finite reward "
+                                f"on every branch, got {br.get('reward')!r}")
+    elif est is not None:
         if builder.reward_per_record:
             r = builder.reward_of(rec)
             if not finite_number(r):

@@ -64,6 +64,11 @@ class StepBatch:
     def flat_tokens(self) -> int:
         return sum(b.flat_tokens for b in self.micro_batches)
 
+    @property
+    def shared_tokens_lost(self) -> int:
+        """Tree tokens that log-prob / routing splits added (``tree/shared_tokens_lost``)."""
+        return sum(b.shared_tokens_lost for b in self.micro_batches)
+
 
 def tree_origin(t: BuiltTree) -> str:
     """A tree as messages name it: its id and the record it came from (``file:line``)."""
@@ -163,6 +168,7 @@ def _legacy_build(path, builder, on_error, limits, stats, read_limits) -> List[B
 _PRESENT_TOGETHER = {
     "token_old_logp": ("branch_old_logp",), "token_ref_logp": ("branch_ref_logp",),
     "adv_pos_sum": ("adv_neg_sum", "adv_pos_mean", "adv_neg_mean", "branch_adv"),
+    "branch_token_adv": (),
 }
 
 
@@ -196,6 +202,9 @@ def conform_batches(batches: List[TreeBatch]) -> List[TreeBatch]:
             for name in (lead,) + rest:
                 if name == "branch_adv":
                     val = torch.full((B,), float("nan"), dtype=torch.float64)
+                elif name == "branch_token_adv":  # a tree with per-branch advantages: its branch's on every token
+                    adv = torch.zeros(B, dtype=torch.float64) if b.branch_adv is None else b.branch_adv.nan_to_num(0.0)
+                    val = torch.repeat_interleave(adv.cpu(), torch.diff(b.branch_ptr.cpu()))
                 elif name.startswith("adv_"):
                     val = torch.zeros(N, dtype=torch.float64)
                 else:

@@ -813,6 +813,8 @@ class TreeLitModule(pl.LightningModule):
                 "tree_tokens": float(tree_tok),
                 "flat_tokens": float(flat_tok),
                 "por": 1.0 - tree_tok / max(flat_tok, 1),
+                # tokens no longer shared because branches disagreed on their old log-probs or routing
+                "tree/shared_tokens_lost": float(getattr(batch, "shared_tokens_lost", 0)),
                 "micro_batches": float(len(micro)),
                 "load_imbalance": float(batch.load_imbalance),
                 "peak_mem_bytes": float(_peak_memory_bytes(self.device)),

@@ -85,6 +85,8 @@ class Branches:
     behav: Optional[List[np.ndarray]] = None  # the sampler's log-probs when ``old`` holds the proximal ones
     # recorded MoE routing per branch, [L_b, layers, k] (-1 rows: not recorded, routed live), or None
     routing: Optional[List[np.ndarray]] = None
+    # per-token advantages per branch, [L_b] (tree_node credit, or GAE with a critic), or None: ``adv``
+    token_adv: Optional[List[np.ndarray]] = None
 
     @classmethod
     def build(cls, branches, loss_masks=None, weights=None, *, advantages=None, old_logprobs=None,
@@ -150,9 +152,14 @@ class Branches:
         if shape is not None:
             routing = [r for p in parts for r in (p.routing if p.routing is not None else
                                                   [np.full((len(t), *shape), -1, dtype=np.int64) for t in p.tokens])]
+        token_adv = None
+        if any(p.token_adv is not None for p in parts):  # a part without: its branch advantage on every token
+            token_adv = [a for p in parts for a in (p.token_adv if p.token_adv is not None else
+                         [np.full(len(t), 0.0 if p.adv is None else p.adv[b]) for b, t in enumerate(p.tokens)])]
         return cls([t for p in parts for t in p.tokens], [m for p in parts for m in p.masks],
                    np.concatenate([p.weights for p in parts]), np.concatenate([p.n for p in parts]), adv,
-                   cat_opt("old"), cat_opt("ref"), fields, np.concatenate(scope), cat_opt("behav"), routing)
+                   cat_opt("old"), cat_opt("ref"), fields, np.concatenate(scope), cat_opt("behav"), routing,
+                   token_adv)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -240,6 +247,7 @@ def as_branches(x) -> Branches:
     )
     out.old, out.ref = per_token(x.branch_old_logp), per_token(x.branch_ref_logp)
     out.behav = per_token(getattr(x, "branch_behav_logp", None))
+    out.token_adv = per_token(getattr(x, "branch_token_adv", None))
     routing = getattr(x, "token_routing", None)
     if routing is not None:  # each branch reads its tokens' (merged) routing
         r = routing.cpu().numpy()[x.branch_tokens.cpu().numpy()]

@@ -105,6 +105,8 @@ def _number(name: str, value: Any, low: float = 0.0, high: float = math.inf, low
 class _PolicyObjective(Objective):
     """Shared plumbing: log-probs in both forms, old/reference log-probs, KL and entropy."""
 
+    token_advantages = False  # whether a token's term reads its own advantage (not one per branch)
+
     def __init__(self, kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0, reference: str = "data",
                  behavior_correction: str = "none", behavior_is_cap: Optional[float] = 2.0,
                  behavior_is_cap_low: Optional[float] = None, behavior_is_level: str = "token"):
@@ -168,6 +170,8 @@ class _PolicyObjective(Objective):
                     "ref_logprobs": bool(self.kl_coef) and self.reference == "data",
                     "behavior_logprobs": self.behavior_correction != "none"}
         return {"advantage": True, "old_logprobs": True, "pairs": False,
+                # a token's own advantage (tree_builder.advantage=tree_node) enters its term
+                "token_advantage": self.token_advantages,
                 "ref_logprobs": bool(self.kl_coef) and self.reference == "data",
                 "behavior_logprobs": self.behavior_correction != "none"}
 
@@ -279,6 +283,7 @@ class PPO(_PolicyObjective):
     differ), ``dual_clip`` (a constant > 1, or None), plus KL/entropy options."""
 
     name = "ppo"
+    token_advantages = True
 
     def __init__(self, clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None,
                  gamma: float = 1.0, lam: float = 1.0, whiten_advantages: bool = True, **kw):

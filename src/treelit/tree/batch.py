@@ -92,6 +92,8 @@ class TreeBatch:
     num_targets: int
     num_sequences: int
     branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
+    # tree tokens that log-prob / routing splits added (tokens no longer shared; 0 in a partition)
+    shared_tokens_lost: int = 0
     # RL (optional): per-token rollout/reference log-probs (NaN: unknown), folded advantages
     token_old_logp: Optional[torch.Tensor] = None  # [N] float64
     token_ref_logp: Optional[torch.Tensor] = None  # [N] float64
@@ -100,6 +102,7 @@ class TreeBatch:
     adv_pos_mean: Optional[torch.Tensor] = None  # [N] the same with 1/n_b (seq-mean-token-mean)
     adv_neg_mean: Optional[torch.Tensor] = None  # [N]
     branch_adv: Optional[torch.Tensor] = None  # [B] float64
+    branch_token_adv: Optional[torch.Tensor] = None  # [F] float64: per-(branch, token) advantages (tree_node)
     branch_old_logp: Optional[torch.Tensor] = None  # [F] float64
     branch_ref_logp: Optional[torch.Tensor] = None  # [F] float64
     # the sampler's (behaviour) log-probs, kept when the proximal ones replace token_old_logp
@@ -159,6 +162,7 @@ class TreeBatch:
             branch_tree=torch.zeros(B, dtype=torch.long),
             num_targets=int(n_b.sum()),
             num_sequences=int((n_b > 0).sum()),
+            shared_tokens_lost=int(getattr(tree, "shared_tokens_lost", 0)),
             branch_fields={k: list(v) for k, v in tree.branch_fields.items()},
             **_rl_fields(tree, idx, target, w_flat, scale[branch_of], branch_of, N),
             images=getattr(tree, "images", None),
@@ -211,6 +215,7 @@ class TreeBatch:
             branch_tree=torch.cat([b.branch_tree + int(o) for b, o in zip(batches, tree_off)]),
             num_targets=sum(b.num_targets for b in batches),
             num_sequences=sum(b.num_sequences for b in batches),
+            shared_tokens_lost=sum(b.shared_tokens_lost for b in batches),
             branch_fields={k: [v for b in batches for v in b.branch_fields[k]] for k in sorted(keys)},
             **{name: _cat_optional(batches, name) for name in _RL_FIELDS},
             source_branches=(type(batches[0].source_branches).concat([b.source_branches for b in batches])
@@ -456,14 +461,17 @@ def segments_from_parents(parent: np.ndarray, breaks: Optional[np.ndarray] = Non
 # optional per-token fields: a partition takes its tokens' rows, packing concatenates them
 _RL_TOKEN_FIELDS = ("token_old_logp", "token_ref_logp", "adv_pos_sum", "adv_neg_sum", "adv_pos_mean", "adv_neg_mean",
                     "token_behav_logp", "token_routing")
-_RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp", "branch_behav_logp")
+_RL_FIELDS = _RL_TOKEN_FIELDS + ("branch_adv", "branch_old_logp", "branch_ref_logp", "branch_behav_logp",
+                                 "branch_token_adv")
 
 
 def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Optional[torch.Tensor]]:
     out: Dict[str, Optional[torch.Tensor]] = {name: None for name in _RL_FIELDS}
     f64 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))  # noqa: E731
     if tree.branch_adv is not None:
-        a = tree.branch_adv[branch_of]
+        # per (branch, token) pair: the branch's advantage, or each token's own (tree_node credit)
+        pair = getattr(tree, "branch_token_adv", None)
+        a = tree.branch_adv[branch_of] if pair is None else pair
         pos, neg = w_flat * np.maximum(a, 0.0), w_flat * np.minimum(a, 0.0)
         out.update(
             adv_pos_sum=f64(np.bincount(idx, weights=pos, minlength=N)),
@@ -471,6 +479,7 @@ def _rl_fields(tree, idx, target, w_flat, inv_n, branch_of, N) -> Dict[str, Opti
             adv_pos_mean=f64(np.bincount(idx, weights=pos * inv_n, minlength=N)),
             adv_neg_mean=f64(np.bincount(idx, weights=neg * inv_n, minlength=N)),
             branch_adv=f64(tree.branch_adv),
+            branch_token_adv=None if pair is None else f64(pair),
         )
     for name, short in (("old", "old"), ("ref", "ref")):
         if getattr(tree, f"branch_{short}") is not None:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from treelit.tree.errors import TreeInputError
 
-__all__ = ["ROUTING_DTYPES", "decode_routing", "encode_routing", "check_routing_shape", "check_routing_model"]
+__all__ = ["ROUTING_DTYPES", "decode_routing", "encode_routing", "check_routing_shape", "check_routing_model",
+           "split_keys"]
 
 ROUTING_DTYPES = ("uint8", "int8", "int16", "int32", "int64")
 
@@ -125,3 +126,30 @@ def check_routing_model(arr: np.ndarray, layers: int, experts: int, top_k: int, 
         t, layer, _ = np.argwhere(arr >= experts)[0]
         raise _fail(where, f"expert id {int(arr[t, layer].max())} at token {t}, MoE layer {layer} is out of range "
                            f"(the model has {experts} experts: 0..{experts - 1})")
+
+
+def split_keys(logprobs: Optional[List[np.ndarray]], logprob_tol: float, routing: Optional[List[Optional[np.ndarray]]],
+               lengths: Sequence[int]) -> Tuple[Optional[List[np.ndarray]], Optional[np.ndarray]]:
+    """Per branch ``[L_b, K]`` float values that must agree for two branches to share a token, and
+    the tolerance of each column: the old/ref log-probs (``logprob_conflict=split``; within
+    ``logprob_tol``) and the routing's ``L x k`` expert ids (``routing_conflict=split``; exactly,
+    float64 holds them exactly). NaN (a value not recorded) agrees with anything. ``(None, None)``
+    when neither splits."""
+    cols, tols = [], []
+    if logprobs is not None:
+        cols.append(logprobs)
+        tols += [float(logprob_tol)] * logprobs[0].shape[1]
+    known = [a for a in (routing or ()) if a is not None]
+    if known:
+        width = int(np.prod(known[0].shape[1:]))
+        per = []
+        for a, n in zip(routing, lengths):
+            k = np.full((n, width), np.nan)
+            if a is not None and a.shape[1:] == known[0].shape[1:]:  # (another shape: named by the routing merge)
+                k[: a.shape[0]] = a.reshape(a.shape[0], -1)
+            per.append(k)
+        cols.append(per)
+        tols += [0.0] * width
+    if not cols:
+        return None, None
+    return [np.concatenate(parts, axis=1) for parts in zip(*cols)], np.asarray(tols)

@@ -31,7 +31,7 @@ import numpy as np
 
 from treelit.tree.batch import TreeBatch
 from treelit.tree.errors import TreeInputError
-from treelit.tree.routing import check_routing_shape, decode_routing
+from treelit.tree.routing import check_routing_shape, decode_routing, split_keys
 from treelit.tree.images import ImageSet, merge_keys
 
 __all__ = ["TokenTree", "TreeInputError"]
@@ -173,11 +173,13 @@ class TokenTree:
     branch_weight: np.ndarray
     branch_fields: Dict[str, List[Any]] = field(default_factory=dict)
     branch_adv: Optional[np.ndarray] = None  # [B] advantages (RL)
+    branch_token_adv: Optional[np.ndarray] = None  # [F] per (branch, token) advantages (tree_node), else None
     branch_old: Optional[np.ndarray] = None  # [F] rollout log-probs per branch token (NaN: unknown)
     branch_ref: Optional[np.ndarray] = None  # [F] reference log-probs per branch token
     token_old: Optional[np.ndarray] = None  # [N] the (agreed) rollout log-prob of each tree token
     token_ref: Optional[np.ndarray] = None  # [N]
     token_routing: Optional[np.ndarray] = None  # [N, L, k] recorded experts of each tree token (-1: none)
+    shared_tokens_lost: int = 0  # tree tokens added by log-prob / routing splits (0 without splits)
     images: Optional[Any] = None  # treelit.tree.images.ImageSet: the tree's distinct images
     image_row: Optional[np.ndarray] = None  # [N] embedding row of each image token (-1: text)
 
@@ -198,6 +200,7 @@ class TokenTree:
         logprob_tol: float = 1e-4,
         routed_experts: Optional[Sequence[Any]] = None,
         images: Optional[Sequence[Sequence[Any]]] = None,
+        routing_conflict: str = "error",
     ) -> "TokenTree":
         """Build the prefix tree of ``branches``.
 
@@ -219,7 +222,11 @@ class TokenTree:
             routed_experts: optional per-branch recorded MoE routing, ``[T, L, k]`` expert ids
                 (T = the branch's length or one less; None: not recorded; see
                 :mod:`treelit.tree.routing`). A shared token has one routing: branches through it
-                that disagree on it are an error naming the pair, the position and the layer.
+                that disagree on it are an error naming the pair, the position and the layer
+                (``routing_conflict="error"``), or stop sharing the tree at that token
+                (``routing_conflict="split"``, as ``logprob_conflict="split"``; a token a branch did not
+                record agrees with any routing). ``shared_tokens_lost`` counts the tree tokens the
+                splits of both kinds added (the tokens no longer shared).
             images: optional B lists of :class:`~treelit.tree.images.ProcessedImage`, the images
                 of each branch in order of appearance; their placeholder tokens are keyed by the
                 image's content (see :mod:`treelit.tree.images`), so branches share an image span
@@ -262,6 +269,8 @@ class TokenTree:
 
         if logprob_conflict not in ("raise", "split"):
             raise ValueError(f"logprob_conflict must be 'raise' or 'split', got {logprob_conflict!r}")
+        if routing_conflict not in ("error", "split"):
+            raise ValueError(f"routing_conflict must be 'error' or 'split', got {routing_conflict!r}")
         adv = None
         if advantages is not None:
             adv = np.asarray(advantages, dtype=np.float64).reshape(-1)
@@ -280,13 +289,21 @@ class TokenTree:
             table: Dict[Any, int] = {}
             keyed = [merge_keys(a, list(im or ()), table, source, b) for b, (a, im) in enumerate(zip(arrays, images))]
             arrays = [k for k, _, _ in keyed]
+        routing = None if routed_experts is None else _routing_arrays(routed_experts, arrays, source)
+        keys, tol = split_keys(aux if logprob_conflict == "split" else None, logprob_tol,
+                               routing if routing_conflict == "split" else None, [len(a) for a in arrays])
         roots: Dict[int, List[_Seg]] = {}
         for b, arr in enumerate(arrays):
-            if aux is not None and logprob_conflict == "split":
-                _insert(roots, arr, b, aux[b], logprob_tol)
+            if keys is not None:
+                _insert(roots, arr, b, keys[b], tol)
             else:
                 _insert(roots, arr, b)
         tree = cls._flatten(roots, arrays, masks, w, fields)
+        if keys is not None:  # the tokens the splits added: against the tree of the tokens alone
+            plain: Dict[int, List[_Seg]] = {}
+            for b, arr in enumerate(arrays):
+                _insert(plain, arr, b)
+            tree.shared_tokens_lost = tree.num_tokens - _count_tokens(plain)
         if images is not None:
             tree._attach_images(real, keyed, images, table)
         tree.branch_adv = adv
@@ -296,8 +313,8 @@ class TokenTree:
             for j, name in enumerate(names):
                 setattr(tree, f"branch_{name}", flat[:, j].copy())
             tree._check_logprobs(names, logprob_tol, source)
-        if routed_experts is not None:
-            tree._merge_routing(_routing_arrays(routed_experts, arrays, source), source)
+        if routing is not None:
+            tree._merge_routing(routing, source)
         return tree
 
     def _merge_routing(self, arrs: List[Optional[np.ndarray]], source: str) -> None:
@@ -329,10 +346,12 @@ class TokenTree:
                 mine, theirs = a[pos, layer].tolist(), tok[t, layer].tolist()
                 raise TreeInputError(
                     f"{source}branches {b0} and {b} share the token at position {pos} but disagree on its routed "
-                    f"experts at MoE layer {layer} ({theirs} vs {mine}); a shared token has one routing",
+                    f"experts at MoE layer {layer} ({theirs} vs {mine}); a shared token has one routing "
+                    "(routing_conflict='split' gives them separate copies)",
                     branches=(b0, b),
                     detail=f"routed_experts[{pos}][{layer}] = {mine} disagrees with {{other}} ({theirs}) on the token "
-                    f"they share at position {pos}, MoE layer {layer}; a shared token has one routing",
+                    f"they share at position {pos}, MoE layer {layer}; a shared token has one routing (use "
+                    "tree_builder.routing_conflict=split to give them separate copies)",
                 )
         self.token_routing = tok
     def _attach_images(self, real, keyed, images, table) -> None:
@@ -545,6 +564,16 @@ def _compatible(a: Optional[np.ndarray], b: Optional[np.ndarray], tol: float) ->
         return np.ones(n, dtype=bool)
     ok = np.isnan(a) | np.isnan(b) | (np.abs(a - b) <= tol)
     return ok.all(axis=1)
+
+
+def _count_tokens(roots: Dict[int, List[_Seg]]) -> int:
+    stack = [s for ss in roots.values() for s in ss]
+    n = 0
+    while stack:
+        s = stack.pop()
+        n += len(s.tokens)
+        stack.extend(s.child_list())
+    return n
 
 
 def _insert(roots: Dict[int, List[_Seg]], arr: np.ndarray, b: int, aux: Optional[np.ndarray] = None, tol: float = 0.0) -> None:
