@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -97,18 +97,18 @@ import torch.distributed as dist
 
 from treelit.attention.base import ATTENTION, resolve_backend
 from treelit.loss.logprobs import default_chunk_rows, token_logprobs
-from treelit.loss.router import RouterTerms
 from treelit.models.context import ExternalKV, TreeContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
 from treelit.models.hf_kernels import TREE_KERNELS, WRAPPER_KERNELS
 from treelit.models.moe import collecting
 from treelit.objectives.folding import fold_spec, loss_from_logprobs, target_selection
 from treelit.partition import p2p
+from treelit.partition.parts import PassPart, PassSpec, RouterPass
 from treelit.partition.passes import ShardedRows, empty_row
 from treelit.ssm.layout import RecurrentLayout, external_layout
 from treelit.tree.batch import TreeBatch
 
-__all__ = ["TRAFFIC", "CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_logprobs", "check_cp_model",
+__all__ = ["TRAFFIC", "CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch", "cp_passes", "cp_logprobs", "check_cp_model",
            "check_cp_backend", "check_cp_degree", "cp_split", "memory_ranges", "path_weight", "score_pair_bytes", "cp_chunk_rows", "has_recurrent_layers"]
 
 
@@ -782,18 +782,29 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
     the ranks' gradients sum to the one-process gradient). Returns the loss (every rank the
     same), the objective's metrics and this rank's plan. A mixture-of-experts model whose router
     loss is on adds it (``router_normalizer``: its step normaliser, see :mod:`treelit.loss.router`;
-    the ranges' routing counts are summed over the group, each rank adds its own tokens' share)."""
+    the ranges' routing counts are summed over the group, each rank adds its own tokens' share).
+    The keyword face of :func:`cp_passes`."""
+    spec = PassSpec(aggregation, normalizer, None, attention, chunk_rows, group)
+    return cp_passes(model, objective, batch, spec, [RouterPass(router_normalizer)], costs)
+
+
+def cp_passes(model, objective, batch: TreeBatch, spec, parts: Sequence[PassPart] = (),
+              costs: Optional[np.ndarray] = None) -> Tuple[float, Dict[str, float], CPPlan]:
+    """:func:`cp_micro_batch` with a ``PassSpec`` (its budget unused: one pass per row) and the
+    pass parts to fold (:mod:`treelit.partition.parts`; each that binds adds its
+    :meth:`~treelit.partition.parts.PassPart.on_split_row` term, value and metrics)."""
     check_cp_model(model)
+    group, aggregation, normalizer, attention = spec.cp_group, spec.aggregation, spec.normalizer, spec.attention
     C, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk_rows = cp_chunk_rows(chunk_rows, model, C)
+    chunk_rows = cp_chunk_rows(spec.chunk_rows, model, C)
     plan = cp_split(batch, C, rank, model, costs)
-    spec = fold_spec(objective)
+    fold = fold_spec(objective)
     ref = None
-    if spec.reference_model:
+    if fold.reference_model:
         with objective.as_reference(model) as reference:
             ref = cp_logprobs(reference, batch, group, attention=attention, chunk_rows=chunk_rows, costs=costs)
     with collecting(model, _LastPass()) as last:  # the pass's router logits (MoE layers)
-        tok, logp, ent, h = _forward_range(model, batch, plan, group, attention, chunk_rows, spec.needs_entropy)
+        tok, logp, ent, h = _forward_range(model, batch, plan, group, attention, chunk_rows, fold.needs_entropy)
     N = batch.num_tokens
     sel = target_selection(batch)
     full_lp = _full(logp, tok, N, group)
@@ -815,12 +826,14 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
         g_en[sel] = g[1].double()
         surrogate = surrogate + (g_en[tok].to(ent.dtype) * ent).sum()
     value = float(loss.detach())
-    if RouterTerms.enabled(model) and sel.numel():  # + this rank's tokens' share of the router loss
-        router = RouterTerms(model, batch, router_normalizer)
-        own = torch.arange(plan.start, plan.end, device=batch.device)
-        surrogate = surrogate + router.split_row_loss(last.ctx, own, group)
-        value += router.coef * router.scale * router.value
-        metrics = {**metrics, **router.metrics()}
+    row = _Row(model, batch, sel)
+    own = torch.arange(plan.start, plan.end, device=batch.device)
+    for part in parts:  # + this rank's tokens' share of each part's term (e.g. the router loss)
+        if not part.bind(row):
+            continue
+        surrogate = surrogate + part.on_split_row(last.ctx, own, group)
+        value += part.value()
+        metrics = {**metrics, **part.metrics()}
     # every rank back-propagates through every layer (the path K/V gradients it owes the
     # other ranks travel in that backward), whether or not it holds targets
     # (the sends this backward leaves in flight are waited on at its end: p2p's final callback)
@@ -830,6 +843,15 @@ def cp_micro_batch(model, objective, batch: TreeBatch, group, *, aggregation: st
         p2p.abandon()
         raise
     return value, {k: float(v) for k, v in metrics.items()}, plan
+
+
+@dataclass
+class _Row:
+    """What a pass part binds to in :func:`cp_passes`: the model, the batch and its targets."""
+
+    model: Any
+    batch: TreeBatch
+    sel: torch.Tensor
 
 
 def cp_chunk_rows(chunk_rows: Optional[int], model, C: int) -> Optional[int]:
