@@ -226,11 +226,16 @@ class _Run:
             w = b.token_weights(self.aggregation)[tok]
             keep = w != 0
             coef = (w[keep] / self.Z if self.Z > 0 else torch.zeros_like(w[keep])).to(h.dtype)
-            return weighted_nll(h[rows[keep]], output_weight(m), b.input_ids[tok[keep]], coef,
-                                chunk_rows=self.chunk_rows, weight_grad_accumulator=out_buf), None
+            loss = weighted_nll(h[rows[keep]], output_weight(m), b.input_ids[tok[keep]], coef,
+                                chunk_rows=self.chunk_rows, weight_grad_accumulator=out_buf)
+            targeted = [part for part in self.parts if part.reads_targets]
+            if targeted:  # (the parts' terms on the target tokens)
+                keep = b.target_count[tok] > 0
+                loss = _plus(loss, [part.on_targets(self, h[rows[keep]], tok[keep]) for part in targeted])
+            return loss, None
         keep = b.target_count[tok] > 0
         tok = tok[keep]
-        terms = [part.on_targets(self, h[rows[keep]], tok) for part in self.parts]
+        terms = [part.on_targets(self, h[rows[keep]], tok) for part in self.parts if part.reads_targets]
         if not self.policy:  # e.g. a separate critic's trunk: the parts' terms only
             return _plus(None, terms), None
         logp, ent = token_logprobs(h[rows[keep]], output_weight(m), b.input_ids[tok], chunk_rows=self.chunk_rows,

@@ -7,7 +7,8 @@ without asking what they are (docs/design.md, "The step as parts"):
 - :meth:`PassPart.bind`: set up for one micro-batch (False: the part sits this one out);
 - :meth:`PassPart.counts_first`: a no-gradient pass must first see every token of the row
   (:meth:`PassPart.on_collect` is then called on each of its passes);
-- :meth:`PassPart.on_targets`: a loss term on a pass's target tokens' hidden states;
+- :meth:`PassPart.on_targets`: a loss term on a pass's target tokens' hidden states (parts
+  with ``reads_targets``);
 - :meth:`PassPart.on_pass`: a loss term on the pass's context (e.g. its router logits);
 - :meth:`PassPart.on_split_row`: the term of this rank's range of a whole row split over a
   context-parallel group (:func:`~treelit.partition.context_parallel.cp_passes`);
@@ -63,6 +64,7 @@ class PassPart:
     """The hooks the engine calls; a part overrides those it needs."""
 
     policy = True  # False: the objective is not folded into the passes, this part's terms alone
+    reads_targets = False  # True: :meth:`on_targets` is called with the target tokens' hidden states
 
     def bind(self, run) -> bool:
         """Set up for ``run``'s micro-batch (a ``treelit.partition.engine`` run); False: unused."""
@@ -109,6 +111,8 @@ class ValuePass(PassPart):
     normaliser, read from the pass's hidden states: the policy's (a shared critic) or, with
     ``policy=False`` and the run's model the critic's trunk, a separate critic's. The batch
     went through :func:`~treelit.objectives.critic.set_tree_advantages`."""
+
+    reads_targets = True
 
     def __init__(self, critic, policy: bool = True) -> None:
         self.critic, self.policy = critic, policy
