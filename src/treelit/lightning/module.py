@@ -228,7 +228,7 @@ class TreeLitModule(NonFiniteChecks, pl.LightningModule):
     def executor(self) -> Executor:
         """How each micro-batch runs (:func:`~treelit.lightning.executors.choose_executor`),
         chosen once: at set-up (:meth:`configure_model`) or, in library use, at the first step."""
-        if self._executor is None:
+        if self._executor is None or self._executor.spec.cp_group is not getattr(self, "_cp_group", None):
             spec = StepSpec(self.model, self.objective, self.attention, self.aggregation, self.chunk_rows, self.mode,
                             getattr(self, "_cp_group", None), self._backward)
             self._executor = choose_executor(spec, self.parts, self.partition)

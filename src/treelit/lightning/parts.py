@@ -58,7 +58,8 @@ class StepPart:
 
     # set-up
     def configure(self, cp_degree: int) -> None:
-        """Refuse, with one line, what this part cannot run with (before any pass)."""
+        """FSDP2 set-up, before the policy is sharded: refuse, with one line, what this part
+        cannot run with (``cp_degree``: context parallelism's C), or prepare what it keeps."""
 
     def shard(self, dp_mesh, mp_policy) -> None:
         """FSDP2: shard this part's own modules over the data-parallel mesh."""
@@ -152,6 +153,9 @@ class ReferenceModel(StepPart):
 
     def __init__(self, objective, model) -> None:
         self.objective, self.model = objective, model
+
+    def configure(self, cp_degree: int) -> None:
+        self.objective._reference_model(self.model)  # the copy: of the initial model, before it is sharded
 
     def shard(self, dp_mesh, mp_policy) -> None:
         shard_model(self.objective._reference_model(self.model), dp_mesh, mp_policy=mp_policy)

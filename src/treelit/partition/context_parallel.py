@@ -99,12 +99,18 @@ from treelit.objectives.folding import fold_spec, loss_from_logprobs, target_sel
 from treelit.partition import p2p
 from treelit.partition.parts import PassPart, PassSpec, RouterPass
 from treelit.tree.batch import TreeBatch
-from treelit.partition.cp_context import (_CPContext, _drained, _forward_range, cp_captures, cp_forward_pass,
-                                         cp_relay, cp_state_captures)
-from treelit.partition.cp_exchange import TRAFFIC, KVShard, Traffic, _StateIn, _StateOut
-from treelit.partition.cp_plan import (CPPlan, check_cp_backend, check_cp_degree, check_cp_model, cp_chunk_rows, cp_plan,
-                                      cp_ranges, cp_split, has_recurrent_layers, memory_ranges, path_weight,
-                                      score_pair_bytes, token_costs)
+
+# every name of the plan, the exchanges and the passes stays reachable here (tests patch some of them)
+from treelit.partition.cp_context import (cp_captures, cp_forward_pass, cp_relay, cp_state_captures, _CPContext,
+                                          _drained, _forward_range)
+from treelit.partition.cp_exchange import (_ancestor_grads, _ancestor_rows, _AncestorsIdle, _assembled, _attend,
+                                           _exchange, _global, KVShard, _owners, _PathRows, _Recurrent,
+                                           _recurrent_route, _RECURRENT_TAGS, _route, _Route, _StateIn, _StateOut,
+                                           TRAFFIC, Traffic, _WithAncestors, _zeros_of_captures)
+from treelit.partition.cp_plan import (_ancestors, _ATTENTION_KINDS, check_cp_backend, check_cp_degree, check_cp_model,
+                                       cp_chunk_rows, cp_plan, cp_ranges, cp_split, CPPlan, has_recurrent_layers,
+                                       _kv_width, memory_ranges, _NATIVE_RECURRENT, _owner, path_weight,
+                                       score_pair_bytes, _shape, token_costs)  # noqa: F401
 
 # (the plan, the exchanges and the passes live in cp_plan, cp_exchange and cp_context; their names stay here)
 __all__ = ["TRAFFIC", "Traffic", "KVShard", "CPPlan", "cp_plan", "cp_ranges", "token_costs", "cp_micro_batch",
