@@ -12,6 +12,10 @@ Phases, each over the same partition plan (the whole row when it fits the budget
    loss terms (token-separable objectives) or the surrogate ``sum g_t logp_t``, and
    backwarded deepest first with the gradients of their K/V and states relayed.
 
+Besides the objective, the passes fold a list of *pass parts* (:mod:`treelit.partition.parts`:
+a critic's value loss, the router loss, ...) through their hooks, without asking what they
+are (:func:`run_passes`; docs/design.md, "The step as parts").
+
 Under FSDP2 every pass issues collectives, so ranks exchange their pass words and run
 one aligned schedule with empty passes in the gaps (:mod:`treelit.partition.schedule`);
 forward-only phases run the largest count of forwards. Under DDP and on one process
