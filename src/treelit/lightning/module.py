@@ -26,50 +26,39 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 import time
 from typing import Any, Callable, Dict, Optional
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from treelit import models  # the package face: the compiled layers (torchtune) only with compile=true
 from treelit.lightning.data import StepBatch
-from treelit.lightning.faults import NonFiniteStep, hold_launched_ranks
+from treelit.lightning.executors import (Executor, Norms, StepSpec, UpdateStep, choose_executor, peak_memory_bytes,
+                                         whole_row_loss)
+from treelit.lightning.faults import NonFiniteStep
+from treelit.lightning.nonfinite import NonFiniteChecks
+from treelit.lightning.parts import SUMMED_METRICS, RolloutLogprobs, step_parts
 from treelit.lightning.planner import MemoryPlanner
-from treelit.loss.linear import linear_branch_logprobs
-from treelit.loss.router import router_aux, router_normalizer_contribution
-from treelit.loss.tree import sft_tree_loss, tree_token_logprobs
-from treelit.models.factory import replay_shape
+from treelit.loss.router import router_normalizer_contribution
 from treelit.models.lora import check_lora_mode, check_reference, lora_of, trainable_state_dict
 from treelit.objectives.base import Objective
-from treelit.objectives.behavior import split_behavior
-from treelit.loss.branches import as_branches
 from treelit.models.critic import Critic
-from treelit.objectives.critic import (branch_values, check_critic_objective, critic_linear_loss, critic_padding_pass,
-                                       critic_tree_loss, prepare_branches, prepare_tree, set_branch_advantages,
-                                       set_tree_advantages, tree_values)
 from treelit.objectives.folding import fold_spec
-from treelit.partition.context_parallel import TRAFFIC, check_cp_backend, check_cp_model, cp_logprobs, cp_micro_batch
-from treelit.partition.engine import (MicroBatchResult, PartitionStats, partitioned_values, policy_logprobs,
-                                     run_micro_batch)
+from treelit.partition.context_parallel import check_cp_backend, check_cp_model
+from treelit.partition.engine import PartitionStats, PassState
 from treelit.partition.passes import empty_row
 from treelit.tree.batch import check_aggregation
-from treelit.rl.gae import explained_variance, value_sums, whiten
-from treelit.utils.distributed import Collectives, is_sharded, shard_model, shard_module
+from treelit.utils.distributed import Collectives, is_sharded, shard_model
 
 __all__ = ["TreeLitModule"]
 
 log = logging.getLogger(__name__)
 
 
-def _peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak RSS (Linux: KiB)
+_peak_memory_bytes = peak_memory_bytes
 
 
 def _is_collective_error(exc: BaseException) -> bool:
@@ -80,7 +69,7 @@ def _is_collective_error(exc: BaseException) -> bool:
                                                                       "connection closed", "connection reset"))
 
 
-SUMMED_METRICS = ("critic/value_loss",)  # shares of the step's value (each divided by the step's normaliser)
+# SUMMED_METRICS (treelit.lightning.parts): shares of the step's value (each divided by the step's normaliser)
 
 
 def add_micro_batch_metrics(acc: Dict[str, float], m: Dict[str, Any], n: int) -> None:
@@ -99,7 +88,7 @@ def add_micro_batch_metrics(acc: Dict[str, float], m: Dict[str, Any], n: int) ->
             acc[k] = acc.get(k, 0.0) + v / n
 
 
-class TreeLitModule(pl.LightningModule):
+class TreeLitModule(NonFiniteChecks, pl.LightningModule):
     """Args:
         model: a :class:`~treelit.models.TreeDecoder`.
         objective: an :class:`~treelit.objectives.Objective`.
@@ -127,10 +116,14 @@ class TreeLitModule(pl.LightningModule):
         max_skipped_steps: with ``skip_step``, the run stops when this many consecutive
             updates were dropped.
         critic: a :class:`~treelit.models.critic.Critic` (``objective=ppo``): values and GAE
-            advantages are computed before the first update of each step batch
-            (:meth:`record_values`) and the value loss joins the policy loss.
+            advantages are computed before the first update of each step batch and the value
+            loss joins the policy loss (:class:`~treelit.lightning.parts.ValueHead`).
         compile: ``False``, ``True`` (inductor) or a ``torch.compile`` backend name: the model's
             layers run compiled (:func:`~treelit.models.compiled.compile_layers`).
+
+    The step runs each micro-batch through one executor, chosen once from the configuration
+    (:attr:`executor`, :mod:`treelit.lightning.executors`), which calls the run's step parts
+    (:attr:`parts`, :mod:`treelit.lightning.parts`): the step itself names no feature.
     """
 
     def __init__(
@@ -198,10 +191,10 @@ class TreeLitModule(pl.LightningModule):
             raise ValueError(f"max_skipped_steps={max_skipped_steps} must be at least 1")
         self.on_nonfinite = on_nonfinite
         self.max_skipped_steps = int(max_skipped_steps)
-        if critic is not None:
-            check_critic_objective(objective)
-        self.critic = critic
-        self._critic_metrics: Dict[str, float] = {}
+        self.critic = critic  # (a submodule: its parameters are the module's, checkpoints included)
+        self.parts = step_parts(model, objective, critic=critic, old_logprobs=old_logprobs,
+                                linear_values=mode == "linear" or bool(verify_every))
+        self._executor: Optional[Executor] = None
         self.skipped_steps = 0  # updates dropped as non-finite, in all (checkpointed)
         self.consecutive_skips = 0  # ... since the last applied one (checkpointed)
         self._micro_losses: list = []  # (micro-batch, loss) of the last attempt, for the check
@@ -215,13 +208,16 @@ class TreeLitModule(pl.LightningModule):
         mesh (:func:`~treelit.utils.distributed.shard_model`; gradients are summed over ranks,
         which with the step-global normaliser is the single-process gradient). A frozen
         reference model (``reference=initial``) is copied before sharding and sharded too."""
+        self._executor = None
+        _ = self.executor  # chosen here, once (the strategy has set the context-parallel group)
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None or is_sharded(self.model):
             return
         if self._cp_degree() > 1:
             check_cp_model(self.model)
-            if self.critic is not None and self.critic.trunk is not None:
-                check_cp_model(self.critic.trunk)
+        for part in self.parts:
+            part.configure(self._cp_degree())
+        if self._cp_degree() > 1:
             check_cp_backend(self.attention)
         if self.mode != "tree" or self.verify_every:
             raise ValueError("under FSDP2 every rank must run the same passes: mode=linear and verify_every "
@@ -230,13 +226,19 @@ class TreeLitModule(pl.LightningModule):
         policy = getattr(self, "fsdp_mp_policy", None)  # library use; under Lightning, the strategy's
         if policy is None and self._trainer is not None:
             policy = getattr(self.trainer.strategy, "treelit_mp_policy", None)
-        if hasattr(self.objective, "_reference_model") and getattr(self.objective, "reference", None) == "initial":
-            shard_model(self.objective._reference_model(self.model), dp, mp_policy=policy)
         shard_model(self.model, dp, mp_policy=policy)
-        if self.critic is not None:  # the critic's own model per block like the policy; the head as one unit
-            if self.critic.trunk is not None:
-                shard_model(self.critic.trunk, dp, mp_policy=policy)
-            shard_module(self.critic.head, dp, mp_policy=policy)
+        for part in self.parts:  # (a frozen reference copy, a critic's own model and head)
+            part.shard(dp, policy)
+
+    @property
+    def executor(self) -> Executor:
+        """How each micro-batch runs (:func:`~treelit.lightning.executors.choose_executor`),
+        chosen once: at set-up (:meth:`configure_model`) or, in library use, at the first step."""
+        if self._executor is None or self._executor.spec.cp_group is not getattr(self, "_cp_group", None):
+            spec = StepSpec(self.model, self.objective, self.attention, self.aggregation, self.chunk_rows, self.mode,
+                            getattr(self, "_cp_group", None), self._backward)
+            self._executor = choose_executor(spec, self.parts, self.partition)
+        return self._executor
 
     def _fsdp(self) -> bool:
         return is_sharded(self.model)
@@ -291,13 +293,8 @@ class TreeLitModule(pl.LightningModule):
     def configure_optimizers(self):
         # the trained parameters only: a frozen base (LoRA) gets no optimizer state
         policy = [p for p in self.model.parameters() if p.requires_grad]
-        if self.critic is None:
-            opt = self.optimizer_factory(policy)
-        else:  # the critic's parameters are a group of their own (critic.lr; null: the optimizer's)
-            group = {"params": [p for p in self.critic.parameters() if p.requires_grad], "name": "critic"}
-            if self.critic.lr is not None:
-                group["lr"] = self.critic.lr
-            opt = self.optimizer_factory([{"params": policy, "name": "policy"}, group])
+        groups = [g for part in self.parts for g in part.param_groups()]  # e.g. the critic's, with its lr
+        opt = self.optimizer_factory([{"params": policy, "name": "policy"}, *groups] if groups else policy)
         if self.scheduler_factory is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(opt), "interval": "step"}}
@@ -318,133 +315,36 @@ class TreeLitModule(pl.LightningModule):
         R = float(sum(router_normalizer_contribution(self.model, b) for b in micro_batches if b.num_targets))
         return self._comm().sum(R) / self._cp_degree()
 
-    def micro_loss(self, mb, Z: float, mode: Optional[str] = None, R: Optional[float] = None):
-        kw = dict(aggregation=self.aggregation, normalizer=Z, chunk_rows=self.chunk_rows)
-        if not mb.num_targets and (mode or self.mode) == "tree":
-            # a padding micro-batch: one pass through the model (the other ranks' collectives), loss 0
-            mb = self._unrouted(mb)
-            loss = sft_tree_loss(self.model, mb, self.aggregation, self.attention, normalizer=1.0)
-            if self.critic is not None:  # ... and through the critic (its sharded parts are collectives too)
-                loss = loss + 0.0 * critic_padding_pass(self.critic, self.model, mb, self.attention)
-            return loss, {}
-        with router_aux(self.model, R) as aux:  # MoE models: + coef x router loss (both modes alike)
-            if self.critic is not None and (mode or self.mode) == "tree":
-                loss, metrics = critic_tree_loss(self.objective, self.critic, self.model, mb, attention=self.attention,
-                                                 **kw)
-            elif self.critic is not None:
-                branches = mb.source_branches if mb.source_branches is not None else mb
-                loss, metrics = critic_linear_loss(self.objective, self.critic, self.model, branches, **kw)
-            elif (mode or self.mode) == "tree":
-                loss, metrics = self.objective.tree_loss(self.model, mb, attention=self.attention, **kw)
-            else:  # per branch, from the records' branches (not read back from the tree)
-                branches = mb.source_branches if mb.source_branches is not None else mb
-                loss, metrics = self.objective.linear_loss(self.model, branches, **kw)
-            if aux is not None:
-                loss = loss + aux.loss()
-                metrics = {**metrics, **aux.metrics()}
-        return loss, metrics
+    def normalizers(self, micro_batches) -> Norms:
+        """The update's normalisers: the objective's and each part's that has one (e.g. the
+        router loss's: :meth:`router_normalizer`), summed over ranks."""
+        comm, cp = self._comm(), self._cp_degree()
+        by_part = {}
+        for part in self.parts:
+            if part.normalized:
+                share = float(sum(part.normalizer(b) for b in micro_batches if b.num_targets))
+                by_part[part.name] = comm.sum(share) / cp
+        return Norms(self.step_normalizer(micro_batches), by_part)
+
+    def _norms(self, Z, R: Optional[float] = None) -> Norms:
+        """``Z`` as :class:`Norms` (a float ``Z`` and ``R``: the objective's and the parts' one)."""
+        if isinstance(Z, Norms):
+            return Z
+        return Norms(Z, {part.name: R for part in self.parts if part.normalized})
+
+    def micro_loss(self, mb, Z, mode: Optional[str] = None, R: Optional[float] = None):
+        """One micro-batch's whole-row loss (tree, or per branch with ``mode=linear``) and metrics."""
+        return whole_row_loss(self.executor.spec, self.parts, mb, self._norms(Z, R), mode)
+
+    def _read_step(self) -> UpdateStep:
+        """An :class:`UpdateStep` for the no-gradient reads before an update."""
+        return UpdateStep(None, self.budget_tokens, PassState(PartitionStats(), self._comm()))
 
     @torch.no_grad()
     def record_rollout_logprobs(self, micro_batches) -> None:
-        """Set each micro-batch's old log-probs to the current policy's (no grad; in tree mode on
-        the tree, partitioned like training when ``partition`` is on; in linear mode branch by
-        branch on the records' branches). The other form of the micro-batch gets the same values
-        (they are the rollout's inputs, not what is being compared)."""
-        keep_behavior = getattr(self.objective, "behavior_correction", "none") != "none"
-        for mb in micro_batches:
-            br = mb.source_branches
-            if keep_behavior:  # the records' (sampler's) log-probs stay as behaviour log-probs
-                split_behavior(mb)
-                if br is not None:
-                    split_behavior(br)
-            if self.mode == "linear" and br is not None:
-                lps, _ = linear_branch_logprobs(self.model, br.tokens, chunk_rows=self.chunk_rows, routing=br.routing)
-                br.old = [np.concatenate([[np.nan], lp.double().cpu().numpy()]) for lp in lps]
-                flat = torch.from_numpy(np.concatenate(br.old)).to(mb.device)
-                mb.branch_old_logp = flat
-                old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64, device=mb.device)
-                old[mb.branch_tokens] = flat
-                mb.token_old_logp = old
-                continue
-            if self._cp_degree() > 1 and self.partition != "none":
-                old = policy_logprobs(self.model, mb, budget_tokens=self.budget_tokens, attention=self.attention,
-                                      chunk_rows=self.chunk_rows, comm=self._comm(), cp_group=self._cp_group)
-            elif self._cp_degree() > 1:
-                old = cp_logprobs(self.model, mb, self._cp_group, attention=self.attention, chunk_rows=self.chunk_rows)
-            elif self.partition != "none":
-                old = policy_logprobs(self.model, mb, budget_tokens=self.budget_tokens, attention=self.attention,
-                                      chunk_rows=self.chunk_rows, comm=self._comm())
-            else:
-                sel, logp, _ = tree_token_logprobs(self.model, mb, self.attention, chunk_rows=self.chunk_rows)
-                old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64, device=mb.device)
-                old[sel] = logp.double()
-            mb.token_old_logp = old
-            mb.branch_old_logp = old[mb.branch_tokens]
-            if br is not None:
-                ptr = mb.branch_ptr.cpu().numpy()
-                flat = mb.branch_old_logp.cpu().numpy()
-                br.old = [flat[ptr[b]: ptr[b + 1]] for b in range(len(ptr) - 1)]
-
-    @torch.no_grad()
-    def record_values(self, micro_batches) -> None:
-        """Values and GAE advantages of the step batch, before its first update: the critic's
-        values of every target token (one tree pass per micro-batch, or per branch in
-        ``mode=linear``), GAE per (branch, action) pair, whitened over the whole step (every
-        micro-batch, every rank) with ``objective.whiten_advantages``. Sets what the losses read
-        and the step's ``critic/explained_variance``, ``critic/values_mean`` and
-        ``critic/returns_mean`` (over the action pairs of every rank)."""
-        obj, comm = self.objective, self._comm()
-        linear = self.mode == "linear" or bool(self.verify_every)
-        trees, lins = [], []
-        cp = self._cp_degree() > 1
-        for mb in micro_batches:
-            if not mb.num_targets and not self._fsdp():
-                continue  # (under FSDP2 a padding micro-batch's pass keeps the other ranks' collectives company)
-            if self.mode == "tree" and (self.partition != "none" or cp):
-                trunk = self.model if self.critic.kind == "shared" else self.critic.trunk
-                v = partitioned_values(trunk, self.critic, mb, attention=self.attention, comm=comm,
-                                       budget_tokens=self.budget_tokens if self.partition != "none" else None,
-                                       cp_group=getattr(self, "_cp_group", None))
-            elif self.mode == "tree":
-                v = tree_values(self.critic, self.model, mb, self.attention)
-            if not mb.num_targets:
-                continue
-            if self.mode == "tree":
-                trees.append((mb, prepare_tree(mb, v, obj.gamma, obj.lam)))
-            if linear:
-                if mb.source_branches is None:
-                    mb.source_branches = as_branches(mb)
-                br = mb.source_branches
-                vals = branch_values(self.critic, self.model, br)
-                lins.append((br, prepare_branches(br, vals, obj.gamma, obj.lam), vals))
-
-        def totals(advs):
-            flat = np.concatenate([a[~np.isnan(a)] for a in advs]) if advs else np.zeros(0)
-            return comm.sum_vector([len(flat), flat.sum(), (flat * flat).sum()])
-
-        def white(advs):
-            return whiten(advs, totals(advs)) if obj.whiten_advantages else advs
-
-        for (mb, pairs), adv in zip(trees, white([p.adv for _, p in trees])):
-            set_tree_advantages(mb, pairs, adv)
-        if lins:
-            advs = [a for _, gae, _ in lins for a, _ in gae]
-            it = iter(white(advs))
-            for br, gae, vals in lins:
-                set_branch_advantages(br, gae, [next(it) for _ in gae], vals)
-        if trees:
-            vs = np.concatenate([p.value[p.action] for _, p in trees])
-            rs = np.concatenate([p.ret[p.action] for _, p in trees])
-        else:
-            vs = np.concatenate([v[1:][br.masks[b][1:]] for br, _, vals in lins for b, v in enumerate(vals)]) \
-                if lins else np.zeros(0)
-            rs = np.concatenate([r[1:][br.masks[b][1:]] for br, gae, _ in lins for b, (_, r) in enumerate(gae)]) \
-                if lins else np.zeros(0)
-        sums = comm.sum_vector(value_sums(vs, rs))
-        n = max(float(sums[0]), 1.0)
-        self._critic_metrics = {"critic/explained_variance": explained_variance(sums),
-                                "critic/values_mean": float(sums[1] - sums[3]) / n,
-                                "critic/returns_mean": float(sums[1]) / n}
+        """Set each micro-batch's old log-probs to the current policy's
+        (:class:`~treelit.lightning.parts.RolloutLogprobs`)."""
+        RolloutLogprobs(self.objective).before_updates(self.executor, micro_batches, self._read_step())
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._fsdp():
@@ -485,25 +385,26 @@ class TreeLitModule(pl.LightningModule):
                 bucket, size = [], 0
 
     def _trained_parameters(self) -> list:
-        """The parameters the optimizer steps: the policy's trained ones, then the critic's."""
+        """The parameters the optimizer steps: the policy's trained ones, then the parts' (a critic's)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.critic is not None:
-            params += [p for p in self.critic.parameters() if p.requires_grad]
+        for part in self.parts:
+            params += [p for m in part.modules() for p in m.parameters() if p.requires_grad]
         return params
 
     def _zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
-        if self.critic is not None:
-            self.critic.zero_grad(set_to_none=True)
+        for part in self.parts:
+            for m in part.modules():
+                m.zero_grad(set_to_none=True)
 
     def _clip_groups(self) -> list:
-        """Parameter groups whose gradient norm is clipped on its own: the policy (with a shared
-        critic's head, which trains on the same loss) and a separate critic."""
-        policy = [p for p in self.model.parameters() if p.grad is not None]
-        if self.critic is None:
-            return [policy]
-        critic = [p for p in self.critic.parameters() if p.grad is not None]
-        return [policy + critic] if self.critic.kind == "shared" else [policy, critic]
+        """``(name, parameters)`` groups whose gradient norm is clipped on its own: the policy's
+        (with what trains on the same loss, e.g. a shared critic's head), then the parts' own
+        (e.g. a separate critic)."""
+        groups = [("policy", [p for p in self.model.parameters() if p.grad is not None])]
+        for part in self.parts:
+            groups = part.clip_groups(groups)
+        return groups
 
     def _update(self, micro_batches) -> Dict[str, float]:
         """Forward and backward every micro-batch with the shared normaliser, then one step."""
@@ -513,14 +414,14 @@ class TreeLitModule(pl.LightningModule):
         opt = self.optimizers()
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norms = []
-        for params in self._clip_groups():
+        for name, params in self._clip_groups():
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
-            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        grad_norm = norms[0]
-        if len(norms) > 1:
-            out = {**out, "critic/grad_norm": norms[1]}
-            if not math.isfinite(norms[1]):
-                grad_norm = norms[1]  # a non-finite critic gradient drops the update like the policy's
+            norms.append((name, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)))
+        grad_norm = norms[0][1]
+        for name, norm in norms[1:]:
+            out = {**out, f"{name}/grad_norm": norm}
+            if not math.isfinite(norm):
+                grad_norm = norm  # a non-finite gradient of a group of its own drops the update like the policy's
         if self._drop_nonfinite(micro_batches, grad_norm):
             opt.zero_grad(set_to_none=True)
             return {**out, "grad_norm": grad_norm}
@@ -532,127 +433,16 @@ class TreeLitModule(pl.LightningModule):
         self.consecutive_skips = 0
         return {**out, "grad_norm": grad_norm}
 
-    # non-finite updates --------------------------------------------------------------------------
-    def _drop_nonfinite(self, micro_batches, grad_norm: float) -> bool:
-        """True when this update must not be applied: the loss of a micro-batch (on any rank) or
-        the gradient norm is not finite. One all-reduce; every rank gets the same answer. The
-        caller then clears the gradients and takes no optimizer or scheduler step (the optimizer
-        state stays as it was). ``on_nonfinite=stop``, or a run of ``max_skipped_steps`` dropped
-        updates, raises :class:`~treelit.lightning.faults.NonFiniteStep` with one line naming the
-        step, the micro-batch and its trees; ``skip_step`` logs the dropped update and goes on."""
-        mine = [(mb, v) for mb, v in self._micro_losses if not math.isfinite(v)]
-        comm = self._comm()
-        if not comm.max(float(bool(mine) or not math.isfinite(grad_norm))):
-            return False
-        report = self._nonfinite_report(micro_batches, mine, grad_norm, comm)
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        if self.on_nonfinite == "stop":
-            hold_launched_ranks(self._trainer)
-            raise NonFiniteStep(f"{report}; the update was not applied and nothing was saved (on_nonfinite=stop; "
-                                "on_nonfinite=skip_step drops such updates and goes on)")
-        if self.consecutive_skips >= self.max_skipped_steps:
-            self._log_skipped_now()  # the step's own log never comes: the last dropped update counts too
-            hold_launched_ranks(self._trainer)
-            raise NonFiniteStep(f"{report}; {self.consecutive_skips} updates in a row were dropped "
-                                f"(max_skipped_steps={self.max_skipped_steps}): stopping, nothing of them applied")
-        if comm.rank == 0:
-            log.warning("%s; the update was dropped (on_nonfinite=skip_step: %d in a row, %d in all)", report,
-                        self.consecutive_skips, self.skipped_steps)
-        return True
-
-    def _log_skipped_now(self) -> None:
-        """``train/skipped_steps`` straight to the loggers (rank 0), at this step's index."""
-        if self._trainer is None or not self.trainer.is_global_zero:
-            return
-        for lg in self.trainer.loggers:
-            lg.log_metrics({"train/skipped_steps": float(self.skipped_steps)}, step=max(self.global_step - 1, 0))
-            lg.save()
-
-    def _nonfinite_report(self, micro_batches, mine, grad_norm: float, comm: Collectives) -> str:
-        """One line, the same on every rank: the step, what was not finite, and each micro-batch
-        that made it so with its trees (``id (file:line)``), on every rank. When every loss is
-        finite but the gradient norm is not, each micro-batch's gradient is computed again on its
-        own to find those whose gradient is not finite (every rank runs the same passes)."""
-        what = [] if math.isfinite(grad_norm) else [f"gradient norm {grad_norm}"]
-        if comm.max(float(bool(mine))):
-            what.insert(0, "loss")
-            parts = [self._describe(mb, f"loss {v}", comm) for mb, v in mine]
-        else:
-            parts = [self._describe(mb, "its gradient alone is not finite", comm)
-                     for mb in self._nonfinite_gradients(micro_batches, comm)]
-        text = "; ".join(parts)
-        every = comm.gather_lists(list(text.encode("utf-8"))) if comm.distributed else [list(text.encode("utf-8"))]
-        found = "; ".join(p for p in (bytes(b).decode("utf-8", "replace") for b in every) if p)
-        data = getattr(self, "_data_step", None)
-        step = f"step {self.global_step + 1}"
-        if data is not None and data != self.global_step:
-            step += f" (data step {data + 1})"
-        return f"{step}: non-finite {' and '.join(what)} - " + (found or "no single micro-batch reproduces it alone")
-
-    def _describe(self, mb, why: str, comm: Collectives) -> str:
-        pos, count, trees = self._where.get(id(mb), (None, None, None))
-        where = f"micro-batch {pos + 1} of {count}" if pos is not None else "a micro-batch"
-        if comm.distributed:
-            where += f" on rank {comm.rank}"
-        if trees is None:
-            return f"{where} ({why})"
-        if not trees:
-            return f"{where} ({why}): an empty pass"
-        return f"{where} ({why}): tree{'s' if len(trees) != 1 else ''} {', '.join(trees)}"
-
-    def _nonfinite_gradients(self, micro_batches, comm: Collectives) -> list:
-        """The micro-batches whose gradient, computed on its own, is not finite (the gradients
-        are cleared before and after). Under FSDP2 a gradient is the ranks' sum: a micro-batch
-        position found there names that position on every rank."""
-        Z, R = getattr(self, "_normalizers", (1.0, None))
-        found = []
-        if getattr(self, "_cp_group", None) is not None:  # a row split over ranks: not recomputed whole
-            return found
-        for mb in micro_batches:
-            self._zero_grad()
-            if self.partition != "none" and self.mode == "tree":
-                self._partitioned(mb, Z, comm, R)
-            else:
-                loss, _ = self.micro_loss(mb, Z, R=R)
-                self._backward(loss)
-            bad = any(not bool(torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all())
-                      for g in (p.grad for p in self._trained_parameters()) if g is not None)
-            if (comm.max(float(bad)) if self._fsdp() else bad):
-                found.append(mb)
-        self._zero_grad()
-        return found
-
-    def _partitioned(self, mb, Z: float, comm: Collectives, R: Optional[float], stats=None, failed: bool = False,
-                     cp_group=None):
-        """One micro-batch through the partition engine: the policy (with a shared critic's value
-        loss folded into its passes), then a separate critic's trunk with its value loss.
-        ``cp_group``: each pass split over its ranks (context parallelism; with ``partition=none``
-        the whole row is one pass)."""
-        shared = self.critic is not None and self.critic.kind == "shared"
-        budget = self.budget_tokens if self.partition != "none" else None
-        res = run_micro_batch(self.model, self.objective, mb, aggregation=self.aggregation, normalizer=Z,
-                              budget_tokens=budget, attention=self.attention, chunk_rows=self.chunk_rows,
-                              stats=stats, comm=comm, failed=failed, router_normalizer=R,
-                              critic=self.critic if shared else None, cp_group=cp_group)
-        if self.critic is None or shared:
-            return res
-        crit = run_micro_batch(self.critic.trunk, None, mb, aggregation=self.aggregation, normalizer=Z,
-                               budget_tokens=budget, attention=self.attention, stats=stats, comm=comm,
-                               failed=failed or res.failed, critic=self.critic, critic_only=True, cp_group=cp_group)
-        return MicroBatchResult(res.loss + crit.loss, {**res.metrics, **crit.metrics}, res.failed or crit.failed)
-
     def compute_gradients(self, micro_batches, planner=None) -> Dict[str, float]:
         """The update's gradients in ``.grad`` (summed over ranks; sharded under FSDP2) and its
         loss and metrics. On an out-of-memory error (on any rank: the ranks agree after the
         passes) the gradients are cleared and every rank retries with the smaller partition
         budget the ``planner`` picks: the result is that of an undisturbed update."""
-        Z = self.step_normalizer(micro_batches)
-        R = self.router_normalizer(micro_batches)
-        self._normalizers = (Z, R)
+        norms = self.normalizers(micro_batches)
+        self._normalizers = norms
         comm = self._comm()
         for attempt in range(self.max_oom_retries + 1):
-            out = self._accumulate(micro_batches, Z, comm, R)
+            out = self._accumulate(micro_batches, norms, comm)
             if out is not None:
                 return out
             self._zero_grad()
@@ -665,76 +455,28 @@ class TreeLitModule(pl.LightningModule):
             log.warning("out of memory: retrying the update with a budget of %s tokens", self.budget_tokens)
         raise AssertionError("unreachable")
 
-    def _accumulate(self, micro_batches, Z: float, comm: Collectives, R: Optional[float] = None
-                    ) -> Optional[Dict[str, float]]:
+    def _accumulate(self, micro_batches, norms: Norms, comm: Collectives) -> Optional[Dict[str, float]]:
         """One attempt; None when some rank ran out of memory (gradients then unusable)."""
         total = 0.0
         metrics: Dict[str, float] = {}
-        stats = PartitionStats()
-        failed = False
+        step = UpdateStep(norms, self.budget_tokens, PassState(PartitionStats(), comm))
         self._micro_losses = []
-        cp = self._cp_degree()
         for mb in micro_batches:
-            if cp > 1 and self.mode == "tree" and (self.partition != "none" or self.critic is not None):
-                res = self._partitioned(mb, Z, comm, R, stats=stats, cp_group=self._cp_group)
-                loss_value, m = res.loss / cp, res.metrics  # (every rank of the group holds the whole loss)
-                if "critic/value_loss" in m:  # (... and the whole value loss: the step sums over ranks)
-                    m = {**m, "critic/value_loss": m["critic/value_loss"] / cp}
-            elif cp > 1:
-                loss_value, m, plan = cp_micro_batch(self.model, self.objective, mb, self._cp_group,
-                                                     aggregation=self.aggregation, normalizer=Z,
-                                                     attention=self.attention, chunk_rows=self.chunk_rows,
-                                                     router_normalizer=R)
-                loss_value /= cp  # every rank of the group holds the whole loss; the step sums over ranks
-                stats.cp_max_cost += float(plan.work.max())
-                stats.cp_mean_cost += float(plan.work.mean())
-                stats.cp_score_pairs = max(stats.cp_score_pairs, plan.size * len(plan.path))
-                stats.partitions += 1
-                stats.token_forwards += plan.size
-            elif self.partition != "none" and self.mode == "tree":
-                res = self._partitioned(mb, Z, comm, R, stats=stats, failed=failed)
-                failed = failed or res.failed
-                loss_value, m = res.loss, res.metrics
-            else:
-                loss, m = self.micro_loss(mb, Z, R=R)
-                self._backward(loss)
-                loss_value = float(loss.detach())
-                stats.partitions += 1
-                stats.token_forwards += mb.num_tokens
+            loss_value, m = self.executor.run(mb, step)
             total += loss_value
             self._micro_losses.append((mb, float(loss_value)))
             add_micro_batch_metrics(metrics, m, len(micro_batches))
-        if self.partition != "none" and comm.max(float(failed)) > 0:
+        if self.executor.partitioned and comm.max(float(step.state.failed)) > 0:
             return None
+        stats = step.state.stats
         self.last_partition_stats = stats
         self.sync_gradients()
         extra = {"partitions": float(stats.partitions), "token_forwards": float(stats.token_forwards),
                  "extra_forwards": float(stats.extra_forwards), "empty_passes": float(stats.empty_passes)}
         if self.budget_tokens is not None:
             extra["budget_tokens"] = float(self.budget_tokens)
-        if cp > 1:
-            extra.update(self._cp_metrics(stats))
+        extra.update(self.executor.update_metrics(stats))  # (context parallelism: its traffic and balance)
         return {"loss": total, **extra, **metrics}
-
-    def _cp_metrics(self, stats: PartitionStats) -> Dict[str, float]:
-        """What context parallelism cost this update, for each rank of this rank's group:
-        ``cp/received_bytes/rank{r}`` (the bytes it received: path K/V, recurrent states and
-        convolution inputs, their gradients, and partitioned passes' all-reduced boundary states
-        and ancestor K/V assemblies, since the last update's figure: this step's values and
-        rollout passes included) and
-        ``cp/peak_bytes/rank{r}`` (its peak memory, as ``peak_mem_bytes``), their maxima, and
-        ``cp/imbalance`` (the passes' most loaded rank's cost over the mean, minus 1)."""
-        mine = torch.tensor([float(TRAFFIC.take()), float(_peak_memory_bytes(self.device))], dtype=torch.float64,
-                            device=self.device)
-        every = [torch.zeros_like(mine) for _ in range(self._cp_degree())]
-        dist.all_gather(every, mine, group=self._cp_group)
-        out = {"cp/imbalance": stats.cp_imbalance}
-        for r, t in enumerate(every):
-            out[f"cp/received_bytes/rank{r}"] = float(t[0])
-            out[f"cp/peak_bytes/rank{r}"] = float(t[1])
-        out["cp/received_bytes_max"] = max(float(t[0]) for t in every)
-        out["cp/peak_bytes_max"] = max(float(t[1]) for t in every)
-        return out
 
     def training_step(self, batch: StepBatch, batch_idx: int):
         try:
@@ -758,13 +500,12 @@ class TreeLitModule(pl.LightningModule):
         if not (comm.distributed and self._fsdp()):
             return list(micro_batches)
         n = int(comm.max(len(micro_batches)))
-        return list(micro_batches) + [self._unrouted(empty_row(self.device)) for _ in range(n - len(micro_batches))]
+        return list(micro_batches) + [self._padding(empty_row(self.device)) for _ in range(n - len(micro_batches))]
 
-    def _unrouted(self, mb):
-        """A padding pass under MoE routing replay: an empty record (its tokens route live)."""
-        shape = replay_shape(self.model)
-        if shape is not None and mb.token_routing is None:
-            mb.token_routing = torch.full((mb.num_tokens, shape[0], shape[2]), -1, dtype=torch.long, device=mb.device)
+    def _padding(self, mb):
+        """A padding pass, as each part wants it (e.g. an empty routing record under replay)."""
+        for part in self.parts:
+            mb = part.pad(mb)
         return mb
 
     def _reward_metrics(self, batch: StepBatch) -> Dict[str, float]:
@@ -787,10 +528,8 @@ class TreeLitModule(pl.LightningModule):
         origins += [[] for _ in range(len(micro) - len(origins))]  # the empty passes added above
         self._where = {id(mb): (i, len(micro), o) for i, (mb, o) in enumerate(zip(micro, origins))}
         self._data_step = batch.index
-        if self.old_logprobs == "rollout":
-            self.record_rollout_logprobs(micro)
-        if self.critic is not None:
-            self.record_values(micro)
+        for part in self.parts:  # before the first update (e.g. rollout log-probs, a critic's values)
+            part.before_updates(self.executor, micro, self._read_step())
         k = min(self.ppo_minibatches, len(micro))
         bounds = [round(i * len(micro) / k) for i in range(k + 1)]
         groups = [micro[bounds[i] : bounds[i + 1]] for i in range(k)]
@@ -817,13 +556,14 @@ class TreeLitModule(pl.LightningModule):
                 "tree/shared_tokens_lost": float(getattr(batch, "shared_tokens_lost", 0)),
                 "micro_batches": float(len(micro)),
                 "load_imbalance": float(batch.load_imbalance),
-                "peak_mem_bytes": float(_peak_memory_bytes(self.device)),
+                "peak_mem_bytes": float(peak_memory_bytes(self.device)),
                 **{k: v for k, v in last.items() if k not in ("loss",) + SUMMED_METRICS},
             }
         )
-        if self.critic is not None:  # the value loss of the step's first update, summed over the ranks
-            first = [u.get("critic/value_loss", 0.0) for u in updates[: len(groups)]]
-            self.log_dict({"critic/value_loss": self._comm().sum(sum(first)), **self._critic_metrics})
+        for part in self.parts:  # (from the step's first updates; e.g. the value loss summed over the ranks)
+            part_metrics = part.step_metrics(updates[: len(groups)], self._comm())
+            if part_metrics:
+                self.log_dict(part_metrics)
         self.log_dict({"tree_tok/s": tree_tok / dt, "flat_tok/s": flat_tok / dt}, prog_bar=True)
         if self.on_nonfinite == "skip_step":
             self.log("train/skipped_steps", float(self.skipped_steps))
@@ -833,12 +573,14 @@ class TreeLitModule(pl.LightningModule):
         if data_metrics:  # e.g. rollout staleness (treelit.lightning.staleness)
             self.log_dict(data_metrics)
         if self.verify_every and (self.global_step % self.verify_every == 0):
-            self.log_dict(self.verify(micro[0], self.step_normalizer(micro), self.router_normalizer(micro)))
+            self.log_dict(self.verify(micro[0], self.normalizers(micro)))
         return torch.tensor(loss)
 
     # self-verification ------------------------------------------------------------------------
-    def verify(self, mb, Z: float, R: Optional[float] = None) -> Dict[str, float]:
-        """Tree vs linear on one micro-batch: relative difference of loss and gradient norm.
+    def verify(self, mb, Z, R: Optional[float] = None) -> Dict[str, float]:
+        """Tree vs linear on one micro-batch: relative difference of loss and gradient norm
+        (``Z``: the step's :class:`~treelit.lightning.executors.Norms`, or the objective's
+        normaliser with ``R`` the parts' one, the router loss's).
 
         Gradients are taken with ``torch.autograd.grad`` so that ``.grad`` is untouched.
         """

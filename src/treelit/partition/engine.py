@@ -12,6 +12,10 @@ Phases, each over the same partition plan (the whole row when it fits the budget
    loss terms (token-separable objectives) or the surrogate ``sum g_t logp_t``, and
    backwarded deepest first with the gradients of their K/V and states relayed.
 
+Besides the objective, the passes fold a list of *pass parts* (:mod:`treelit.partition.parts`:
+a critic's value loss, the router loss, ...) through their hooks, without asking what they
+are (:func:`run_passes`; docs/design.md, "The step as parts").
+
 Under FSDP2 every pass issues collectives, so ranks exchange their pass words and run
 one aligned schedule with empty passes in the gaps (:mod:`treelit.partition.schedule`);
 forward-only phases run the largest count of forwards. Under DDP and on one process
@@ -26,61 +30,29 @@ out-of-memory error anywhere in a pass is caught the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from treelit.loss.logprobs import token_logprobs, weighted_nll
-from treelit.loss.router import RouterTerms
 from treelit.models.forward import in_forward, output_weight
-from treelit.objectives.critic import value_pairs
 from treelit.objectives.folding import FoldSpec, fold_spec, loss_from_logprobs, target_selection
 from treelit.partition import p2p
+from treelit.partition.parts import PassPart, PassSpec, RouterPass, ValuePass, group_sum
 from treelit.partition.context_parallel import (cp_captures, cp_chunk_rows, cp_forward_pass, cp_relay, cp_split,
                                                 cp_state_captures, has_recurrent_layers)
 from treelit.partition.passes import Captures, RowPlan, captures_of, empty_row, forward_partition, whole_row_plan
 from treelit.partition.plan import plan_partitions
+from treelit.partition.results import MicroBatchResult, PartitionStats, PassState
 from treelit.partition.schedule import FORWARD, align, align_forwards, decode, dfs_word, encode
 from treelit.tree.batch import TreeBatch
 from treelit.utils.blocks import OOMGuard
 from treelit.utils.distributed import Collectives, is_sharded
 
-__all__ = ["PartitionStats", "MicroBatchResult", "run_micro_batch", "policy_logprobs", "partitioned_values"]
-
-
-@dataclass
-class PartitionStats:
-    partitions: int = 0  # gradient passes with work (empty passes not counted)
-    token_forwards: int = 0  # tokens through the model with gradients (== tree tokens: redundancy-free)
-    extra_forwards: int = 0  # tokens through the model without gradients (log-prob / reference passes)
-    empty_passes: int = 0  # passes run only to take part in the other ranks' collectives
-    tree_tokens: int = 0
-    budget: Optional[int] = None
-    max_chain_tokens: int = 0
-    # context parallelism: the passes' most loaded rank's cost and mean cost, summed over passes
-    cp_max_cost: float = 0.0
-    cp_mean_cost: float = 0.0
-    # context parallelism: the largest (this rank's queries) x (received path keys) of a pass,
-    # the attention-score term of the memory planner's model (:func:`score_pair_bytes`)
-    cp_score_pairs: int = 0
-    # the most targets of a pass on this rank: the rows of the head's logits (in chunks), the
-    # memory planner's head term
-    max_pass_targets: int = 0
-
-    @property
-    def cp_imbalance(self) -> float:
-        """The step's cost on its most loaded rank (pass by pass) over the mean, minus 1."""
-        return self.cp_max_cost / self.cp_mean_cost - 1.0 if self.cp_mean_cost > 0 else 0.0
-    per_partition: List[int] = field(default_factory=list)
-
-
-@dataclass
-class MicroBatchResult:
-    loss: float
-    metrics: Dict[str, float]
-    failed: bool = False  # an out-of-memory error: the gradients are not usable
+__all__ = ["PartitionStats", "MicroBatchResult", "PassSpec", "PassState", "run_passes", "run_micro_batch",
+           "policy_logprobs", "partitioned_values"]
 
 
 @dataclass
@@ -94,25 +66,23 @@ class _Live:
 class _Run:
     """Shared state of one micro-batch: model, batch, plan, heads, buffers, failure."""
 
-    def __init__(self, model, objective, batch: TreeBatch, plan, spec: FoldSpec, aggregation, Z, attention,
-                 chunk_rows, stats: PartitionStats, comm: Collectives, failed: bool) -> None:
+    def __init__(self, model, objective, batch: TreeBatch, plan, spec: FoldSpec, passes: PassSpec,
+                 state: PassState) -> None:
         self.model, self.objective, self.batch, self.spec = model, objective, batch, spec
         self.rp = RowPlan(batch, plan)
-        self.aggregation, self.Z, self.attention, self.chunk_rows = aggregation, Z, attention, chunk_rows
-        self.stats, self.comm = stats, comm
+        self.aggregation, self.Z = passes.aggregation, float(passes.normalizer)
+        self.attention, self.chunk_rows = passes.attention, passes.chunk_rows
+        self.stats, self.comm = state.stats, state.comm
         self.sharded = is_sharded(model)
-        self.aligned = self.sharded and comm.distributed
-        self.failed = failed
+        self.aligned = self.sharded and self.comm.distributed
+        self.failed = state.failed
         self.N = batch.num_tokens
         self.sel = target_selection(batch)
         self.ref: Optional[torch.Tensor] = None  # [N] reference log-probs (reference-model objectives)
         self.collected: List[Any] = []
         self._empty: Optional[TreeBatch] = None
-        self.router = None  # RouterTerms: the router loss of an MoE model, folded per pass
-        self.critic = None  # a Critic whose value loss is folded per pass (``value_terms``: its pairs)
-        self.value_terms = None
-        self.policy = True  # False: the critic's own trunk (a separate critic), the value loss alone
-        self.value_sum, self.n_clip, self.n_pairs = 0.0, 0.0, 0.0
+        self.parts: List[PassPart] = []  # what the passes fold besides the objective (treelit.partition.parts)
+        self.policy = True  # False: the objective is not folded (e.g. a separate critic's trunk)
         self.cp_group = None  # context parallelism: each pass's row split over this group's ranks
         self.cp_rows: Dict[int, Any] = {}  # partition -> the rows its captures hold (under CP)
         # recurrent layers (native, or a transformers hybrid's tree kernels): their boundary states travel too
@@ -163,10 +133,11 @@ class _Run:
         return self._empty
 
     # forward-only phases ----------------------------------------------------------------
-    def collect(self, model, with_entropy: bool, routing=None, logprobs: bool = True, value_head=None):
+    def collect(self, model, with_entropy: bool, counting: Sequence[PassPart] = (), logprobs: bool = True,
+                value_head=None):
         """No-gradient log-probs (and entropies) ``[N]`` of every target token under ``model``;
-        with ``routing`` (a RouterTerms), every pass's router counts too (``logprobs=False``:
-        the routing only); with ``value_head`` (a Critic), its values instead of log-probs."""
+        ``counting``: parts that see every pass too (:meth:`PassPart.on_collect`; ``logprobs=False``:
+        those alone); with ``value_head`` (a Critic), its values instead of log-probs."""
         N, dev = self.N, self.batch.device
         lp = torch.full((N,), float("nan"), dtype=torch.float64, device=dev)
         en = torch.full((N,), float("nan"), dtype=torch.float64, device=dev) if with_entropy else None
@@ -191,10 +162,8 @@ class _Run:
 
                 def run(m, i=i, sub=sub, tokens=tokens, guard=guard):
                     h, ctx, rows, tok = self.forward_pass(m, i, sub, tokens, captured, guard=guard)
-                    if routing is not None and self.cp_group is not None:  # this rank's range of the pass
-                        routing.add_counts(ctx, ctx.cp_tokens, ctx.cp_tokens if not ctx.cp_pass.size else None)
-                    elif routing is not None:
-                        routing.add_counts(ctx, tokens)
+                    for part in counting:
+                        part.on_collect(self, ctx, tokens)
                     if not logprobs:
                         return tokens[:0], h[:0, 0], None, ctx
                     keep = self.batch.target_count[tok] > 0
@@ -221,11 +190,10 @@ class _Run:
                     captured[i] = self.captures(i, ctx, grad=False)[0]
                 chain.append(i)
                 self.stats.extra_forwards += rp.parts[i].size if self.cp_group is None else ctx.cp_pass.size
-        if self.cp_group is not None:  # each rank filled the targets (and routing counts) of its ranges
+        if self.cp_group is not None:  # each rank filled the targets (and the parts' counts) of its ranges
             lp, en = _group_sum(lp, self.cp_group), (_group_sum(en, self.cp_group) if en is not None else None)
-            if routing is not None:
-                dist.all_reduce(routing.counts, group=self.cp_group)
-                dist.all_reduce(routing.layer_load, group=self.cp_group)
+        for part in counting:
+            part.collected(self.cp_group)
         return lp, en
 
     def _empty_forward(self, model, head=None):
@@ -246,9 +214,10 @@ class _Run:
         critic's head when one runs (``head``: the critic of a values pass): under FSDP2 every rank
         calls the same sharded modules the same number of times."""
         zero = h.sum() + output_weight(m).sum()
-        critic = head if head is not None else self.critic
-        if critic is not None:
-            zero = zero + critic.values(h[:1] * 0).sum()
+        if head is not None:
+            zero = zero + head.values(h[:1] * 0).sum()
+        else:
+            zero = _plus(zero, [part.zero(h) for part in self.parts])
         return zero * 0
 
     # the gradient phase -------------------------------------------------------------------
@@ -261,13 +230,18 @@ class _Run:
             w = b.token_weights(self.aggregation)[tok]
             keep = w != 0
             coef = (w[keep] / self.Z if self.Z > 0 else torch.zeros_like(w[keep])).to(h.dtype)
-            return weighted_nll(h[rows[keep]], output_weight(m), b.input_ids[tok[keep]], coef,
-                                chunk_rows=self.chunk_rows, weight_grad_accumulator=out_buf), None
+            loss = weighted_nll(h[rows[keep]], output_weight(m), b.input_ids[tok[keep]], coef,
+                                chunk_rows=self.chunk_rows, weight_grad_accumulator=out_buf)
+            targeted = [part for part in self.parts if part.reads_targets]
+            if targeted:  # (the parts' terms on the target tokens)
+                keep = b.target_count[tok] > 0
+                loss = _plus(loss, [part.on_targets(self, h[rows[keep]], tok[keep]) for part in targeted])
+            return loss, None
         keep = b.target_count[tok] > 0
         tok = tok[keep]
-        value = self._value_loss(h[rows[keep]], tok) if self.critic is not None else None
-        if not self.policy:  # a separate critic's trunk: its value loss only
-            return value, None
+        terms = [part.on_targets(self, h[rows[keep]], tok) for part in self.parts if part.reads_targets]
+        if not self.policy:  # e.g. a separate critic's trunk: the parts' terms only
+            return _plus(None, terms), None
         logp, ent = token_logprobs(h[rows[keep]], output_weight(m), b.input_ids[tok], chunk_rows=self.chunk_rows,
                                    with_entropy=self.spec.needs_entropy)
         if grads is not None:  # the surrogate of a sequence-level loss
@@ -278,21 +252,8 @@ class _Run:
         else:
             loss, _ = loss_from_logprobs(self.objective, b, tok, logp, ent, aggregation=self.aggregation,
                                          normalizer=self.Z, ref=self.ref)
-        if value is not None:
-            loss = loss + value
+        loss = _plus(loss, terms)
         return loss, (tok, logp.detach(), None if ent is None else ent.detach())
-
-    def _value_loss(self, hs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        """``vf_coef x`` this pass's share of the value loss (over the pairs of its target tokens
-        ``tok``, whose hidden states are ``hs``), divided by the step normaliser."""
-        where = torch.full((self.N,), -1, dtype=torch.long, device=tok.device)
-        where[tok] = torch.arange(len(tok), device=tok.device)
-        value, n_clip, n_pairs = self.value_terms.loss(self.critic, self.critic.values(hs), where)
-        value = value / self.Z if self.Z > 0 else value * 0.0
-        self.value_sum += float(value.detach())
-        self.n_clip += n_clip
-        self.n_pairs += n_pairs
-        return self.critic.vf_coef * value
 
     def gradient_phase(self, grads) -> float:
         rp, model = self.rp, self.model
@@ -353,11 +314,7 @@ class _Run:
             loss, got = self.head_loss(m, h, rows, tok, emb_buf, out_buf, grads)
             if self.cp_group is not None:  # every layer's backward runs (the path rows travel in it)
                 loss = loss + 0.0 * h.sum()
-            if self.router is not None and self.cp_group is not None:  # (the counts: from the routing pass)
-                loss = loss + self.router.pass_loss(ctx, ctx.cp_tokens,
-                                                    rows=ctx.cp_tokens if not ctx.cp_pass.size else None)
-            elif self.router is not None:  # this pass's tokens' share of the router loss
-                loss = loss + self.router.pass_loss(ctx, tokens, whole_row=len(rp.parts) == 1)
+            loss = _plus(loss, [part.on_pass(self, ctx, tokens) for part in self.parts])
             return loss, got, ctx
 
         try:
@@ -421,7 +378,10 @@ def run_micro_batch(
     critic_only: bool = False,
     cp_group=None,
 ) -> MicroBatchResult:
-    """Forward and backward ``batch`` (accumulating ``.grad``) under ``budget_tokens`` tokens
+    """The keyword face of :func:`run_passes` (library use and tests; the training step builds
+    its :class:`PassSpec` and parts once, :mod:`treelit.lightning.executors`).
+
+    Forward and backward ``batch`` (accumulating ``.grad``) under ``budget_tokens`` tokens
     per chain of partitions (None: one pass). ``normalizer``: the step-global Z.
     ``failed``: an earlier micro-batch of this update ran out of memory (this one then runs
     empty passes only, keeping the collectives of the other ranks company).
@@ -437,102 +397,124 @@ def run_micro_batch(
     ``budget_tokens`` is then per rank, so a chain of partitions may hold ``C x budget_tokens``
     tokens. The ranks' gradients sum to the one-process gradient; the loss and metrics returned
     are the whole micro-batch's on every rank."""
-    stats = stats if stats is not None else PartitionStats()
-    comm = comm if comm is not None else Collectives(1)
-    spec = FoldSpec(True, False, False, False) if critic_only else fold_spec(objective)
+    parts: List[PassPart] = [] if critic_only else [RouterPass(router_normalizer)]
+    if critic is not None:
+        parts.append(ValuePass(critic, policy=not critic_only))
+    spec = PassSpec(aggregation, normalizer, budget_tokens, attention, chunk_rows, cp_group)
+    state = PassState(stats if stats is not None else PartitionStats(), comm if comm is not None else Collectives(1),
+                      failed)
+    return run_passes(model, objective, batch, spec, parts, state)
+
+
+def run_passes(model, objective, batch: TreeBatch, spec: PassSpec, parts: Sequence[PassPart] = (),
+               state: Optional[PassState] = None) -> MicroBatchResult:
+    """Forward and backward ``batch`` (accumulating ``.grad``) as ``spec`` says, folding the
+    objective's loss and each of ``parts``' terms (:mod:`treelit.partition.parts`) into its
+    passes. ``objective`` is unused when a part says it is the pass's only loss
+    (``PassPart.policy``). See :func:`run_micro_batch` for the phases and their options."""
+    state = state if state is not None else PassState()
+    stats, cp_group = state.stats, spec.cp_group
+    policy = all(part.policy for part in parts)
+    fold = fold_spec(objective) if policy else FoldSpec(True, False, False, False)
     N = batch.num_tokens
     stats.tree_tokens += N
-    stats.budget = budget_tokens
+    stats.budget = spec.budget_tokens
     C = dist.get_world_size(cp_group) if cp_group is not None else 1
-    plan = _plan(batch, budget_tokens, cp_group)
+    plan = _plan(batch, spec.budget_tokens, cp_group)
     stats.max_chain_tokens = max(stats.max_chain_tokens, -(-plan.max_chain_tokens // C))  # per rank (about)
-    run = _Run(model, objective, batch, plan, spec, aggregation, float(normalizer), attention, chunk_rows, stats, comm, failed)
+    run = _Run(model, objective, batch, plan, fold, spec, state)
     _join(run, cp_group)
-    if critic is not None:
-        if spec.fused_sft or not spec.token_separable:
-            raise ValueError("a critic's value loss folds into token-separable objectives only (objective=ppo)")
-        # (a padding micro-batch, without targets, has no pairs: its passes fold nothing)
-        terms = value_pairs(batch, aggregation, batch.device) if run.sel.numel() else None
-        run.critic, run.value_terms, run.policy = critic, terms, not critic_only
-    if RouterTerms.enabled(model) and run.sel.numel() and not critic_only:
-        run.router = RouterTerms(model, batch, router_normalizer)
-    # (under context parallelism the routing of every rank's ranges is taken first, then summed)
-    routing = run.router if run.router is not None and (len(plan.partitions) > 1 or C > 1) else None
-    if spec.reference_model:
+    run.policy = policy
+    run.parts = [part for part in parts if part.bind(run)]
+    # (e.g. the router loss: every token's routing first; under context parallelism every rank's ranges, summed)
+    counting = [part for part in run.parts if part.counts_first(run)]
+    if fold.reference_model:
         with objective.as_reference(model) as reference:
             run.ref, _ = run.collect(reference, with_entropy=False)
     grads = None
     metrics: Dict[str, float] = {}
     value = None
-    if routing is not None and spec.token_separable:
-        run.collect(model, with_entropy=False, routing=routing, logprobs=False)
-    if not spec.token_separable:
-        lp, en = run.collect(model, with_entropy=spec.needs_entropy, routing=routing)
-        if not run.sel.numel():  # nothing to train (a padding micro-batch)
-            grads, value = (torch.zeros(N, dtype=torch.float64, device=batch.device), None), 0.0
-        elif not run.failed:
-            sel = run.sel
-            leaf_lp = lp[sel].to(_dtype(model)).requires_grad_()
-            leaf_en = en[sel].to(_dtype(model)).requires_grad_() if en is not None else None
-            with torch.enable_grad():
-                loss, metrics = loss_from_logprobs(objective, batch, sel, leaf_lp, leaf_en, aggregation=aggregation,
-                                                   normalizer=normalizer, ref=run.ref)
-                inputs = [leaf_lp] + ([leaf_en] if leaf_en is not None else [])
-                g = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
-            g_lp = torch.zeros(N, dtype=torch.float64, device=batch.device)
-            if g[0] is not None:
-                g_lp[sel] = g[0].double()
-            g_en = None
-            if leaf_en is not None:
-                g_en = torch.zeros(N, dtype=torch.float64, device=batch.device)
-                if g[1] is not None:
-                    g_en[sel] = g[1].double()
-            grads = (g_lp, g_en)
-            value = float(loss.detach())
-        else:
-            grads = (torch.zeros(N, dtype=torch.float64, device=batch.device), None)
+    if counting and fold.token_separable:
+        run.collect(model, with_entropy=False, counting=counting, logprobs=False)
+    if not fold.token_separable:
+        lp, en = run.collect(model, with_entropy=fold.needs_entropy, counting=counting)
+        grads, value, metrics = _sequence_grads(run, lp, en, spec)
     total = run.gradient_phase(grads)
     recomputed = False
-    if run.cp_group is not None and run.router is not None:  # each rank's passes' router terms: the row's
-        run.router.value = _group_sum(torch.tensor([run.router.value], dtype=torch.float64, device=batch.device),
-                                      run.cp_group).item()
-    if run.cp_group is not None and run.critic is not None:  # each rank's pairs' value loss: the row's
-        sums = torch.tensor([run.value_sum, run.n_clip, run.n_pairs], dtype=torch.float64, device=batch.device)
-        dist.all_reduce(sums, group=run.cp_group)
-        run.value_sum, run.n_clip, run.n_pairs = (float(x) for x in sums)
+    if run.cp_group is not None:
+        for part in run.parts:
+            part.reduce(run.cp_group, batch.device)
     if value is None and run.cp_group is not None:
         value = _group_sum(torch.tensor([total], dtype=torch.float64, device=batch.device), run.cp_group).item()
-        if not spec.fused_sft and run.sel.numel() and run.policy:  # every rank's log-probs, for the metrics
+        if not fold.fused_sft and run.sel.numel() and run.policy:  # every rank's log-probs, for the metrics
             recomputed = True
-            tok, logp, ent = _gather_collected(run, spec.needs_entropy)
-            with torch.no_grad():
-                loss, metrics = loss_from_logprobs(objective, batch, tok, logp, ent, aggregation=aggregation,
-                                                   normalizer=normalizer, ref=run.ref)
-            value = float(loss) + _router_value(run)
+            value, metrics = _recomputed(run, *_gather_collected(run, fold.needs_entropy), spec)
     elif value is None:
         value = total
-        if not spec.fused_sft and run.collected and not run.failed and run.sel.numel():
+        if not fold.fused_sft and run.collected and not run.failed and run.sel.numel():
             recomputed = True
             # the value and metrics from all targets at once (the same arithmetic as tree mode)
             tok = torch.cat([c[0] for c in run.collected])
             logp = torch.cat([c[1] for c in run.collected])
-            ent = torch.cat([c[2] for c in run.collected]) if spec.needs_entropy else None
-            with torch.no_grad():
-                loss, metrics = loss_from_logprobs(objective, batch, tok, logp, ent, aggregation=aggregation,
-                                                   normalizer=normalizer, ref=run.ref)
-            value = float(loss) + _router_value(run)
-    elif not spec.token_separable:
-        value += _router_value(run)  # (the surrogate passes' router terms are in ``total`` only)
-    if run.critic is not None:
-        if not run.policy:  # (``value``: the passes' total, summed over a context-parallel group)
-            metrics = {}
-        elif recomputed:  # the policy's value was recomputed from all log-probs (``total`` had the value loss)
-            value += run.critic.vf_coef * run.value_sum
-        metrics = {**metrics, "critic/value_loss": run.value_sum,
-                   "critic/clip_fraction": run.n_clip / max(run.n_pairs, 1.0)}
-    if run.router is not None:
-        metrics = {**metrics, **run.router.metrics()}
+            ent = torch.cat([c[2] for c in run.collected]) if fold.needs_entropy else None
+            value, metrics = _recomputed(run, tok, logp, ent, spec)
+    elif not fold.token_separable:
+        value = _with_parts(run, value)  # (the surrogate passes' terms are in ``total`` only)
+    if not run.policy:  # (``value``: the passes' total, summed over a context-parallel group)
+        metrics = {}
+    for part in run.parts:
+        metrics = {**metrics, **part.metrics()}
     return MicroBatchResult(value, metrics, run.failed)
+
+
+def _sequence_grads(run: "_Run", lp, en, spec: PassSpec):
+    """A sequence-level objective's ``(dL/dlogp, dL/dentropy)``, loss value and metrics from the
+    no-gradient log-probs ``lp`` and entropies ``en`` of every target."""
+    batch, N = run.batch, run.N
+    if not run.sel.numel():  # nothing to train (a padding micro-batch)
+        return (torch.zeros(N, dtype=torch.float64, device=batch.device), None), 0.0, {}
+    if run.failed:
+        return (torch.zeros(N, dtype=torch.float64, device=batch.device), None), None, {}
+    sel = run.sel
+    leaf_lp = lp[sel].to(_dtype(run.model)).requires_grad_()
+    leaf_en = en[sel].to(_dtype(run.model)).requires_grad_() if en is not None else None
+    with torch.enable_grad():
+        loss, metrics = loss_from_logprobs(run.objective, batch, sel, leaf_lp, leaf_en, aggregation=spec.aggregation,
+                                           normalizer=spec.normalizer, ref=run.ref)
+        inputs = [leaf_lp] + ([leaf_en] if leaf_en is not None else [])
+        g = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+    g_lp = torch.zeros(N, dtype=torch.float64, device=batch.device)
+    if g[0] is not None:
+        g_lp[sel] = g[0].double()
+    g_en = None
+    if leaf_en is not None:
+        g_en = torch.zeros(N, dtype=torch.float64, device=batch.device)
+        if g[1] is not None:
+            g_en[sel] = g[1].double()
+    return (g_lp, g_en), float(loss.detach()), metrics
+
+
+def _recomputed(run: "_Run", tok, logp, ent, spec: PassSpec):
+    """The micro-batch's loss value (with the parts' values) and metrics from every target's
+    detached log-probs: the same arithmetic as tree mode."""
+    with torch.no_grad():
+        loss, metrics = loss_from_logprobs(run.objective, run.batch, tok, logp, ent, aggregation=spec.aggregation,
+                                           normalizer=spec.normalizer, ref=run.ref)
+    return _with_parts(run, float(loss)), metrics
+
+
+def _with_parts(run: "_Run", value: float) -> float:
+    for part in run.parts:
+        value += part.value()
+    return value
+
+
+def _plus(loss: Optional[torch.Tensor], terms) -> Optional[torch.Tensor]:
+    """``loss`` plus each term that is not None, in order."""
+    for t in terms:
+        if t is not None:
+            loss = t if loss is None else loss + t
+    return loss
 
 
 def _accumulator(param) -> Optional[torch.Tensor]:
@@ -547,14 +529,7 @@ def _accumulator(param) -> Optional[torch.Tensor]:
     return torch.zeros_like(param)
 
 
-def _group_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum over ``group`` of ``x``'s values where set (NaN: unset; NaN where no rank set it)."""
-    have = ~torch.isnan(x)
-    val = torch.where(have, x, torch.zeros_like(x))
-    cnt = have.to(torch.float64)
-    dist.all_reduce(val, group=group)
-    dist.all_reduce(cnt, group=group)
-    return torch.where(cnt > 0, val, torch.full_like(val, float("nan")))
+_group_sum = group_sum  # (the sum over a group of the values set, NaN where none is)
 
 
 def _gather_collected(run: "_Run", with_entropy: bool):
@@ -573,11 +548,6 @@ def _gather_collected(run: "_Run", with_entropy: bool):
     return tok, lp[tok].to(dtype), (en[tok].to(dtype) if en is not None else None)
 
 
-def _router_value(run: "_Run") -> float:
-    r = run.router
-    return 0.0 if r is None else r.coef * r.scale * r.value
-
-
 def _dtype(model) -> torch.dtype:
     p = next(model.parameters())
     dt = p.dtype
@@ -594,8 +564,8 @@ def partitioned_values(trunk, critic, batch: TreeBatch, *, budget_tokens: Option
     :func:`run_micro_batch`; every rank gets every value)."""
     comm = comm if comm is not None else Collectives(1)
     stats = stats if stats is not None else PartitionStats()
-    run = _Run(trunk, None, batch, _plan(batch, budget_tokens, cp_group), FoldSpec(False, False, False, False), "sum",
-               1.0, attention, None, stats, comm, False)
+    run = _Run(trunk, None, batch, _plan(batch, budget_tokens, cp_group), FoldSpec(False, False, False, False),
+               PassSpec("sum", 1.0, budget_tokens, attention, None), PassState(stats, comm))
     _join(run, cp_group)
     values, _ = run.collect(trunk, with_entropy=False, value_head=critic)
     if comm.max(float(run.failed)) > 0:
@@ -613,8 +583,8 @@ def policy_logprobs(model, batch: TreeBatch, *, budget_tokens: Optional[int] = N
     comm = comm if comm is not None else Collectives(1)
     stats = stats if stats is not None else PartitionStats()
     spec = FoldSpec(False, False, False, False)
-    run = _Run(model, None, batch, _plan(batch, budget_tokens, cp_group), spec, "sum", 1.0, attention, chunk_rows,
-               stats, comm, False)
+    run = _Run(model, None, batch, _plan(batch, budget_tokens, cp_group), spec,
+               PassSpec("sum", 1.0, budget_tokens, attention, chunk_rows), PassState(stats, comm))
     _join(run, cp_group)
     lp, _ = run.collect(model, with_entropy=False)
     if comm.max(float(run.failed)) > 0:
