@@ -42,6 +42,14 @@ def write(d, name, recs):
     (d / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
+def tokens(fresh, one_behind):
+    """The per-token metrics of a trained file whose tokens are 0 or 1 versions behind, none dropped."""
+    out = {f"staleness/tokens_{k}": 0.0 for k in ("0", "1", "2", "3", "4plus")}
+    out.update({"staleness/tokens_0": float(fresh), "staleness/tokens_1": float(one_behind),
+                "staleness/tokens_dropped": 0.0, "staleness/branches_dropped": 0.0})
+    return out
+
+
 def module(d, version, **kw):
     dm = RolloutDirDataModule(str(d), timeout_s=2, poll_s=0.01, **kw)
     dm.policy_version = lambda: version[0]  # the trainer's version, set by the test
@@ -62,13 +70,13 @@ def test_stale_files_are_skipped_exactly_as_configured(tmp_path):
     dm.load_step(0)
     assert dm.step_files[0] == "f0.jsonl"
     assert dm.step_metrics == {"rollout/files_skipped_stale": 0.0, "rollout/staleness_max": 0.0,
-                               "rollout/staleness_mean": 0.0}
+                               "rollout/staleness_mean": 0.0, **tokens(18, 0)}  # 2 records x 3 branches x 3 tokens
     dm.consumed_steps = 1
     version[0] = 3
     dm.load_step(1)  # f1 is 2 versions behind: skipped; f2 is trained
     assert dm.step_files[1] == "f2.jsonl"
     assert dm.step_metrics == {"rollout/files_skipped_stale": 1.0, "rollout/staleness_max": 1.0,
-                               "rollout/staleness_mean": 0.5}
+                               "rollout/staleness_mean": 0.5, **tokens(9, 9)}
     dm.consumed_steps = 2
     state = dm.state_dict()
     assert state["stale"] == {"skipped": {"1": ["f1.jsonl"]}, "files_skipped_stale": 1}

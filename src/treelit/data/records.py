@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
 MAX_TOKEN_ID = 2**63 - 1
 BRANCH_KEYS = ("input_ids", "loss_mask", "weight", "group", "reward", "advantage", "old_logprobs", "ref_logprobs",
-               "pair", "chosen", "token_rewards", "routed_experts", "images")
+               "pair", "chosen", "token_rewards", "routed_experts", "images", "policy_versions")
 CHAT_HINT = "a chat record (messages, no input_ids): render it with tree_builder=chat (the token builders read input_ids)"
 
 
@@ -194,6 +194,14 @@ def validate_token_record(rec: Any, source: str) -> None:
             for i, v in enumerate(rewards):
                 if v is not None and not finite_number(v):
                     raise DataError(f"{where}.token_rewards[{i}]: must be a finite number or null, got {_show(v)}")
+        versions = br.get("policy_versions")  # per token: the policy version that sampled it (null: not sampled)
+        if versions is not None:
+            if not isinstance(versions, list) or len(versions) != len(ids):
+                raise DataError(f"{where}.policy_versions: must be a list of {len(ids)} versions (one per token, null "
+                                f"for tokens not sampled), got {f'{len(versions)} entries' if isinstance(versions, list) else _show(versions)}")
+            for i, v in enumerate(versions):
+                if v is not None and not (is_int(v) and v >= 0):
+                    raise DataError(f"{where}.policy_versions[{i}]: must be a non-negative integer or null, got {_show(v)}")
         images = br.get("images")
         if images is not None:
             if not isinstance(images, list) or not all(isinstance(r, str) and r for r in images):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -30,7 +30,7 @@ from treelit.builders.assemble import Assembler, Limits
 from treelit.builders.base import BuiltTree, TreeBuilder
 from treelit.builders.sequences import SequencesBuilder
 from treelit.data.limits import MiB, ReadLimits, out_of_memory
-from treelit.data.records import DataError, ReadStats, iter_file, read_records
+from treelit.data.records import DataError, ReadStats, Record, iter_file, read_records
 from treelit.utils.paths import resolve_data_path
 from treelit.tree.batch import TreeBatch
 from treelit.tree.images import image_counts
@@ -115,10 +115,13 @@ def _assign(trees: List[int], cost: np.ndarray, world: int) -> List[List[int]]:
 
 
 def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", limits: Optional[Limits] = None,
-                stats: Optional[ReadStats] = None, read_limits: Optional[ReadLimits] = None) -> List[BuiltTree]:
+                stats: Optional[ReadStats] = None, read_limits: Optional[ReadLimits] = None,
+                transform: Optional[Callable[[Record], Optional[Record]]] = None) -> List[BuiltTree]:
     """Every tree of a data file, in memory, through the builder's :class:`Assembler` (or its
     own ``__call__`` for builders that only define that, checked against the model per tree),
-    each record read within ``read_limits`` (:mod:`treelit.data.limits`)."""
+    each record read within ``read_limits`` (:mod:`treelit.data.limits`) and passed through
+    ``transform`` first (None back: left out; e.g. per-token staleness,
+    :mod:`treelit.lightning.token_staleness`)."""
     stats = stats if stats is not None else ReadStats()
     limits = limits or Limits()
     if on_error not in ("raise", "skip"):
@@ -134,6 +137,16 @@ def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", lim
             stats.skip(item)
             continue
         stats.read += 1
+        if transform is not None:
+            try:
+                item = transform(item)
+            except DataError as exc:
+                if on_error == "raise":
+                    raise
+                stats.skip(exc)
+                continue
+            if item is None:
+                continue
         try:
             trees += asm.add(item)
         except MemoryError:

@@ -89,6 +89,9 @@ class RolloutDirDataModule(pl.LightningDataModule):
         max_staleness: skip or refuse (``on_stale``: ``skip`` | ``raise``) a file sampled more than
             this many policy versions behind the trainer (records' ``policy_version``; null: no
             limit), see :mod:`treelit.lightning.staleness`.
+        staleness_policy: what ``max_staleness`` does with a stale token: ``skip_file`` (the
+            whole file, as ``on_stale`` says), ``drop_tokens`` (out of the loss) or ``drop_branch``
+            (records may carry per-token ``policy_versions``), see :mod:`treelit.lightning.token_staleness`.
         max_record_bytes, max_branches_per_record, max_expansion_ratio: what reading one
             record may cost (:class:`~treelit.data.limits.ReadLimits`); a record over a limit
             is a data error naming it (``on_error=skip`` skips it).
@@ -111,10 +114,11 @@ class RolloutDirDataModule(pl.LightningDataModule):
         max_expansion_ratio: int = 100,
         max_staleness: Optional[int] = None,
         on_stale: str = "skip",
+        staleness_policy: str = "skip_file",
     ) -> None:
         super().__init__()
         self.read_limits = ReadLimits(max_record_bytes, max_branches_per_record, max_expansion_ratio)
-        self.staleness = StalenessGate(max_staleness, on_stale)
+        self.staleness = StalenessGate(max_staleness, on_stale, staleness_policy)
         if not directory:
             raise ValueError("data.directory is required: the directory the rollout engine writes files into")
         if micro_batch_tokens <= 0 or timeout_s <= 0 or poll_s <= 0:
@@ -222,7 +226,8 @@ class RolloutDirDataModule(pl.LightningDataModule):
             path = self._wait_next(index)  # that file was too stale (data.max_staleness) and is skipped
         self.step_files[index] = path.name
         trees = build_trees(str(path), self.builder, on_error=self.on_error, limits=self.limits, stats=self.read_stats,
-                            read_limits=self.read_limits)
+                            read_limits=self.read_limits, transform=self.staleness.reader(self.policy_version()))
+        self.staleness.counted()
         if not trees:
             raise DataError(f"{path}: no trees to train on ({self.read_stats.skipped} records skipped so far)")
         if len(self.trees) < self.sample_trees:
@@ -252,7 +257,8 @@ class RolloutDirDataModule(pl.LightningDataModule):
 
     @property
     def step_metrics(self) -> Dict[str, float]:
-        """``rollout/staleness_max``, ``rollout/staleness_mean`` (the last file), ``rollout/files_skipped_stale``."""
+        """``rollout/staleness_max``, ``rollout/staleness_mean`` (the last file), ``rollout/files_skipped_stale``,
+        and the last file's per-token ``staleness/...`` counts (:mod:`treelit.lightning.token_staleness`)."""
         return dict(self.staleness.metrics)
 
     # Lightning hooks ----------------------------------------------------------------------------------

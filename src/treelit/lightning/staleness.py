@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from treelit.data.records import DataError, ReadLimits, Record, iter_file
 from treelit.lightning.publish import PublishPolicy
+from treelit.lightning.token_staleness import TokenStaleness, check_policy, token_versions
 
 __all__ = ["StalenessGate", "record_versions", "trainer_policy_version"]
 
@@ -41,7 +42,8 @@ def trainer_policy_version(trainer: Any) -> int:
 
 
 def record_versions(path: Path, limits: Optional[ReadLimits] = None) -> List[Optional[int]]:
-    """Each readable record's ``policy_version`` (None: not given), read within ``limits`` (the
+    """Each readable record's ``policy_version`` (None: not given; a record whose branches carry
+    per-token ``policy_versions``: its oldest trained token's), read within ``limits`` (the
     ``data.max_*`` options). Unreadable records are left to the tree builder, which reports or
     skips them (``data.on_error``)."""
     out: List[Optional[int]] = []
@@ -52,15 +54,23 @@ def record_versions(path: Path, limits: Optional[ReadLimits] = None) -> List[Opt
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise DataError(f"{item.source}: policy_version: must be a non-negative integer (the version the sampler "
                             f"used), got {v!r}")
-        out.append(v)
+        per = [t for vs in token_versions(item.data, item.source) for t in vs
+               if isinstance(t, int) and not isinstance(t, bool)]
+        out.append(min(per) if per and any(isinstance(br, dict) and br.get("policy_versions") is not None
+                                           for br in item.data.get("branches") or []) else v)
     return out
 
 
 class StalenessGate:
-    """Args: ``max_staleness`` (None: every file is trained, staleness still reported) and
-    ``on_stale`` (``skip`` or ``raise``)."""
+    """Args: ``max_staleness`` (None: every file is trained, staleness still reported),
+    ``on_stale`` (``skip`` or ``raise``) and ``policy`` (``data.staleness_policy``: ``skip_file``,
+    or ``drop_tokens`` | ``drop_branch``, which never skip a file: see
+    :mod:`treelit.lightning.token_staleness`)."""
 
-    def __init__(self, max_staleness: Optional[int] = None, on_stale: str = "skip") -> None:
+    def __init__(self, max_staleness: Optional[int] = None, on_stale: str = "skip",
+                 policy: str = "skip_file") -> None:
+        self.policy = check_policy(policy)
+        self.tokens: Optional[TokenStaleness] = None
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
                                           or max_staleness < 0):
             raise ValueError(f"data.max_staleness must be a non-negative number of versions or null, got {max_staleness!r}")
@@ -89,7 +99,7 @@ class StalenessGate:
             log.warning("%s: records claim policy_version %d, newer than the trainer's %d (a restarted trainer?): "
                         "counted as staleness 0", path, max(versions), version)
         stale = [max(0, version - v) for v in versions]
-        if self.max_staleness is not None and max(stale) > self.max_staleness:
+        if self.policy == "skip_file" and self.max_staleness is not None and max(stale) > self.max_staleness:
             msg = (f"{path}: sampled with policy_version {min(versions)}, {max(stale)} versions behind the trainer's "
                    f"{version} (data.max_staleness={self.max_staleness})")
             if self.on_stale == "raise":
@@ -101,6 +111,17 @@ class StalenessGate:
         self.metrics.update({"rollout/staleness_max": float(max(stale)),
                              "rollout/staleness_mean": float(sum(stale)) / len(stale)})
         return True
+
+    def reader(self, version: int) -> TokenStaleness:
+        """The per-record step of the admitted file read at trainer ``version``: counts each
+        token's staleness and drops what ``policy`` drops (see :meth:`counted`)."""
+        self.tokens = TokenStaleness(self.max_staleness, self.policy, version)
+        return self.tokens
+
+    def counted(self) -> None:
+        """The metrics of the file :meth:`reader` read (``staleness/...``)."""
+        if self.tokens is not None:
+            self.metrics.update(self.tokens.metrics())
 
     def mark(self, directory: Path, upto: int) -> None:
         """Rename the files skipped while loading steps before ``upto`` to ``<name>.stale`` (rank 0,
