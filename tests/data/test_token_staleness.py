@@ -210,3 +210,71 @@ def test_treelit_train_trains_with_drop_tokens_against_the_published_version(tmp
     m = summary["metrics"]
     assert (m["staleness/tokens_0"], m["staleness/tokens_1"], m["staleness/tokens_dropped"]) == (6, 3, 3)
     assert torch.isfinite(torch.tensor(m["loss"]))
+
+
+# chat records: a version per assistant turn -----------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    from treelit.data.tokenizers import build_qwen_tokenizer
+
+    return str(build_qwen_tokenizer(tmp_path_factory.mktemp("tok") / "qwen"))
+
+
+def conversation(v1, v2, tool_version=None):
+    tool = {"role": "tool", "tool_call_id": "c1", "name": "lookup", "content": "order 7: shipped"}
+    if tool_version is not None:
+        tool["policy_version"] = tool_version
+    return [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Find order 7."},
+            {"role": "assistant", "content": "Looking.", "policy_version": v1,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+            tool, {"role": "assistant", "content": "It shipped.", "policy_version": v2}]
+
+
+@pytest.mark.parametrize("export", ["trajectory", "per_call"])
+def test_chat_turn_versions_drop_exactly_the_stale_turns_tokens(qwen_dir, export):
+    from treelit.builders.chat import ChatBuilder
+    from treelit.data.records import Record
+
+    b = ChatBuilder(qwen_dir, export=export)
+    rec = Record({"id": "a", "messages": conversation(1, 3)}, "c.jsonl:1")
+    plain = Record({"id": "a", "messages": conversation(None, None)}, "c.jsonl:1")
+    encoded = b.encode(rec)
+    assert [br["loss_mask"] for br in encoded] == [br["loss_mask"] for br in b.encode(plain)]  # versions change no mask
+    first = [t for t, m in enumerate(b.encode(Record({"id": "a", "messages": conversation(None, None)[:3]},
+                                                      "c.jsonl:1"))[0]["loss_mask"]) if m]
+    hook = TokenStaleness(1, "drop_tokens", 3)
+    out = hook(rec, encoded)
+    kept = [(br["input_ids"], br["loss_mask"]) for br in out]
+    text = "".join(b.tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in kept)
+    assert text == "It shipped.<|im_end|>\n"  # the first turn (2 behind) left the loss, the second trains
+    n_second = len(b.tok("It shipped.<|im_end|>\n", add_special_tokens=False)["input_ids"])
+    m = hook.metrics()
+    assert (m["staleness/tokens_2"], m["staleness/tokens_0"], m["staleness/tokens_dropped"]) == (len(first), n_second,
+                                                                                                  len(first))
+    # drop_branch: the per-call branch of the stale turn goes; the trajectory (one branch) goes whole
+    out = TokenStaleness(1, "drop_branch", 3)(rec, b.encode(rec))
+    assert out is None if export == "trajectory" else [br["_where"] for br in out] == ["messages[4]"]
+
+
+def test_chat_turn_versions_bad_values_and_file_staleness(qwen_dir, tmp_path):
+    from treelit.builders.chat import ChatBuilder
+
+    d = tmp_path / "r"
+    write(d, "s0.jsonl", [{"id": "a", "messages": conversation(0, 3)}])  # oldest turn 3 behind: skipped
+    write(d, "s1.jsonl", [{"id": "b", "messages": conversation(2, 3)}])
+    dm = module(d, 3, max_staleness=1, tree_builder=ChatBuilder(qwen_dir, export="per_call"))
+    dm.load_step(0)
+    assert dm.step_files[0] == "s1.jsonl" and dm.step_metrics["rollout/staleness_max"] == 1
+    for name, conv, match in (
+            ("f.jsonl", conversation(1, 4), r"f.jsonl:1: messages\[4\].policy_version: version 4 is newer than the "
+                                            r"trainer's policy version 3 \(a version in the future"),
+            ("g.jsonl", conversation(1, 2, tool_version=1), r"g.jsonl:1: messages\[3\].policy_version: only "
+                                                            r"assistant messages are sampled"),
+            ("h.jsonl", conversation(1, "v2"), r"h.jsonl:1: messages\[4\].policy_version: must be a non-negative "
+                                               r"integer, got 'v2'")):
+        d = tmp_path / name
+        write(d, name, [{"id": "a", "messages": conv}])
+        with pytest.raises(DataError, match=match) as e:
+            module(d, 3, max_staleness=1, staleness_policy="drop_tokens",
+                   tree_builder=ChatBuilder(qwen_dir, export="per_call")).load_step(0)
+        assert "\n" not in str(e.value)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from treelit.builders.checks import check_limits, check_live_routing, check_needs, check_pairs, lines, pinned
 from treelit.data.records import DataError, ReadStats, Record
@@ -151,11 +151,17 @@ class Assembler:
         limits: :class:`Limits` (model and objective); default: none.
         stats: a :class:`~treelit.data.records.ReadStats` the skips are counted in.
         name: the data's name in messages about the whole data (e.g. its path).
+        branch_hook: ``hook(record, branches)``: each record's encoded branches, changed before
+            any check (None back: the record is left out); e.g. per-token staleness
+            (:mod:`treelit.lightning.token_staleness`).
     """
 
     def __init__(self, builder: TreeBuilder, *, on_error: str = "raise", window: Optional[int] = None,
-                 limits: Optional[Limits] = None, stats: Optional[ReadStats] = None, name: str = "data") -> None:
+                 limits: Optional[Limits] = None, stats: Optional[ReadStats] = None, name: str = "data",
+                 branch_hook: Optional[Callable[[Record, List[Dict[str, Any]]], Optional[List[Dict[str, Any]]]]] = None
+                 ) -> None:
         self.b = builder
+        self.branch_hook = branch_hook
         self.name = name
         self.on_error = on_error
         self.window = window
@@ -197,6 +203,8 @@ class Assembler:
             enc = self._encode(rec, index)
         except DataError as exc:
             self._fail(exc, 1)
+            return self._close_stale(index)
+        if enc is None:  # the branch hook left the whole record out
             return self._close_stale(index)
         shared = {k for k in enc.tree_keys + enc.adv_keys if not isinstance(k, _Own)}
         if self.scope == "batch":
@@ -299,10 +307,14 @@ class Assembler:
                         "has" if one else "have", "its" if one else "their")
 
     # per record ------------------------------------------------------------------------------
-    def _encode(self, rec: Record, index: int) -> _Enc:
+    def _encode(self, rec: Record, index: int) -> Optional[_Enc]:
         b, src = self.b, rec.source
         b.validate(rec.data, src)
         branches = b.encode(rec)
+        if self.branch_hook is not None and branches:
+            branches = self.branch_hook(rec, branches)
+            if branches is None:
+                return None
         if not branches:
             raise DataError(f"{src}: the record has nothing to train on")
         if (self.limits.vocab_size is not None and self.limits.routing is None  # checked against a live model

@@ -146,6 +146,10 @@ def validate_chat_record(rec: Dict[str, Any], source: str, group_key: Optional[s
                     _check_parts(m[key], f"{at}.content")
                 elif m.get(key) is not None and not isinstance(m[key], str):
                     raise DataError(f"{at}.{key}: must be a string or null, got {type(m[key]).__name__}")
+            v = m.get("policy_version")  # the version that sampled an assistant turn (per-token provenance)
+            if v is not None and (m["role"] != "assistant" or isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise DataError(f"{at}.policy_version: " + ("must be a non-negative integer, got " + repr(v)
+                                if m["role"] == "assistant" else "only assistant messages are sampled"))
             if m.get("compaction") is not None and not isinstance(m["compaction"], bool):
                 raise DataError(f"{at}.compaction: must be true or false, got {m['compaction']!r}")
             calls = m.get("tool_calls")
@@ -182,7 +186,7 @@ def _conversations(rec: Dict[str, Any], source: str) -> List[Tuple[str, Any]]:
 
 def _normalise(m: Dict[str, Any], keep_thinking: bool) -> Dict[str, Any]:
     """A message as the template should see it (thinking folded into content or dropped)."""
-    out = {k: v for k, v in m.items() if k not in ("reasoning_content", "thinking", "compaction")}
+    out = {k: v for k, v in m.items() if k not in ("reasoning_content", "thinking", "compaction", "policy_version")}
     if isinstance(out.get("content"), list):  # text and image parts: images become their placeholder text
         out["content"] = "".join(p["text"] if p["type"] == "text" else _IMAGE_MARK for p in out["content"])
     if out.get("tool_calls"):
@@ -193,6 +197,17 @@ def _normalise(m: Dict[str, Any], keep_thinking: bool) -> Dict[str, Any]:
     if keep_thinking and thinking:
         out["content"] = f"<think>\n{thinking}\n</think>\n\n{out['content']}"
     return out
+
+
+def _owned(mask: List[int], msgs: Sequence[Dict[str, Any]], train: Sequence[int], field: str):
+    """The 0/1 loss mask of an encoded conversation whose mask names each target's message
+    (``k + 1``: ``train[k]``), and ``(versions, where)``: per token its message's
+    ``policy_version`` and that field's name (None, None: no trained message has a version)."""
+    if not any(msgs[i].get("policy_version") is not None for i in train):
+        return [1 if k else 0 for k in mask], None
+    versions = [msgs[train[k - 1]].get("policy_version") if k else None for k in mask]
+    where = [f"{field}[{train[k - 1]}].policy_version" if k else None for k in mask]
+    return [1 if k else 0 for k in mask], (versions, where)
 
 
 def _visible_history(msgs: Sequence[Dict[str, Any]], upto: int) -> List[int]:
@@ -313,9 +328,9 @@ class ChatBuilder(TreeBuilder):
         ids = enc["input_ids"]
         mask = [0] * len(ids)
         for t, (s, _) in enumerate(enc["offset_mapping"]):
-            for a, b in spans:
+            for k, (a, b) in enumerate(spans):
                 if a <= s < b:
-                    mask[t] = 1
+                    mask[t] = k + 1  # which trained message (see _owned); 0: context
                     break
         if self.images is None:
             return ids, mask, []
@@ -341,7 +356,7 @@ class ChatBuilder(TreeBuilder):
     def branches_of(self, msgs: List[Dict[str, Any]], source: str, field: str = "messages"
                     ) -> List[Tuple[List[int], List[int]]]:
         """``(ids, mask)`` per exported branch of one conversation (see :meth:`encode`)."""
-        return [(ids, mask) for ids, mask, _, _ in self._branches(msgs, source, field)]
+        return [(ids, mask) for ids, mask, _, _, _ in self._branches(msgs, source, field)]
 
     def _branches(self, msgs, source, field):
         if not any(m["role"] == "assistant" for m in msgs):
@@ -352,7 +367,7 @@ class ChatBuilder(TreeBuilder):
                 train = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
                 ids, mask, images = self._encode(norm, train, f"{source}: {field}",
                                                  _refs(msgs, range(len(msgs)), f"{source}: {field}"))
-                return [(ids, mask, field, images)]
+                return [(ids, *_owned(mask, msgs, train, field), field, images)]
             out = []
             for t, m in enumerate(msgs):
                 if m["role"] != "assistant":
@@ -362,7 +377,7 @@ class ChatBuilder(TreeBuilder):
                 ids, mask, images = self._encode(ctx + [_normalise(m, keep_thinking=True)], [len(ctx)],
                                                  f"{source}: {field}[{t}]",
                                                  _refs(msgs, seen + [t], f"{source}: {field}"))
-                out.append((ids, mask, f"{field}[{t}]", images))
+                out.append((ids, *_owned(mask, msgs, [t], field), f"{field}[{t}]", images))
             return out
         except DataError:
             raise
@@ -386,8 +401,10 @@ class ChatBuilder(TreeBuilder):
             except RecursionError:  # validate() refuses deep nesting first; this is a backstop
                 raise DataError(f"{record.source}: {field}: nested too deeply to copy") from None
             self._record_path = record.path
-            for ids, mask, where, images in self._branches(msgs, record.source, field):
+            for ids, mask, versions, where, images in self._branches(msgs, record.source, field):
                 br = {"input_ids": ids, "loss_mask": mask, "reward": reward, "_where": where}
+                if versions is not None:  # per assistant turn, per token (treelit.lightning.token_staleness)
+                    br["policy_versions"], br["_version_where"] = versions
                 if images:
                     br["images"] = images
                 out.append(br)

@@ -197,11 +197,13 @@ def validate_token_record(rec: Any, source: str) -> None:
         versions = br.get("policy_versions")  # per token: the policy version that sampled it (null: not sampled)
         if versions is not None:
             if not isinstance(versions, list) or len(versions) != len(ids):
+                got = f"{len(versions)} entries" if isinstance(versions, list) else _show(versions)
                 raise DataError(f"{where}.policy_versions: must be a list of {len(ids)} versions (one per token, null "
-                                f"for tokens not sampled), got {f'{len(versions)} entries' if isinstance(versions, list) else _show(versions)}")
+                                f"for tokens not sampled), got {got}")
             for i, v in enumerate(versions):
                 if v is not None and not (is_int(v) and v >= 0):
-                    raise DataError(f"{where}.policy_versions[{i}]: must be a non-negative integer or null, got {_show(v)}")
+                    raise DataError(f"{where}.policy_versions[{i}]: must be a non-negative integer or null, "
+                                    f"got {_show(v)}")
         images = br.get("images")
         if images is not None:
             if not isinstance(images, list) or not all(isinstance(r, str) and r for r in images):

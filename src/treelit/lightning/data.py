@@ -116,11 +116,12 @@ def _assign(trees: List[int], cost: np.ndarray, world: int) -> List[List[int]]:
 
 def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", limits: Optional[Limits] = None,
                 stats: Optional[ReadStats] = None, read_limits: Optional[ReadLimits] = None,
-                transform: Optional[Callable[[Record], Optional[Record]]] = None) -> List[BuiltTree]:
+                branch_hook: Optional[Callable[[Record, List[Dict[str, Any]]], Optional[List[Dict[str, Any]]]]] = None
+                ) -> List[BuiltTree]:
     """Every tree of a data file, in memory, through the builder's :class:`Assembler` (or its
     own ``__call__`` for builders that only define that, checked against the model per tree),
-    each record read within ``read_limits`` (:mod:`treelit.data.limits`) and passed through
-    ``transform`` first (None back: left out; e.g. per-token staleness,
+    each record read within ``read_limits`` (:mod:`treelit.data.limits`), its encoded branches
+    passed through ``branch_hook`` (see :class:`Assembler`; e.g. per-token staleness,
     :mod:`treelit.lightning.token_staleness`)."""
     stats = stats if stats is not None else ReadStats()
     limits = limits or Limits()
@@ -128,7 +129,7 @@ def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", lim
         raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
     if type(builder).__call__ is not TreeBuilder.__call__:
         return _legacy_build(path, builder, on_error, limits, stats, read_limits)
-    asm = Assembler(builder, on_error=on_error, limits=limits, stats=stats, name=str(path))
+    asm = Assembler(builder, on_error=on_error, limits=limits, stats=stats, name=str(path), branch_hook=branch_hook)
     trees: List[BuiltTree] = []
     for item in iter_file(path, limits=read_limits):
         if isinstance(item, DataError):
@@ -137,16 +138,6 @@ def build_trees(path: str, builder: TreeBuilder, *, on_error: str = "raise", lim
             stats.skip(item)
             continue
         stats.read += 1
-        if transform is not None:
-            try:
-                item = transform(item)
-            except DataError as exc:
-                if on_error == "raise":
-                    raise
-                stats.skip(exc)
-                continue
-            if item is None:
-                continue
         try:
             trees += asm.add(item)
         except MemoryError:

@@ -226,7 +226,7 @@ class RolloutDirDataModule(pl.LightningDataModule):
             path = self._wait_next(index)  # that file was too stale (data.max_staleness) and is skipped
         self.step_files[index] = path.name
         trees = build_trees(str(path), self.builder, on_error=self.on_error, limits=self.limits, stats=self.read_stats,
-                            read_limits=self.read_limits, transform=self.staleness.reader(self.policy_version()))
+                            read_limits=self.read_limits, branch_hook=self.staleness.reader(self.policy_version()))
         self.staleness.counted()
         if not trees:
             raise DataError(f"{path}: no trees to train on ({self.read_stats.skipped} records skipped so far)")

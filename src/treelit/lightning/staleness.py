@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from treelit.data.records import DataError, ReadLimits, Record, iter_file
 from treelit.lightning.publish import PublishPolicy
-from treelit.lightning.token_staleness import TokenStaleness, check_policy, token_versions
+from treelit.lightning.token_staleness import TokenStaleness, check_policy, oldest_version
 
 __all__ = ["StalenessGate", "record_versions", "trainer_policy_version"]
 
@@ -42,8 +42,8 @@ def trainer_policy_version(trainer: Any) -> int:
 
 
 def record_versions(path: Path, limits: Optional[ReadLimits] = None) -> List[Optional[int]]:
-    """Each readable record's ``policy_version`` (None: not given; a record whose branches carry
-    per-token ``policy_versions``: its oldest trained token's), read within ``limits`` (the
+    """Each readable record's ``policy_version`` (None: not given; a record with per-token
+    versions: its oldest, :func:`~treelit.lightning.token_staleness.oldest_version`), read within ``limits`` (the
     ``data.max_*`` options). Unreadable records are left to the tree builder, which reports or
     skips them (``data.on_error``)."""
     out: List[Optional[int]] = []
@@ -54,10 +54,8 @@ def record_versions(path: Path, limits: Optional[ReadLimits] = None) -> List[Opt
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise DataError(f"{item.source}: policy_version: must be a non-negative integer (the version the sampler "
                             f"used), got {v!r}")
-        per = [t for vs in token_versions(item.data, item.source) for t in vs
-               if isinstance(t, int) and not isinstance(t, bool)]
-        out.append(min(per) if per and any(isinstance(br, dict) and br.get("policy_versions") is not None
-                                           for br in item.data.get("branches") or []) else v)
+        oldest = oldest_version(item.data)  # per-token versions (raw branches, chat assistant turns)
+        out.append(v if oldest is None else oldest)
     return out
 
 
