@@ -249,7 +249,7 @@ class RingRows(torch.autograd.Function):
 @contextlib.contextmanager
 def _counting_p2p(counter):
     """Count the bytes ``_PathRows`` sends (even tags: the forward, odd: the backward)."""
-    import treelit.partition.context_parallel as cpm
+    import treelit.partition.cp_exchange as cpm  # the module whose _exchange the exchanges call
 
     exchange = cpm._exchange
 

@@ -297,6 +297,7 @@ def _cp_step(model, batch, ckpt: bool, args):
     import torch.distributed as dist
 
     import treelit.partition.context_parallel as cpm
+    import treelit.partition.cp_exchange as cp_exchange
     from treelit.objectives import make_objective
     from treelit.utils.memory import LiveBytes
 
@@ -306,14 +307,14 @@ def _cp_step(model, batch, ckpt: bool, args):
         p.grad = torch.zeros_like(p)
     sent = [0, 0]  # bytes this rank sends: forward (path K/V, even tags), backward (their gradients, odd tags)
     held = []
-    wait, forward_range = cpm._wait, cpm._forward_range
+    wait, forward_range = cp_exchange._exchange, cpm._forward_range
     live = LiveBytes()
 
-    def counting_wait(ops):
+    def counting_wait(ops, kind):
         for op in ops:
             if op.op is dist.isend:
                 sent[op.tag % 2] += op.tensor.numel() * op.tensor.element_size()
-        wait(ops)
+        wait(ops, kind)
 
     def noting_forward(*a, **k):
         res = forward_range(*a, **k)
@@ -321,7 +322,7 @@ def _cp_step(model, batch, ckpt: bool, args):
         return res
 
     _existing(live, [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())])
-    cpm._wait, cpm._forward_range = counting_wait, noting_forward
+    cp_exchange._exchange, cpm._forward_range = counting_wait, noting_forward
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         with live:
@@ -330,7 +331,7 @@ def _cp_step(model, batch, ckpt: bool, args):
                                                attention=args.attention)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
-        cpm._wait, cpm._forward_range = wait, forward_range
+        cp_exchange._exchange, cpm._forward_range = wait, forward_range
     # the plan's arithmetic: per attention layer, rows x KV heads x (Dk + Dv) x element size
     cfg = model.config
     row_bytes = cfg.num_kv_heads * 2 * cfg.head_dim * next(model.parameters()).element_size() * len(model.layers)
