@@ -79,3 +79,16 @@ def test_the_counter_leaves_torch_as_it_found_it():
         torch.ones(2).tolist()
     assert dict(torch.Tensor.__dict__) == before_tensor
     assert all(getattr(torch, n) is f for n, f in before_torch.items())
+
+
+def test_upload_all_is_one_upload_of_views_in_each_arrays_shape():
+    from treelit.utils.dispatch import upload_all
+
+    x = torch.randn(12)
+    arrays = [np.arange(6).reshape(2, 3), np.array([1, 0]), np.zeros((0,), np.int64)]
+    with DispatchCounter() as c:
+        views = upload_all(arrays, "cpu")
+        x[views[0]].sum() + x[views[1]].sum()
+    assert c.counts.uploads == 1
+    assert [tuple(v.shape) for v in views] == [(2, 3), (2,), (0,)]
+    assert all(np.array_equal(v.numpy(), a) for v, a in zip(views, arrays))

@@ -56,6 +56,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from treelit.utils.dispatch import upload
+
 BLOCK_Q = 64  # queries per tile (consecutive row tokens)
 BLOCK_K = 128  # keys per tile
 CHUNK_BYTES: Optional[int] = None  # transient buffers of one call (None: 1/16 of a GPU's memory, 2 GiB on CPU)
@@ -104,15 +106,6 @@ def _ancestor_keys(seg_start, seg_len, seg_parent):
     return keys
 
 
-def _upload(a: np.ndarray, dev) -> torch.Tensor:
-    """One host-to-device copy of ``a`` (from pinned memory, not blocking the host, on CUDA)."""
-    host = torch.from_numpy(a)
-    out = torch.empty(host.shape, dtype=host.dtype, device=dev)
-    if out.device.type == "cuda":
-        host = host.pin_memory()
-    return out.copy_(host, non_blocking=True)
-
-
 def plan_tiles(layout, block_q: Optional[int] = None, block_k: Optional[int] = None) -> TiledPlan:
     """Tiles of ``layout``'s row (see the module docstring; block sizes ``BLOCK_Q`` / ``BLOCK_K`` by
     default); index tensors uploaded once, the mask built on the device. The key lists assume the
@@ -149,7 +142,7 @@ def plan_tiles(layout, block_q: Optional[int] = None, block_k: Optional[int] = N
         t += n
     block_rows = starts[:, None] + np.arange(block_q)
     rows = np.repeat(np.minimum(block_rows, N), per_block, axis=0)  # N: padded slots
-    idx = _upload(np.concatenate([rows.reshape(-1), k_idx.reshape(-1)]), dev)
+    idx = upload(np.concatenate([rows.reshape(-1), k_idx.reshape(-1)]), dev)
     rows_t, k_raw = idx[: T * block_q], idx[T * block_q :]
     q_read = rows_t.clamp(max=N - 1)
     k_read = k_raw.clamp(min=0)

@@ -19,7 +19,8 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from treelit.utils.dispatch import upload
+from treelit.tree.batch import segment_levels
+from treelit.utils.dispatch import upload, upload_all
 
 __all__ = ["path_prefix_sums", "branch_target_sums", "branch_runs"]
 
@@ -30,15 +31,7 @@ def _segment_levels(batch, device) -> List[torch.Tensor]:
     cached = getattr(batch, "_seg_levels", None)
     if cached is not None and cached[0] == str(device):
         return cached[1]
-    parent = batch.host("seg_parent")
-    depth = np.zeros(len(parent), dtype=np.int64)
-    for s in range(len(parent)):  # parents precede children
-        if parent[s] >= 0:
-            depth[s] = depth[parent[s]] + 1
-    levels = [np.flatnonzero(depth == d) for d in range(1, int(depth.max()) + 1 if len(depth) else 0)]
-    buf = upload(np.concatenate(levels) if levels else np.zeros(0, dtype=np.int64), device)
-    ends = np.cumsum([0] + [len(lv) for lv in levels])
-    views = [buf[int(a): int(b)] for a, b in zip(ends[:-1], ends[1:])]
+    views = upload_all(segment_levels(batch.host("seg_parent"))[1:], device)
     batch._seg_levels = (str(device), views)
     return views
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from treelit.ssm.layout import root_state
-from treelit.utils.dispatch import upload
+from treelit.utils.dispatch import upload_all
 
 __all__ = ["cuda_kernel", "level_scan", "gdn_scan_fla", "kda_scan_fla", "ssd_scan_fla", "ssd_scan_mamba"]
 
@@ -68,20 +68,14 @@ class LevelPlan:
     the forward; ``cu_host`` keeps the host copy for kernels that plan on it (mamba-ssm's calls)."""
 
     def __init__(self, layout, device: torch.device):
-        parts, spans, self.cu_host = [], [], []
-        off = 0
+        toks, self.cu_host = [], []
         for segs in layout.levels:
             starts, lens = layout.seg_start[segs], layout.seg_len[segs]
-            tok = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
-            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-            parts += [tok, cu]
-            spans.append((off, len(tok), off + len(tok), len(cu)))
-            off += len(tok) + len(cu)
-            self.cu_host.append(cu)
-        buf = upload(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64), device)
-        self.tok = [buf[a: a + n] for a, n, _, _ in spans]
-        self.cu = [buf[c: c + m] for _, _, c, m in spans]
-        self.out_tokens = buf[:0] if not spans else torch.cat(self.tok)
+            toks.append(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]))
+            self.cu_host.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        views = upload_all(toks + self.cu_host, device)
+        self.tok, self.cu = views[:len(toks)], views[len(toks):]
+        self.out_tokens = torch.cat(self.tok) if toks else torch.zeros(0, dtype=torch.long, device=device)
 
 
 def level_plan(layout, device: torch.device) -> LevelPlan:

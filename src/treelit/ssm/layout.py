@@ -24,7 +24,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from treelit.tree.batch import segments_from_parents
+from treelit.tree.batch import segment_levels, segments_from_parents
 from treelit.utils.dispatch import upload
 
 __all__ = ["RecurrentLayout", "tree_layout", "causal_layout", "external_layout", "root_state"]
@@ -91,14 +91,6 @@ def _ancestor_table(parent: np.ndarray, root_external: np.ndarray, K: int) -> np
     return src
 
 
-def _levels(seg_parent: np.ndarray) -> List[np.ndarray]:
-    depth = np.zeros(len(seg_parent), dtype=np.int64)
-    for s in range(len(seg_parent)):  # parents come first
-        if seg_parent[s] >= 0:
-            depth[s] = depth[seg_parent[s]] + 1
-    return [np.flatnonzero(depth == d) for d in range(int(depth.max()) + 1)] if len(depth) else []
-
-
 def tree_layout(batch, K: int, external: bool = False, capture: Optional[np.ndarray] = None) -> RecurrentLayout:
     """Layout of a tree row; with ``external`` the row's roots continue an outside path.
     Segments are cut after every ``capture`` token so that its state is a segment's final one."""
@@ -121,7 +113,7 @@ def tree_layout(batch, K: int, external: bool = False, capture: Optional[np.ndar
         seg_start=seg_start,
         seg_len=seg_len,
         seg_parent=seg_parent,
-        levels=_levels(seg_parent),
+        levels=segment_levels(seg_parent),
         capture=np.zeros(0, dtype=np.int64) if capture is None else np.asarray(capture, dtype=np.int64),
     )
 
@@ -166,7 +158,7 @@ def external_layout(parent: np.ndarray, root_slot: np.ndarray, conv_src: np.ndar
         seg_start=seg_start,
         seg_len=seg_len,
         seg_parent=seg_parent,
-        levels=_levels(seg_parent),
+        levels=segment_levels(seg_parent),
         capture=capture,
         context_rows=int(context_rows),
     )

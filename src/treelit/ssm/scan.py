@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from treelit.ssm.layout import RecurrentLayout, root_state
-from treelit.utils.dispatch import upload
+from treelit.utils.dispatch import upload_all
 
 __all__ = ["segment_scan", "chunked_scan", "gdn_step", "ssd_step", "kda_step", "gdn_chunk", "ssd_chunk", "kda_chunk"]
 
@@ -233,19 +233,14 @@ class ScanPlan:
 
     def __init__(self, layout: RecurrentLayout, chunk_size: int, device: torch.device):
         seg_start, seg_len = layout.seg_start, layout.seg_len
-        parts, spec = [], []  # host arrays and, per block, the offsets of its views in the buffer
-        off = 0
+        arrays: List[np.ndarray] = []  # every index array, uploaded together below
 
-        def put(a: np.ndarray) -> Tuple[int, Tuple[int, ...]]:
-            nonlocal off
-            a = np.ascontiguousarray(a, dtype=np.int64)
-            parts.append(a.reshape(-1))
-            at = off
-            off += a.size
-            return at, a.shape
+        def put(a: np.ndarray) -> int:
+            arrays.append(a)
+            return len(arrays) - 1
 
         out_tokens = []
-        self.levels: List[Tuple[np.ndarray, list]] = []
+        levels = []
         for segs in layout.levels:
             lens, starts = seg_len[segs], seg_start[segs]
             blocks = []
@@ -260,20 +255,14 @@ class ScanPlan:
                 finals = [(int(j), int(segs[j])) for j in act[lens[act] <= t0 + L]]
                 rows = None if len(act) == len(segs) else put(act)
                 blocks.append((rows, put(idx), put(valid), put(flat), finals))
-            self.levels.append((segs, blocks))
-        out_tokens = np.concatenate(out_tokens) if out_tokens else np.zeros(0, dtype=np.int64)
-        out_at = put(out_tokens)
-        buf = upload(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), device)
-
-        def view(at_shape):
-            if at_shape is None:
-                return None
-            at, shape = at_shape
-            return buf[at: at + int(np.prod(shape))].view(shape)
-
-        self.levels = [(segs, [_Block(view(r), view(i), view(v), view(f), fin) for r, i, v, f, fin in blocks])
-                       for segs, blocks in self.levels]
-        self.out_tokens = view(out_at)  # [T'] the token of each output row, blocks in order
+            levels.append((segs, blocks))
+        out_at = put(np.concatenate(out_tokens) if out_tokens else np.zeros(0, dtype=np.int64))
+        views = upload_all(arrays, device)
+        self.levels: List[Tuple[np.ndarray, List[_Block]]] = [
+            (segs, [_Block(None if r is None else views[r], views[i], views[v], views[f], fin)
+                    for r, i, v, f, fin in blocks])
+            for segs, blocks in levels]
+        self.out_tokens = views[out_at]  # [T'] the token of each output row, blocks in order
 
 
 def scan_plan(layout: RecurrentLayout, chunk_size: int, device: torch.device) -> ScanPlan:

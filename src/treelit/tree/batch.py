@@ -437,6 +437,15 @@ class TreeBatch:
         return int(torch.searchsorted(self.branch_ptr, hits[0], right=True)[0]) - 1
 
 
+def segment_levels(seg_parent: np.ndarray) -> List[np.ndarray]:
+    """Segment ids grouped by depth (roots first); ``seg_parent`` lists parents before children."""
+    depth = np.zeros(len(seg_parent), dtype=np.int64)
+    for s in range(len(seg_parent)):  # parents come first
+        if seg_parent[s] >= 0:
+            depth[s] = depth[seg_parent[s]] + 1
+    return [np.flatnonzero(depth == d) for d in range(int(depth.max()) + 1)] if len(depth) else []
+
+
 def segments_from_parents(parent: np.ndarray, breaks: Optional[np.ndarray] = None):
     """Segment tables ``(seg_start, seg_len, seg_parent)`` of a DFS-ordered row given its
     parent array: a token continues its predecessor's segment iff its parent is the

@@ -35,14 +35,14 @@ import traceback
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DispatchCounter", "StepCounts", "host_floats", "upload"]
+__all__ = ["DispatchCounter", "StepCounts", "host_floats", "upload", "upload_all"]
 
 _aten = torch.ops.aten
 _NO_KERNEL = {
@@ -229,6 +229,15 @@ def upload(a, device) -> torch.Tensor:
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def upload_all(arrays, device) -> List[torch.Tensor]:
+    """Integer host arrays on ``device`` in one copy (:func:`upload` of their concatenation):
+    views of one buffer, each of its array's shape."""
+    arrays = [np.asarray(a, dtype=np.int64) for a in arrays]
+    buf = upload(np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, np.int64), device)
+    ends = np.cumsum([0] + [a.size for a in arrays])
+    return [buf[int(a): int(b)].view(x.shape) for a, b, x in zip(ends[:-1], ends[1:], arrays)]
 
 
 def host_floats(metrics: Dict[str, Any]) -> Dict[str, float]:
