@@ -58,6 +58,25 @@ def image_processor(max_pixels: int = 32 * 32):
                                                  max_pixels=max_pixels)
 
 
+def vl_processor_dir(path) -> str:
+    """A processor folder at ``path``: a Qwen2 BPE tokenizer with Qwen's vision tokens and
+    :func:`image_processor` (no config.json)."""
+    from treelit.data.tokenizers import build_qwen_vl_tokenizer
+
+    d = build_qwen_vl_tokenizer(path)
+    image_processor().save_pretrained(d)
+    return str(d)
+
+
+def png_bytes(img) -> bytes:
+    """``img`` (a PIL image) encoded as PNG."""
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def random_image(rng: np.random.Generator, h: int, w: int):
     from PIL import Image
 

@@ -15,7 +15,7 @@ from treelit.builders.chat import ChatBuilder
 from treelit.builders.vision import check_model_images
 from treelit.data.records import DataError
 from treelit.lightning.data import build_trees
-from vision_oracle import image_processor, random_image
+from vision_oracle import random_image, vl_processor_dir
 
 pytest.importorskip("PIL")
 
@@ -29,11 +29,7 @@ def _vision_model(token):
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    from treelit.data.tokenizers import build_qwen_vl_tokenizer
-
-    d = build_qwen_vl_tokenizer(tmp_path_factory.mktemp("vl") / "proc")
-    image_processor().save_pretrained(d)
-    return str(d)
+    return vl_processor_dir(tmp_path_factory.mktemp("vl") / "proc")
 
 
 def _write(folder, records):

@@ -91,11 +91,9 @@ def _vision_chat(tmp_path):
     whose calls show one shared screenshot and one of their own."""
     import numpy as np
 
-    from treelit.data.tokenizers import build_qwen_vl_tokenizer
-    from vision_oracle import image_processor, random_image
+    from vision_oracle import random_image, vl_processor_dir
 
-    proc = build_qwen_vl_tokenizer(tmp_path / "proc")
-    image_processor().save_pretrained(proc)
+    proc = vl_processor_dir(tmp_path / "proc")
     rng = np.random.default_rng(0)
     for name in ("home", "a", "b"):
         random_image(rng, 16, 24).save(tmp_path / f"{name}.png")

@@ -5,7 +5,6 @@ image token of raw records comes from the checkpoint and is held against it."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import shutil
 import warnings
@@ -19,7 +18,7 @@ from treelit.builders.chat import ChatBuilder
 from treelit.data.records import DataError, ReadStats
 from treelit.lightning.data import build_trees
 from treelit.tree.routing import encode_routing
-from vision_oracle import image_processor, random_image
+from vision_oracle import image_processor, png_bytes, random_image, vl_processor_dir
 
 pytest.importorskip("PIL")
 
@@ -29,11 +28,7 @@ PAD, START, END = 151655, 151652, 151653
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
     """A Qwen2 BPE tokenizer with Qwen's vision tokens and a tiny Qwen2-VL image processor (no config.json)."""
-    from treelit.data.tokenizers import build_qwen_vl_tokenizer
-
-    d = build_qwen_vl_tokenizer(tmp_path_factory.mktemp("vl") / "proc")
-    image_processor().save_pretrained(d)
-    return str(d)
+    return vl_processor_dir(tmp_path_factory.mktemp("vl") / "proc")
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +36,7 @@ def chat(vl_dir):
     return ChatBuilder(vl_dir, processor_path=vl_dir)
 
 
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+_png = png_bytes
 
 
 def _good_png(folder, name="ok.png"):

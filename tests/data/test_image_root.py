@@ -14,7 +14,7 @@ from treelit.builders.base import make_tree_builder
 from treelit.builders.chat import ChatBuilder
 from treelit.data.records import DataError, ReadStats
 from treelit.lightning.data import build_trees
-from vision_oracle import image_processor, random_image
+from vision_oracle import random_image, vl_processor_dir
 
 pytest.importorskip("PIL")
 
@@ -23,11 +23,7 @@ PAD, START, END = 151655, 151652, 151653
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    from treelit.data.tokenizers import build_qwen_vl_tokenizer
-
-    d = build_qwen_vl_tokenizer(tmp_path_factory.mktemp("vl") / "proc")
-    image_processor().save_pretrained(d)
-    return str(d)
+    return vl_processor_dir(tmp_path_factory.mktemp("vl") / "proc")
 
 
 @pytest.fixture

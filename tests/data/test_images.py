@@ -5,7 +5,6 @@ pixels with one-line errors naming the file and the record."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 
@@ -15,7 +14,7 @@ import torch
 
 from treelit.builders.chat import ChatBuilder
 from treelit.data.records import DataError, iter_file
-from vision_oracle import image_processor, random_image
+from vision_oracle import image_processor, png_bytes, random_image, vl_processor_dir
 
 pytest.importorskip("PIL")
 
@@ -23,11 +22,7 @@ pytest.importorskip("PIL")
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
     """A Qwen2 BPE tokenizer with Qwen's vision tokens and a tiny Qwen2-VL image processor (4-px patches)."""
-    from treelit.data.tokenizers import build_qwen_vl_tokenizer
-
-    d = build_qwen_vl_tokenizer(tmp_path_factory.mktemp("vl") / "proc")
-    image_processor().save_pretrained(d)
-    return str(d)
+    return vl_processor_dir(tmp_path_factory.mktemp("vl") / "proc")
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +30,7 @@ def builder(vl_dir):
     return ChatBuilder(vl_dir, processor_path=vl_dir)
 
 
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+_png = png_bytes
 
 
 def _write(folder, records):
