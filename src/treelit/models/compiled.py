@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torchtune.modules import TransformerSelfAttentionLayer
 
-from treelit.models.decoder import apply_rope
+from treelit.models.decoder import attention_inputs
 from treelit.models.moe import MoEFeedForward
 from treelit.ssm.layers import RecurrentBlock
 from treelit.utils.numerics import rms_norm
@@ -199,19 +199,8 @@ def _attention_layer_body(layer: nn.Module, position_ids: torch.Tensor, token: t
     attn = layer.attn
     x = rms_norm(layer.sa_norm, h)
     B, L, _ = x.shape
-    hd = attn.head_dim
-    q = attn.q_proj(x).view(B, L, attn.num_heads, hd)
-    k = attn.k_proj(x).view(B, L, attn.num_kv_heads, hd)
-    v = attn.v_proj(x).view(B, L, attn.num_kv_heads, hd)
-    if attn.q_norm is not None:
-        q = rms_norm(attn.q_norm, q)
-    if attn.k_norm is not None:
-        k = rms_norm(attn.k_norm, k)
-    if attn.pos_embeddings is not None:
-        q = apply_rope(attn.pos_embeddings, q, position_ids)
-        k = apply_rope(attn.pos_embeddings, k, position_ids)
-    o = torch.ops.treelit.tree_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), token)
-    o = o.transpose(1, 2).reshape(B, L, attn.num_heads * hd)
+    o = torch.ops.treelit.tree_attention(*attention_inputs(attn, x, position_ids), token)
+    o = o.transpose(1, 2).reshape(B, L, attn.num_heads * attn.head_dim)
     h = h + layer.sa_scale(attn.output_proj(o))
     return h + layer.mlp_scale(layer.mlp(rms_norm(layer.mlp_norm, h)))
 

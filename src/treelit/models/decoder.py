@@ -204,8 +204,9 @@ def apply_rope(rope: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Ten
     return rotate(rope, x, pos, rope_style_of(rope))
 
 
-def _attention_block(layer: TransformerSelfAttentionLayer, idx: int, x: torch.Tensor, pos, ctx) -> torch.Tensor:
-    attn: MultiHeadAttention = layer.attn
+def attention_inputs(attn: MultiHeadAttention, x: torch.Tensor, pos):
+    """``(q, k, v)`` of ``x [B, L, D]`` as ``[B, heads, L, head_dim]``: the projections, the per-head
+    RMSNorm of q and k (Qwen3) and RoPE at positions ``pos``."""
     B, L, _ = x.shape
     hd = attn.head_dim
     q = attn.q_proj(x).view(B, L, attn.num_heads, hd)
@@ -218,10 +219,14 @@ def _attention_block(layer: TransformerSelfAttentionLayer, idx: int, x: torch.Te
     if attn.pos_embeddings is not None:
         q = apply_rope(attn.pos_embeddings, q, pos)
         k = apply_rope(attn.pos_embeddings, k, pos)
-    window = getattr(attn, "sliding_window", None)
-    o = ctx.attention(idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window)
-    o = o.transpose(1, 2).reshape(B, L, attn.num_heads * hd)
-    return attn.output_proj(o)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _attention_block(layer: TransformerSelfAttentionLayer, idx: int, x: torch.Tensor, pos, ctx) -> torch.Tensor:
+    attn: MultiHeadAttention = layer.attn
+    B, L, _ = x.shape
+    o = ctx.attention(idx, *attention_inputs(attn, x, pos), window=getattr(attn, "sliding_window", None))
+    return attn.output_proj(o.transpose(1, 2).reshape(B, L, attn.num_heads * attn.head_dim))
 
 
 class _EmbedIntoBuffer(torch.autograd.Function):
