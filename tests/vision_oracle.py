@@ -133,10 +133,9 @@ def load_reference(path, dtype=torch.float64):
     return ref
 
 
-def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = "token-mean") -> torch.Tensor:
-    """Per-branch loss from the definition (see the module docstring)."""
-    from hf_oracle import hf_branch_loss
-
+def branch_inputs(model, images):
+    """``inputs(b, ids)``: branch b's image arguments as the processor returns them (positions
+    from this branch alone)."""
     def inputs(b, ids):
         model.model.rope_deltas = None  # positions from this branch alone
         ims = images[b]
@@ -145,8 +144,14 @@ def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = 
         return dict(pixel_values=torch.cat([i.pixel_values for i in ims]),
                     image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]),
                     mm_token_type_ids=(ids == IMAGE).int())
+    return inputs
 
-    return hf_branch_loss(model, branches, masks, weights, aggregation, inputs=inputs)
+
+def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = "token-mean") -> torch.Tensor:
+    """Per-branch loss from the definition (see the module docstring)."""
+    from hf_oracle import hf_branch_loss
+
+    return hf_branch_loss(model, branches, masks, weights, aggregation, inputs=branch_inputs(model, images))
 
 
 def text_mask(branch):
