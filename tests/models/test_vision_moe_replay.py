@@ -20,6 +20,7 @@ from helpers import grad_floor, max_rel_grad_diff, negligible_grad
 from routing_oracle import per_branch_records, replay_branch_loss, routing_for
 from test_hf_vision import _CACHE, _fixed_cases, models, pool  # noqa: F401 - the pool fixture
 from treelit.models.factory import set_moe_routing, set_router_aux_loss
+from treelit.partition.engine import PartitionStats
 from vision_oracle import branch_inputs, load_reference, random_forest, text_mask
 
 pytest.importorskip("transformers")
@@ -36,8 +37,9 @@ def _grads(model, strip=""):
 
 
 def compare(family, branches, images, tmp_path_factory, router=None, budget=None, aggregation="token-mean",
-            attention="sdpa_dense", seed=0):
-    """(loss, max gradient) relative differences of the replayed tree vs the replayed branches."""
+            attention="sdpa_dense", seed=0, checkpointing=False):
+    """(loss, max gradient) relative differences of the replayed tree vs the replayed branches
+    (``checkpointing``: the model's activation checkpointing on, tower and text layers recomputed)."""
     models(family, tmp_path_factory)  # the tiny checkpoint, written once per session
     path = _CACHE[family]
     masks = [text_mask(b) for b in branches]
@@ -45,6 +47,7 @@ def compare(family, branches, images, tmp_path_factory, router=None, budget=None
     rec = [routing_for(b, MOE_LAYERS[family], K, E, seed=seed) for b in branches]
     ours = treelit.load_hf_model(path, dtype=F64, vision=True)
     set_moe_routing(ours, "replay")
+    ours.activation_checkpointing = checkpointing
     set_router_aux_loss(ours, *((router[1], router[0]) if router else (0.0, None)))
     ref = load_reference(path)
     tree = treelit.TokenTree.from_branches(branches, masks, weights, images=images, routed_experts=rec)
@@ -58,7 +61,10 @@ def compare(family, branches, images, tmp_path_factory, router=None, budget=None
             loss.backward()
             value = loss.item()
         else:
-            value = treelit.tree_backward(ours, tree, aggregation, "redundancy_free", budget, attention=attention)
+            stats = PartitionStats()
+            value = treelit.tree_backward(ours, tree, aggregation, "redundancy_free", budget, attention=attention,
+                                          stats=stats)
+            assert stats.partitions > 1, "the budget cut nothing"
         mine = _grads(ours, strip="hf.")
     assert mine.keys() == theirs.keys(), sorted(set(mine) ^ set(theirs))
     assert expected.item() != 0 and sum(float(g.norm()) for k, g in theirs.items() if "visual" in k) > 0
@@ -96,3 +102,14 @@ def test_replay_with_images_on_random_forests_whole_and_partitioned(family, seed
         d = compare(family, branches, images, tmp_path_factory, router=router, budget=budget, seed=seed,
                     aggregation=("token-mean", "seq-mean-token-mean")[seed])
         assert max(d) <= 1e-10, (budget, d)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_replay_with_images_and_activation_checkpointing(partitioned, pool, tmp_path_factory):  # noqa: F811
+    """Every layer recomputed in the backward, the routers replaying the pass's records there."""
+    branches, images = _fixed_cases(pool)["fork_after_image"]
+    budget = max(len(b) for b in branches) + 1 if partitioned else None
+    d = compare("qwen3_5_moe", branches, images, tmp_path_factory, router=("micro_batch", 0.5), budget=budget,
+                checkpointing=True)
+    assert max(d) <= 1e-10, d
