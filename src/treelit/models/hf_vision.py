@@ -47,13 +47,13 @@ from torch.utils.checkpoint import checkpoint
 
 from treelit.models.errors import CheckpointError
 
-__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config"]
+__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config", "vision_inputs"]
 
 VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
-                   "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V"}
+                   "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V", "gemma3": "Gemma-3"}
+# families whose inputs are not the M-RoPE ones of VisionInputs: "module:class"
+_INPUTS = {"gemma3": "treelit.models.hf_gemma3:Gemma3Inputs"}
 _REFUSED = {
-    "gemma3": "Gemma-3 attends bidirectionally inside each image block, a visibility rule treelit's tree mask "
-              "does not implement; its branches would see other attention than per-branch training",
     "qwen2_vl": "Qwen2-VL is not among the vision families treelit checks against transformers "
                 f"({', '.join(VISION_FAMILIES.values())})",
 }
@@ -69,6 +69,18 @@ def check_vision_config(cfg, where: str) -> None:
                               f"families {sorted(VISION_FAMILIES)} only")
     if getattr(cfg, "vision_config", None) is None:
         raise CheckpointError(f"{where}: config key 'vision_config' is missing: the checkpoint has no vision tower")
+
+
+def vision_inputs(hf_model: nn.Module, freeze_vision: bool = False, images_per_pass: int = 0) -> "VisionInputs":
+    """The :class:`VisionInputs` of ``hf_model``'s family."""
+    spec = _INPUTS.get(getattr(hf_model.config, "model_type", ""))
+    cls = VisionInputs
+    if spec is not None:
+        import importlib
+
+        module, name = spec.split(":")
+        cls = getattr(importlib.import_module(module), name)
+    return cls(hf_model, freeze_vision, images_per_pass)
 
 
 class VisionInputs:
