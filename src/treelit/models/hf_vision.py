@@ -1,11 +1,19 @@
 """Vision-language checkpoints in tree mode: each distinct image encoded once per row.
 
-The families (``VISION_FAMILIES``: Qwen2.5-VL, Qwen3-VL, Qwen3.5 with its vision tower) share
-one shape: a vision tower turns an image's pixel patches into ``t*h*w / merge**2`` embedding
-rows (``get_image_features``), the language model reads them in place of the image's
-placeholder tokens, and positions are multimodal RoPE (M-RoPE): three rows (time, height,
+The families (``VISION_FAMILIES``: Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE with their
+vision tower, Qwen3-VL-MoE, GLM-4.5V, Gemma-3) share one shape: a vision tower turns an
+image's pixels into embedding rows (``get_image_features``; Qwen / GLM: ``t*h*w / merge**2``
+rows from pixel patches), the language model reads them in place of the image's placeholder
+tokens. Positions are multimodal RoPE (M-RoPE) in all but Gemma-3: three rows (time, height,
 width) that a position function (``get_rope_index``) derives from the token types and image
-grids of a sequence.
+grids of a sequence. The mixture-of-experts families route, replay recorded routes
+(``model.moe.routing=replay``) and take the router loss as their text models do
+(:mod:`treelit.models.hf_adapter`).
+
+Gemma-3 differs in two family-specific ways (:mod:`treelit.models.hf_gemma3`, chosen through
+``_INPUTS``): plain positions, and a language model that attends bidirectionally inside each
+image block, which the tree mask takes as one wider visibility interval per block key on the
+backends that read intervals as they are (``sdpa_dense``, ``flex``; others refused by name).
 
 In tree mode (an adapted model with :class:`VisionInputs`, ``model.vision``):
 
@@ -31,8 +39,8 @@ part holds no branches), computed once on the row and sliced.
 ``freeze_vision``: the tower's parameters stop requiring gradients (the common LoRA / RL
 setting); the projector (the patch merger, part of the tower in these families) follows.
 
-Gemma-3 is refused: its language model attends bidirectionally inside an image block, a
-visibility rule treelit's tree mask does not have.
+Refused by ``model_type`` (``_REFUSED``): Qwen2-VL, not among the families checked against
+transformers.
 """
 
 from __future__ import annotations
