@@ -30,8 +30,8 @@ VISION = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_
               temporal_patch_size=2, out_hidden_size=32)
 MOE = dict(moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
 QWEN35_MOE_TEXT = dict(
-    {k: v for k, v in TEXT.items() if k != "intermediate_size"}, num_hidden_layers=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+    {k: v for k, v in TEXT.items() if k != "intermediate_size"}, num_hidden_layers=4,  # layer types: the config's
+    linear_key_head_dim=8, linear_value_head_dim=8,  # own pattern (full attention every 4th layer) at any depth
     linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=3,
     moe_intermediate_size=8, shared_expert_intermediate_size=12, num_experts=8, num_experts_per_tok=2,
     rope_parameters=dict(ROPE, mrope_interleaved=True, partial_rotary_factor=0.5))
