@@ -53,7 +53,8 @@ FAMILIES = {
                      dict(VISION, deepstack_visual_indexes=[0], num_position_embeddings=64)),
     "glm4v_moe": (dict(TEXT, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                        routed_scaling_factor=2.5, first_k_dense_replace=1, n_group=2, topk_group=1,
-                       norm_topk_prob=True, rope_parameters=dict(ROPE, mrope_section=[1, 1, 0], partial_rotary_factor=0.5)),
+                       norm_topk_prob=True,
+                       rope_parameters=dict(ROPE, mrope_section=[1, 1, 0], partial_rotary_factor=0.5)),
                   dict(VISION, num_heads=2, image_size=16, rms_norm_eps=1e-5)),
     # Gemma-3: a SigLIP tower (16x16 images of 4x4 patches, pooled to 2x2 = 4 tokens), sliding and global
     # layers; its language model attends bidirectionally inside each image block

@@ -37,8 +37,8 @@ def pool():
 def _cases(pool):
     a, b, c = pool["a"], pool["b"], pool["c"]
     return {
-        "fork_after_image": ([[1] + span(a) + [3, 4, 5], [1] + span(a) + [6, 7], [1] + span(a) + [3, 8] + span(c) + [9]],
-                             [[a], [a], [a, c]]),
+        "fork_after_image": ([[1] + span(a) + [3, 4, 5], [1] + span(a) + [6, 7],
+                              [1] + span(a) + [3, 8] + span(c) + [9]], [[a], [a], [a, c]]),
         "last_shared": ([[1, 2] + span(a) + [3], [1, 2] + span(a) + [4, 5], [1, 2] + span(b) + [6]], [[a], [a], [b]]),
         "image_ends_shared": ([[1] + span(c) + [2, 3], [1] + span(c)[:-1] + [9, 4]], [[c], [c]]),
     }
@@ -131,7 +131,8 @@ def test_fixed_cases(case, pool, tmp_path_factory):
 def test_random_forests_whole_and_partitioned(seed, pool, tmp_path_factory):
     rng = np.random.default_rng(seed)
     branches, images = random_forest(rng, [pool["a"], pool["b"], pool["a2"], pool["c"]], n_branches=5)
-    compare("gemma3", branches, images, tmp_path_factory, aggregation=("token-mean", "seq-mean-token-mean", "sum")[seed])
+    aggregation = ("token-mean", "seq-mean-token-mean", "sum")[seed]
+    compare("gemma3", branches, images, tmp_path_factory, aggregation=aggregation)
     compare("gemma3", branches, images, tmp_path_factory, budget=max(len(b) for b in branches) + 2)
 
 

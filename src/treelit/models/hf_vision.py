@@ -57,8 +57,9 @@ from treelit.models.errors import CheckpointError
 
 __all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config", "vision_inputs"]
 
-VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
-                   "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V", "gemma3": "Gemma-3"}
+VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5",
+                   "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V",
+                   "gemma3": "Gemma-3"}
 # families whose inputs are not the M-RoPE ones of VisionInputs: "module:class"
 _INPUTS = {"gemma3": "treelit.models.hf_gemma3:Gemma3Inputs"}
 _REFUSED = {
