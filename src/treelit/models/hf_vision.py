@@ -46,6 +46,7 @@ transformers.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any, Dict, Optional
 
 import torch
@@ -85,8 +86,6 @@ def vision_inputs(hf_model: nn.Module, freeze_vision: bool = False, images_per_p
     spec = _INPUTS.get(getattr(hf_model.config, "model_type", ""))
     cls = VisionInputs
     if spec is not None:
-        import importlib
-
         module, name = spec.split(":")
         cls = getattr(importlib.import_module(module), name)
     return cls(hf_model, freeze_vision, images_per_pass)
