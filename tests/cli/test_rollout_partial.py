@@ -142,3 +142,27 @@ def test_the_trainer_trains_partial_rollouts_dropping_stale_tokens(tmp_path):
 def test_the_trainer_trains_partial_rollouts_under_each_policy(tmp_path, policy, max_staleness):
     out = partial_files(tmp_path)
     check_trained(out, train_on(tmp_path, out, policy, max_staleness), policy, max_staleness)
+
+
+@pytest.mark.parametrize("bad, says", [
+    (lambda vs: vs[:-1], r"branches\[0\]\.policy_versions: must be a list of \d+ versions \(one per token"),
+    (lambda vs: vs[:-1] + [5], r"branches\[0\]\.policy_versions\[\d+\]: version 5 is newer than the trainer's policy "
+                               r"version 0 \(a version in the future"),
+])
+def test_a_bad_version_list_is_one_error_line_naming_file_and_line(tmp_path, cli_main, capsys, bad, says):
+    """A partial-rollout file edited to hold a version list of the wrong length, or a version the
+    trainer has not published: treelit-train stops with one error line naming file:line and field."""
+    import re
+
+    out = partial_files(tmp_path)
+    path = out / "step-000000.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    recs[0]["branches"][0]["policy_versions"] = bad(recs[0]["branches"][0]["policy_versions"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    code = cli_main("experiment=rl_online", f"rl_dir={tmp_path / 'rl'}", f"data.directory={out}", "logger=none",
+                    "callbacks.checkpoint=null", "trainer.enable_progress_bar=false", "callbacks.progress=null",
+                    f"output_dir={tmp_path / 'train'}", "trainer.max_steps=3", "data.timeout_s=10",
+                    "data.staleness_policy=drop_tokens")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(err) == 1, err
+    assert re.search(re.escape(f"{path}:1: ") + says, err[0]), err[0]
