@@ -1,12 +1,12 @@
 """``treelit-rollout --partial``: partial rollouts, where unfinished generations continue
 under each newly published version instead of restarting.
 
-The sampler keeps ``--prompts-per-step`` groups (``--n`` completions of one prompt each) in
-flight and decodes one token for every unfinished completion of every group in one batched
-forward. When ``latest.json`` names a newer version, decoding pauses between two tokens, the
+The sampler keeps ``--prompts-per-step`` x ``--n`` completion slots busy (a group is ``--n``
+completions of one prompt) and decodes one token for every unfinished completion of every
+group in flight in one batched forward. When ``latest.json`` names a newer version, decoding pauses between two tokens, the
 new weights are loaded, and every unfinished completion continues under them. A group whose
-completions have all finished (EOS or ``--max-new-tokens``) is done, and its slots take the
-next prompt at once; file ``i`` is written when ``--prompts-per-step`` groups are done (in
+completions have all finished (EOS or ``--max-new-tokens``) is done; as soon as ``--n`` slots
+are free (completions that ended, of any group) the next prompt's group starts; file ``i`` is written when ``--prompts-per-step`` groups are done (in
 the order they finished), so a long generation does not hold back the short ones: it lands
 in a later file. Each branch records the version that sampled each token,
 ``"policy_versions"`` (null for the prompt; the field the trainer reads per token, see
@@ -21,11 +21,13 @@ its head may be more versions behind than ``--max-staleness`` when it is trained
 trainer's ``data.staleness_policy`` decides (``drop_tokens`` trains the rest of the branch;
 ``skip_file`` skips the whole file). Routing is not recorded with ``--partial``.
 
-Each forward recomputes the prefixes of all completions in flight (right-padded, no KV
-cache): a reference sampler for small models, like ``--engine treelit``. The per-file JSON
+Each token step recomputes the prefixes of all completions in flight (one forward per
+distinct length, no padding, no KV cache): a reference sampler for small models, like
+``--engine treelit``. The per-file JSON
 line on stdout adds ``versions`` (the oldest and newest token version in the file),
-``switches`` (versions loaded while generations were unfinished) and ``carried`` (groups left
-in flight for later files); ``wait_s`` is the time the sampler sat idle waiting for a version.
+``switches`` (versions loaded while generations were unfinished), ``carried`` (groups left
+in flight for later files), ``tokens`` and ``forwards`` (tokens sampled and token steps, each
+one batched decode over the completions in flight, since the previous file); ``wait_s`` is the time the sampler sat idle waiting for a version.
 """
 
 from __future__ import annotations
@@ -65,23 +67,29 @@ class Group:
 
 def forward_last(sampler, seqs: List[List[int]]):
     """Next-token logits ``[len(seqs), vocab]`` of the sampler's model after each sequence:
-    one forward over the right-padded batch (causal: the padding after a sequence never
-    reaches its positions), read at each sequence's last token."""
+    one forward per distinct length over the sequences of that length (no padding), read at
+    their last token."""
     import torch  # cli: treelit-rollout --help pays for no torch
 
-    lens = torch.tensor([len(s) for s in seqs])
-    L = int(lens.max())
-    ids = torch.tensor([s + [s[-1]] * (L - len(s)) for s in seqs])
-    rows = torch.arange(len(seqs))
+    by_len: Dict[int, List[int]] = {}
+    for j, s in enumerate(seqs):
+        by_len.setdefault(len(s), []).append(j)
+    out = None
     with torch.no_grad():
-        if sampler.native:
-            from treelit.models.context import CausalContext
-            from treelit.models.decoder import decoder_hidden, output_weight
+        for L, rows in by_len.items():
+            ids = torch.tensor([seqs[j] for j in rows])
+            if sampler.native:
+                from treelit.models.context import CausalContext
+                from treelit.models.decoder import decoder_hidden, output_weight
 
-            pos = torch.arange(L)[None].expand(len(seqs), -1)
-            h = decoder_hidden(sampler.model, ids, pos, CausalContext())
-            return h[rows, lens - 1] @ output_weight(sampler.model).t()
-        return sampler.model(input_ids=ids, use_cache=False).logits[rows, lens - 1]
+                pos = torch.arange(L)[None].expand(len(rows), -1)
+                logits = decoder_hidden(sampler.model, ids, pos, CausalContext())[:, -1] @ output_weight(sampler.model).t()
+            else:
+                logits = sampler.model(input_ids=ids, use_cache=False).logits[:, -1]
+            if out is None:
+                out = logits.new_empty(len(seqs), logits.shape[-1])
+            out[rows] = logits
+    return out
 
 
 class Pool:
@@ -96,7 +104,8 @@ class Pool:
         self.flight: List[Group] = []
         self.done: List[Group] = []
         self.serial = 0
-        self.row_steps = 0  # completions decoded, summed over forwards
+        self.row_steps = 0  # tokens sampled (completions decoded, summed over forwards)
+        self.forwards = 0
 
     def add(self, key: str, prompt: List[int], fields: Dict[str, Any]) -> None:
         self.flight.append(Group(key, prompt, fields, self.n, self.serial))
@@ -114,6 +123,7 @@ class Pool:
         lps = logp.gather(1, nxt)[:, 0].tolist()
         version, eos = int(self.sampler.version), self.sampler.eos
         self.row_steps += len(live)
+        self.forwards += 1
         for (g, r), t, lp in zip(live, nxt[:, 0].tolist(), lps):
             g.tokens[r].append(t)
             g.logprobs[r].append(lp)
@@ -164,7 +174,7 @@ def run_partial(a, start: int, stop_at: Optional[Callable[[Group, int], int]] = 
     pool = Pool(sampler, a.n, a.max_new_tokens, torch.Generator().manual_seed(a.seed * 1_000_003 + start), stop_at)
     prompts, B, started = None, None, 0
     i = start
-    t_file, waited, loading, switches = time.monotonic(), 0.0, 0.0, 0
+    t_file, waited, loading, switches, seen = time.monotonic(), 0.0, 0.0, 0, (0, 0)
     while i < a.steps:
         need = max(0, (i - a.max_staleness) * a.versions_per_step)
         latest = sampler.latest()
@@ -188,7 +198,7 @@ def run_partial(a, start: int, stop_at: Optional[Callable[[Group, int], int]] = 
             prompts = read_prompts(a.prompts, sampler.tokenizer_dir)
             B = a.prompts_per_step or len(prompts)
             started = start * B
-        while len(pool.flight) < B and started < a.steps * B:  # freed slots take the next prompts
+        while pool.unfinished() + a.n <= B * a.n and started < a.steps * B:  # freed slots take the next prompts
             rec = dict(prompts[started % len(prompts)])
             prompt = rec.pop("input_ids")
             pool.add(f"{rec.get('id')}@{started}", prompt, {k: v for k, v in rec.items() if k != "id"})
@@ -201,8 +211,9 @@ def run_partial(a, start: int, stop_at: Optional[Callable[[Group, int], int]] = 
             stats = {"step": i, "policy_version": sampler.version, "versions": [min(versions), max(versions)],
                      "reward_mean": sum(rewards) / len(rewards), "wait_s": round(waited, 4), "load_s": round(loading, 4),
                      "sample_s": round(now - t_file - waited - loading, 4), "switches": switches,
-                     "carried": len(pool.flight) + len(pool.done), "completions": len(rewards)}
+                     "carried": len(pool.flight) + len(pool.done), "completions": len(rewards),
+                     "tokens": pool.row_steps - seen[0], "forwards": pool.forwards - seen[1]}
             (log or (lambda s: print(json.dumps(s), flush=True)))(stats)
-            t_file, waited, loading, switches = now, 0.0, 0.0, 0
+            t_file, waited, loading, switches, seen = now, 0.0, 0.0, 0, (pool.row_steps, pool.forwards)
             i += 1
     return 0
