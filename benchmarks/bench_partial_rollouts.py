@@ -24,8 +24,9 @@ Both sample with the same engine (one batched forward per token over the unfinis
 completions, prefixes recomputed), so the difference is the scheduling. Reported per mode:
 wall time, rollouts (completions) per minute, the sampler's idle seconds (waiting for a
 version it may sample with), the slots' idle share (completion slots of the batch left empty
-while it waits for its longest completion: 1 - completion-tokens / (slots x forwards)), the
-trainer's idle seconds (waiting for a file), the batched forwards run, and the trained tokens'
+while it waits for its longest completion: 1 - tokens / (slots x token steps)), the
+trainer's idle seconds (waiting for a file), the token steps run (one batched decode of the
+completions in flight each; ``forwards`` in the JSON), and the trained tokens'
 mean staleness and share more than ``--max-staleness`` versions behind when their file is
 taken (a long generation spans the versions published while it runs: its head is what
 ``data.staleness_policy=drop_tokens`` would take out of the loss).
@@ -214,11 +215,11 @@ def main() -> None:
                     res["median"].append({k: statistics.median(r[k] for r in rs) if isinstance(v, (int, float)) else v
                                           for k, v in rs[0].items()})
     print("| trainer s/step | max_staleness | mode | wall s | rollouts/min | sampler idle s (share) | slots idle "
-          "| forwards | trainer idle s | token staleness mean | tokens > max_staleness |")
+          "| token steps | trainer idle s | token staleness mean | tokens > max_staleness |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["median"]:
-        print(f"| {r['train_s']} | {r['max_staleness']} | {r['mode']} | {r['wall_s']:.2f} | {r['rollouts_per_min']:.0f} "
-              f"| {r['sampler_idle_s']:.2f} ({r['sampler_idle_share']:.0%}) | {r['slot_idle_share']:.0%} | {r['forwards']} "
+        print(f"| {r['train_s']:g} | {r['max_staleness']:g} | {r['mode']} | {r['wall_s']:.2f} | {r['rollouts_per_min']:.0f} "
+              f"| {r['sampler_idle_s']:.2f} ({r['sampler_idle_share']:.0%}) | {r['slot_idle_share']:.0%} | {r['forwards']:g} "
               f"| {r['trainer_idle_s']:.2f} | {r['token_staleness_mean']:.2f} | {r['tokens_beyond_max_staleness']:.0%} |")
     res["load_avg_end"] = os.getloadavg()[0]
     if a.json:

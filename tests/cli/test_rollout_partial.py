@@ -166,3 +166,13 @@ def test_a_bad_version_list_is_one_error_line_naming_file_and_line(tmp_path, cli
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 1 and len(err) == 1, err
     assert re.search(re.escape(f"{path}:1: ") + says, err[0]), err[0]
+
+
+def test_length_buckets_trade_padding_against_forwards():
+    from treelit.cli.rollout_partial import length_buckets
+
+    assert length_buckets([5, 5, 5]) == [[0, 1, 2]]  # one length: one forward
+    assert sorted(map(sorted, length_buckets([10, 12, 11], fixed=256))) == [[0, 1, 2]]  # close: padded together
+    assert sorted(map(sorted, length_buckets([100, 4, 4, 100], fixed=8))) == [[0, 3], [1, 2]]  # far apart: two
+    runs = length_buckets([7, 3, 9, 3, 50], fixed=20)
+    assert sorted(j for r in runs for j in r) == list(range(5))
