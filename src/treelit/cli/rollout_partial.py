@@ -1,33 +1,35 @@
-"""``treelit-rollout --partial``: partial rollouts, where unfinished generations continue
-under each newly published version instead of restarting.
+"""``treelit-rollout --partial``: partial rollouts, where unfinished generations continue under
+each newly published version instead of restarting.
 
 The sampler keeps ``--prompts-per-step`` x ``--n`` completion slots busy (a group is ``--n``
-completions of one prompt) and decodes one token for every unfinished completion of every
-group in flight in one batched forward. When ``latest.json`` names a newer version, decoding pauses between two tokens, the
-new weights are loaded, and every unfinished completion continues under them. A group whose
-completions have all finished (EOS or ``--max-new-tokens``) is done; as soon as ``--n`` slots
-are free (completions that ended, of any group) the next prompt's group starts; file ``i`` is written when ``--prompts-per-step`` groups are done (in
-the order they finished), so a long generation does not hold back the short ones: it lands
-in a later file. Each branch records the version that sampled each token,
-``"policy_versions"`` (null for the prompt; the field the trainer reads per token, see
-:mod:`treelit.lightning.token_staleness`), and its ``old_logprobs`` are those of that version.
-The record's ``policy_version`` is its oldest sampled token's. A branch whose head was sampled
-under version v and tail under v+1 merges into the tree like any other branch.
+completions of one prompt) and decodes one token for every unfinished completion of every group
+in flight in one batched forward. When ``latest.json`` names a newer version, decoding pauses
+between two tokens, the new weights are loaded, and every unfinished completion continues under
+them. A group whose completions have all finished (EOS or ``--max-new-tokens``) is done; as soon
+as ``--n`` slots are free (completions that ended, of any group) the next prompt's group starts;
+file ``i`` is written when ``--prompts-per-step`` groups are done (in the order they finished),
+so a long generation does not hold back the short ones: it lands in a later file. Each branch
+records the version that sampled each token, ``"policy_versions"`` (null for the prompt; the
+field the trainer reads per token, see :mod:`treelit.lightning.token_staleness`), and its
+``old_logprobs`` are those of that version. The record's ``policy_version`` is its oldest
+sampled token's. A branch whose head was sampled under version v and tail under v+1 merges into
+the tree like any other branch.
 
 Staleness: no token is sampled for file ``i`` or later before the published version reaches
 ``(i - --max-staleness) x --versions-per-step`` (the same bound as without ``--partial``); a
-generation that spans several files keeps the tokens of the versions it started under, so
-its head may be more versions behind than ``--max-staleness`` when it is trained: the
-trainer's ``data.staleness_policy`` decides (``drop_tokens`` trains the rest of the branch;
-``skip_file`` skips the whole file). Routing is not recorded with ``--partial``.
+generation that spans several files keeps the tokens of the versions it started under, so its
+head may be more versions behind than ``--max-staleness`` when it is trained: the trainer's
+``data.staleness_policy`` decides (``drop_tokens`` trains the rest of the branch; ``skip_file``
+skips the whole file). Routing is not recorded with ``--partial``.
 
-Each token step recomputes the prefixes of all completions in flight (no KV cache; sequences
-of close lengths share a right-padded forward, :func:`length_buckets`): a reference sampler
-for small models, like ``--engine treelit``. The per-file JSON
-line on stdout adds ``versions`` (the oldest and newest token version in the file),
-``switches`` (versions loaded while generations were unfinished), ``carried`` (groups left
-in flight for later files), ``tokens`` and ``forwards`` (tokens sampled and token steps, each
-one batched decode over the completions in flight, since the previous file); ``wait_s`` is the time the sampler sat idle waiting for a version.
+Each token step recomputes the prefixes of all completions in flight (no KV cache; sequences of
+close lengths share a right-padded forward, :func:`length_buckets`): a reference sampler for
+small models, like ``--engine treelit``. The per-file JSON line on stdout adds ``versions`` (the
+oldest and newest token version in the file), ``switches`` (versions loaded while generations
+were unfinished), ``carried`` (groups left in flight for later files), ``tokens`` and
+``forwards`` (tokens sampled and token steps, each one batched decode over the completions in
+flight, since the previous file); ``wait_s`` is the time the sampler sat idle waiting for a
+version.
 """
 
 from __future__ import annotations
