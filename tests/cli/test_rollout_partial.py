@@ -47,11 +47,14 @@ def simulated_trainer(tmp_path, family="qwen2_tiny", **kw):
     models = [tiny_model(family, torch.float32, seed=0, **kw)]
     pub = PolicyPublisher(tmp_path / "policy", dtype="float32", keep=10)
     pub.publish(models[0], 0)
+    seen = []
 
     def log(stats):
+        seen.append(stats)
         models.append(tiny_model(family, torch.float32, seed=len(models), **kw))
         pub.publish(models[-1], len(models) - 1)
 
+    log.stats = seen  # each file's stats line
     return models, log
 
 
@@ -83,6 +86,9 @@ def test_versions_change_mid_branch_and_each_token_has_its_versions_logprob(tmp_
                         ref = logprobs(models[vs[t]], br["input_ids"][: t + 1])[-1]
                     assert abs(br["old_logprobs"][t] - float(ref)) < 2e-5, (family, t)
     assert mixed == 2  # both completions of the long group: head under version 0, tail under version 1
+    stats = log.stats
+    assert [s["versions"] for s in stats] == [[0, 0], [0, 1], [1, 2]]
+    assert [s["switches"] for s in stats] == [0, 1, 0]  # version 1 loaded while the long group was unfinished
 
 
 def test_partial_flag_runs_from_the_command_line_and_refuses_routing(tmp_path, capsys):
