@@ -39,6 +39,10 @@ Before a version is loaded its files are checked against the manifest the traine
 it (size and SHA-256 of each, :mod:`treelit.utils.integrity`): a file cut short or altered is
 one ``error:`` line naming it (exit 1), not an error from inside safetensors. A version
 published before manifests existed is read unchecked.
+
+With ``--partial`` (:mod:`treelit.cli.rollout_partial`) a new version does not wait for the
+file being sampled: unfinished generations continue under it, and each token records the
+version that sampled it (``policy_versions``).
 """
 
 from __future__ import annotations
@@ -379,6 +383,9 @@ def parser() -> OneLineParser:
     p.add_argument("--engine", default="auto", choices=["auto", "treelit"],
                    help="auto: transformers for Hugging Face checkpoints (KV cache); treelit: treelit's own decoder "
                         "for any checkpoint it loads (the trainer's numerics; recomputes the prefix: small models)")
+    p.add_argument("--partial", action="store_true",
+                   help="partial rollouts: unfinished generations continue under each new version (tokens stamped "
+                        "with their version, policy_versions); done groups are written, long ones land in later files")
     p.add_argument("--record-routing", action="store_true",
                    help="write each branch's routed_experts (MoE models; on by itself when the trainer "
                         "publishes with model.moe.routing=replay)")
@@ -416,6 +423,10 @@ def run(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     start = first_step(out, a.steps)  # before torch: a rerun in a used folder is one line, at once
+    if a.partial:
+        from treelit.cli.rollout_partial import run_partial
+
+        return run_partial(a, start)
 
     import torch  # cli: treelit-rollout --help pays for no torch
 
