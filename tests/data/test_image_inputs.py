@@ -228,7 +228,8 @@ def test_per_token_fields_grow_with_the_images_placeholders(vl_dir, tmp_path):
     assert out["old_logprobs"] == out["ref_logprobs"] == [None] * 7 + [-0.5, -1.25]
     assert out["token_rewards"] == [None] * 8 + [1.0]
     assert out["policy_versions"] == [None] * 7 + [3, 3]
-    (built,) = build_trees(str(path), builder, limits=Limits(PAD + 1, 64, needs={"advantage": True, "old_logprobs": True}))
+    needs = {"advantage": True, "old_logprobs": True}
+    (built,) = build_trees(str(path), builder, limits=Limits(PAD + 1, 64, needs=needs))
     assert built.tree.images.num_images == 1 and built.tree.num_tokens == 10  # one image, shared by both branches
     bad = dict(br, old_logprobs=[None, None, -2.0, None, -0.5, -1.25])
     plain = make_tree_builder("sequences", processor_path=vl_dir)

@@ -21,7 +21,9 @@ the files already in ``D`` (consumed or skipped ones included), and says so on s
 they already cover ``--steps`` it stops with one ``error:`` line (exit 1) naming them. Prompts: JSONL records
 ``{"id", "input_ids"}`` or ``{"id", "messages"}`` (rendered with the published tokenizer's
 chat template; a bundled file may be named alone); their other fields go to the reward
-function as keywords. A per-step JSON line on stdout says the version, the mean reward and
+function as keywords. A vision-language checkpoint also takes prompts with images (raw records with
+``images``, or chat image parts), sampled with its image processor and written with the images
+under ``D/images/`` (:mod:`treelit.cli.rollout_images`). A per-step JSON line on stdout says the version, the mean reward and
 the seconds spent waiting for a version, loading it and sampling.
 
 Hugging Face checkpoints are sampled with transformers (one forward per token, KV cache);

@@ -3,8 +3,9 @@
 Online RL samples from the policy being trained. Every ``every_n_steps`` optimizer steps
 the trainer writes its weights to ``<dir>/step-<N>/`` (a Hugging Face checkpoint: safetensors,
 ``config.json``, ``generation_config.json``, and the tokenizer files (and a vision checkpoint's
-image processor config) when the run names a tokenizer directory; treelit's own format for a layer mix no Hugging Face model holds),
-then points ``<dir>/latest.json`` at it: ``{"version": N, "path": ..., "time": ...}``.
+image processor config) when the run names a tokenizer directory; treelit's own format for a
+layer mix no Hugging Face model holds), then points ``<dir>/latest.json`` at it:
+``{"version": N, "path": ..., "time": ...}``.
 
 **LoRA** (``model.lora.rank``). ``lora="merged"`` publishes the full weights with the adapters
 merged in (``W + s B A``), under the base model's own names: the same checkpoint format as
