@@ -193,3 +193,29 @@ def test_square_colour_reads_the_colour_from_the_image(tmp_path):
     assert [colour_of(Image.open(tmp_path / r["images"][0])) for r in recs[:4]] == list(ANSWER_TOKENS)
     with pytest.raises(ValueError, match="square_colour needs the prompt's image"):
         reward([1], [10])
+
+
+def test_what_image_prompts_do_not_run_with_is_one_line(policy, tmp_path, capsys):
+    """--engine treelit on a vision checkpoint, routing replay with image prompts, and an adapter on a
+    vision base: each one error line (exit 1), before anything is sampled."""
+    root, ckpt, _ = policy
+    prompts = _prompts(tmp_path / "p")
+    adapter = tmp_path / "lora" / "step-0"
+    adapter.mkdir(parents=True)
+    lora = {"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]}
+    (adapter / "adapter_config.json").write_text(json.dumps(lora))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (tmp_path / "lora" / "latest.json").write_text(json.dumps({"version": 0, "path": str(adapter),
+                                                                "kind": "lora_adapter", "base": str(ckpt)}))
+    cases = [(_worker(root, prompts, tmp_path / "o1", "--engine", "treelit"),
+              "--engine treelit: a vision-language checkpoint (qwen2_5_vl) is sampled with transformers"),
+             (_worker(root, prompts, tmp_path / "o2", "--record-routing"),
+              "--record-routing (or a policy published with model.moe.routing=replay) with image prompts"),
+             (["--publish-dir", str(tmp_path / "lora"), *_worker(root, prompts, tmp_path / "o3")[2:]],
+              "an adapter on a vision-language base is not sampled yet")]
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+    assert not [p for o in ("o1", "o2", "o3") for p in (tmp_path / o).glob("step-*")]
