@@ -21,10 +21,10 @@ the files already in ``D`` (consumed or skipped ones included), and says so on s
 they already cover ``--steps`` it stops with one ``error:`` line (exit 1) naming them. Prompts: JSONL records
 ``{"id", "input_ids"}`` or ``{"id", "messages"}`` (rendered with the published tokenizer's
 chat template; a bundled file may be named alone); their other fields go to the reward
-function as keywords. A vision-language checkpoint also takes prompts with images (raw records with
-``images``, or chat image parts), sampled with its image processor and written with the images
-under ``D/images/`` (:mod:`treelit.cli.rollout_images`). A per-step JSON line on stdout says the version, the mean reward and
-the seconds spent waiting for a version, loading it and sampling.
+function as keywords. A vision-language checkpoint also takes prompts with images (raw records
+with ``images``, or chat image parts), sampled with its image processor and written with the
+images under ``D/images/`` (:mod:`treelit.cli.rollout_images`). A per-step JSON line on stdout
+says the version, the mean reward and the seconds spent waiting for a version, loading it and sampling.
 
 Hugging Face checkpoints are sampled with transformers (one forward per token, KV cache);
 a checkpoint in treelit's own format (a layer mix no Hugging Face model holds), or any checkpoint
@@ -486,7 +486,7 @@ def run(a) -> int:
             key = f"{pid}@{i}"
             branches = []
             record = a.record_routing or latest.get("moe_routing") == "replay"
-            check_routing([{"_vision": vision}], record)
+            check_routing(vision, record)
             for comp, lps, routed in sampler.sample(prompt, a.n, a.max_new_tokens, gen, record_routing=record,
                                                     vision=vision):
                 r = float(reward(prompt_ids=list(prompt), completion_ids=comp, **fields))

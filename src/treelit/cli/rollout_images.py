@@ -32,9 +32,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["ImagePrompts", "VisionPrompt", "has_images", "vision_config", "load_vision_model"]
+__all__ = ["ImagePrompts", "VisionPrompt", "has_images", "vision_config", "load_vision_model", "check_routing"]
 
 EXTENSIONS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp", "GIF": "gif", "BMP": "bmp"}
 FOLDER = "images"  # under --out: the images the rollout files name
@@ -192,9 +192,9 @@ def _format(data: bytes) -> Optional[str]:
     return _format_of(data)
 
 
-def check_routing(prompts: Sequence[Dict[str, Any]], record: bool) -> None:
-    """Routing replay records per token of the branch as run; with image prompts those are the
+def check_routing(vision: Optional[VisionPrompt], record: bool) -> None:
+    """Routing replay records per token of the branch as run; with an image prompt those include the
     placeholders, which the written (compact) branch does not have: refused in one line."""
-    if record and any(p.get("_vision") is not None for p in prompts):
+    if record and vision is not None:
         raise ValueError("--record-routing (or a policy published with model.moe.routing=replay) with image prompts: "
                          "the routing of an image's placeholder tokens has no place in the written branch")
