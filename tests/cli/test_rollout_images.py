@@ -165,12 +165,16 @@ def test_chat_prompts_with_image_parts_render_one_image_token_per_image(tmp_path
     random_image(np.random.default_rng(0), 16, 24).save(tmp_path / "shot.png")
     rec = {"id": "c", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                                 {"type": "image", "image": "shot.png"}]}]}
-    images = ImagePrompts(ckpt)
-    images.prepare(rec, str(tmp_path / "prompts.jsonl"), "prompts.jsonl:1", AutoTokenizer.from_pretrained(ckpt))
+    images, tok = ImagePrompts(ckpt), AutoTokenizer.from_pretrained(ckpt)
+    images.prepare(rec, str(tmp_path / "prompts.jsonl"), "prompts.jsonl:1", tok)
     ids = rec["input_ids"]
     assert ids.count(151655) == 1 and ids[ids.index(151655) - 1] == 151652 and ids[ids.index(151655) + 1] == 151653
     assert rec["_vision"].ids.count(151655) == 6 and len(rec["_vision"].ids) == len(ids) + 5  # 16x24: 6 placeholders
     assert [im.size for im in rec["images"]] == [(24, 16)] and images.never == [151655, 151656]
+    bad = {"id": "d", "messages": [{"role": "user", "content": [{"text": "no type"},
+                                                                {"type": "image", "image": "shot.png"}]}]}
+    with pytest.raises(ValueError, match=r"^prompts.jsonl:2: messages: the chat template cannot render them "):
+        images.prepare(bad, str(tmp_path / "prompts.jsonl"), "prompts.jsonl:2", tok)
 
 
 def test_square_colour_reads_the_colour_from_the_image(tmp_path):
@@ -219,3 +223,15 @@ def test_what_image_prompts_do_not_run_with_is_one_line(policy, tmp_path, capsys
         err = capsys.readouterr().err
         assert stop.value.code == 1 and err.count("\n") == 1 and err.startswith("error: ") and says in err, err
     assert not [p for o in ("o1", "o2", "o3") for p in (tmp_path / o).glob("step-*")]
+
+
+def test_image_prompts_for_a_text_policy_are_one_line(tmp_path, capsys):
+    from helpers import tiny_model
+
+    PolicyPublisher(tmp_path / "policy", dtype="float32").publish(tiny_model("qwen2_tiny", torch.float32), 0)
+    prompts = _prompts(tmp_path / "p")
+    with pytest.raises(SystemExit) as stop:
+        main(_worker(tmp_path, prompts, tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert stop.value.code == 1
+    assert err == f"error: {prompts}:1: a prompt with images needs a vision-language checkpoint\n", err

@@ -137,7 +137,7 @@ class ImagePrompts:
                 raise ValueError(f"{where}: images: must be a list of image paths or data: URIs")
             refs = [(r, f"{where}: images[{k}]") for k, r in enumerate(refs)]
             ids = rec.get("input_ids")
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise ValueError(f"{where}: input_ids must be a non-empty list of token ids")
         at = [t for t, i in enumerate(ids) if i == self.token]
         if len(at) != len(refs):
@@ -164,8 +164,12 @@ class ImagePrompts:
             raise ValueError(f"{where}: messages: must be a list of message objects")
         refs = _refs(messages, range(len(messages)), f"{where}: messages")
         text, _ = _image_tokens(tok)
-        rendered = tok.apply_chat_template([_normalise(m, keep_thinking=True) for m in messages],
-                                           add_generation_prompt=True, tokenize=False)
+        try:
+            rendered = tok.apply_chat_template([_normalise(m, keep_thinking=True) for m in messages],
+                                               add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a malformed message or part: the record's error, in one line
+            raise ValueError(f"{where}: messages: the chat template cannot render them ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]})") from None
         return list(tok(rendered.replace(_IMAGE_MARK, text), add_special_tokens=False)["input_ids"]), refs
 
     def store(self, out: Path, prompt: VisionPrompt) -> List[str]:
