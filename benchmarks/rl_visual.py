@@ -106,9 +106,10 @@ def run_loop(work: Path, steps: int, n: int = 16, prompts: int = 16, lr: float =
         for f in logs.values():
             f.close()
     rows = [json.loads(line) for line in (work / "sample.log").read_text().splitlines() if line.startswith("{")]
+    shown = {k: [Path(c[0]).name] + [x.replace(str(work), "WORK") for x in c[1:]] for k, c in cmd.items()}
     return {"rows": [{"step": r["step"], "policy_version": r["policy_version"], "reward": r["reward_mean"]}
                      for r in rows],
-            "seconds": round(time.monotonic() - t0, 1), "commands": cmd, "rollouts": str(work / "rl" / "rollouts")}
+            "seconds": round(time.monotonic() - t0, 1), "commands": shown, "rollouts": str(work / "rl" / "rollouts")}
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
