@@ -20,15 +20,18 @@ from vision_oracle import END, IMAGE, START, VIDEO, image_processor, png_bytes, 
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    """A tiny Qwen2.5-VL checkpoint with its image processor, published as version 0 (float64)."""
-    root = tmp_path_factory.mktemp("vlpolicy")
-    ckpt = vision_checkpoint(root / "ckpt", "qwen2_5_vl")
+def _publish(root, family):
+    """A tiny checkpoint of ``family`` with its image processor, published as version 0 (float64)."""
+    ckpt = vision_checkpoint(root / "ckpt", family)
     image_processor().save_pretrained(ckpt)
     model = treelit.load_hf_model(ckpt, dtype=torch.float64, vision=True)
     PolicyPublisher(root / "policy", dtype="float64", tokenizer=str(ckpt)).publish(model, 0)
     return root, ckpt, model
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return _publish(tmp_path_factory.mktemp("vlpolicy"), "qwen2_5_vl")
 
 
 def _prompts(folder, bad=None):
@@ -81,7 +84,8 @@ def _logprobs(ref, ids, shown):
     return lp, len(full) - len(ids)
 
 
-def test_image_prompts_roll_out_into_files_the_trainer_reads_and_trains_on(policy, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_image_prompts_roll_out_into_files_the_trainer_reads_and_trains_on(family, request, tmp_path):
     from PIL import Image
 
     from treelit.builders.assemble import Limits
@@ -90,7 +94,7 @@ def test_image_prompts_roll_out_into_files_the_trainer_reads_and_trains_on(polic
     from treelit.objectives import make_objective
     from vision_oracle import load_reference
 
-    root, ckpt, model = policy
+    root, ckpt, model = request.getfixturevalue("policy") if family == "qwen2_5_vl" else _publish(tmp_path, family)
     assert (root / "policy" / "step-0" / "preprocessor_config.json").is_file()  # published with the weights
     prompts, out = _prompts(tmp_path), tmp_path / "out"
     SEEN.clear()
