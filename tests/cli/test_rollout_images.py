@@ -84,7 +84,7 @@ def _logprobs(ref, ids, shown):
     return lp, len(full) - len(ids)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_image_prompts_roll_out_into_files_the_trainer_reads_and_trains_on(family, request, tmp_path):
     from PIL import Image
 
