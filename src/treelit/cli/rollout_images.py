@@ -71,9 +71,12 @@ def load_vision_model(path: Path, dtype: Any):
     from treelit.models.hf_kernels import no_hub_kernels
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per version otherwise
-
+    kw = no_hub_kernels()
+    text = json.loads((Path(path) / "config.json").read_text()).get("text_config") or {}
+    if text.get("num_experts_per_tok"):
+        kw["experts_implementation"] = "eager"  # MoE: grouped_mm has no float64 / CPU-portable kernel
     return AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype, trust_remote_code=False,
-                                                       local_files_only=True, **no_hub_kernels()).eval()
+                                                       local_files_only=True, **kw).eval()
 
 
 @dataclass
