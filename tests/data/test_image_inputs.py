@@ -206,3 +206,32 @@ def test_a_folder_naming_no_image_token_needs_the_option(tmp_path):
                                          r"the image token; set tree_builder.image_token_id$"):
         make_tree_builder("sequences", processor_path=str(d))
     assert make_tree_builder("sequences", processor_path=str(d), image_token_id=9).image_token_id == 9
+
+
+def test_per_token_fields_grow_with_the_images_placeholders(vl_dir, tmp_path):
+    """A raw branch with images carries old_logprobs, ref_logprobs, token_rewards and policy_versions
+    (a rollout of an image prompt): each image token's entry becomes one null per placeholder, the
+    others keep their tokens (before: refused, 'a branch with images cannot carry them')."""
+    from treelit.data.records import Record
+
+    ref = _good_png(tmp_path)  # 16x16: 4 placeholder tokens
+    old = [None, None, None, None, -0.5, -1.25]
+    br = {"input_ids": [1, START, PAD, END, 5, 6], "loss_mask": [0, 0, 0, 0, 1, 1], "images": [ref],
+          "old_logprobs": old, "ref_logprobs": old, "token_rewards": [None] * 5 + [1.0],
+          "policy_versions": [None] * 4 + [3, 3], "reward": 1.0, "group": "g"}
+    path = _write(tmp_path, [{"id": "r", "branches": [br, dict(br, input_ids=[1, START, PAD, END, 5, 7])]}])
+    builder = make_tree_builder("groups", processor_path=vl_dir, advantage="grpo")
+    rec = Record(json.loads(path.read_text()), f"{path}:1", path=str(path))
+    (out, _) = builder.encode(rec)
+    assert out["input_ids"] == [1, START] + [PAD] * 4 + [END, 5, 6]
+    assert out["loss_mask"] == [0] * 7 + [1, 1]
+    assert out["old_logprobs"] == out["ref_logprobs"] == [None] * 7 + [-0.5, -1.25]
+    assert out["token_rewards"] == [None] * 8 + [1.0]
+    assert out["policy_versions"] == [None] * 7 + [3, 3]
+    needs = {"advantage": True, "old_logprobs": True}
+    (built,) = build_trees(str(path), builder, limits=Limits(PAD + 1, 64, needs=needs))
+    assert built.tree.images.num_images == 1 and built.tree.num_tokens == 10  # one image, shared by both branches
+    bad = dict(br, old_logprobs=[None, None, -2.0, None, -0.5, -1.25])
+    plain = make_tree_builder("sequences", processor_path=vl_dir)
+    _one_line_then_skipped(plain, tmp_path, {"id": "b", "branches": [bad]}, "branches[0].old_logprobs[2]: ",
+                           "must be null at an image token")

@@ -112,21 +112,32 @@ def image_token_without_image(ids: List[int], token: Optional[int], where: str) 
                         "token per image, in order: give the branch its images, or drop the token)")
 
 
+PER_TOKEN = ("old_logprobs", "ref_logprobs", "token_rewards", "policy_versions")  # one entry per input_ids token
+
+
 def expand_raw_images(reader: Any, token: int, br: Dict[str, Any], refs: List[str], record: Record,
                       where: str) -> Dict[str, Any]:
-    """One ``token`` per image in ``input_ids`` becomes the image's placeholder tokens (never targets)."""
+    """One ``token`` per image in ``input_ids`` becomes the image's placeholder tokens (never targets);
+    the branch's per-token fields (:data:`PER_TOKEN`) grow with it: null on every placeholder (the
+    entry at the image token must be null: nothing is sampled, scored or rewarded there)."""
     ids, mask = list(br["input_ids"]), br.get("loss_mask")
     at = [t for t, i in enumerate(ids) if i == token]
     if len(at) != len(refs):
         raise DataError(f"{where}.input_ids: {len(at)} image token(s) {token} for {len(refs)} "
                         "image(s) (one token per image, in order)")
+    per_token = {k: br[k] for k in PER_TOKEN if br.get(k) is not None}
+    for key, values in per_token.items():
+        for t in at:
+            if values[t] is not None:
+                raise DataError(f"{where}.{key}[{t}]: must be null at an image token (got {values[t]!r}): the "
+                                "image's placeholder tokens are never sampled or trained")
     images = [reader.read(r, record.path, f"{where}.images[{k}]", token) for k, r in enumerate(refs)]
-    out_ids: List[int] = []
-    out_mask: List[int] = []
-    prev = 0
     mask = [1] * len(ids) if mask is None else [int(m) for m in mask]
-    for t, im in zip(at, images):
-        out_ids += ids[prev:t] + [token] * im.num_tokens
-        out_mask += mask[prev:t] + [0] * im.num_tokens
+    out: Dict[str, List[Any]] = {"input_ids": [], "loss_mask": [], **{k: [] for k in per_token}}
+    fill = {"input_ids": token, "loss_mask": 0}
+    prev = 0
+    for t, im in zip(at + [len(ids)], images + [None]):
+        for key, values in (("input_ids", ids), ("loss_mask", mask), *per_token.items()):
+            out[key] += values[prev:t] + ([] if im is None else [fill.get(key)] * im.num_tokens)
         prev = t + 1
-    return {"input_ids": out_ids + ids[prev:], "loss_mask": out_mask + mask[prev:], "images": images}
+    return {**out, "images": images}

@@ -21,8 +21,10 @@ the files already in ``D`` (consumed or skipped ones included), and says so on s
 they already cover ``--steps`` it stops with one ``error:`` line (exit 1) naming them. Prompts: JSONL records
 ``{"id", "input_ids"}`` or ``{"id", "messages"}`` (rendered with the published tokenizer's
 chat template; a bundled file may be named alone); their other fields go to the reward
-function as keywords. A per-step JSON line on stdout says the version, the mean reward and
-the seconds spent waiting for a version, loading it and sampling.
+function as keywords. A vision-language checkpoint also takes prompts with images (raw records
+with ``images``, or chat image parts), sampled with its image processor and written with the
+images under ``D/images/`` (:mod:`treelit.cli.rollout_images`). A per-step JSON line on stdout
+says the version, the mean reward and the seconds spent waiting for a version, loading it and sampling.
 
 Hugging Face checkpoints are sampled with transformers (one forward per token, KV cache);
 a checkpoint in treelit's own format (a layer mix no Hugging Face model holds), or any checkpoint
@@ -59,6 +61,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from safetensors import safe_open
 
 from treelit.cli.args import OneLineParser
+from treelit.cli.rollout_images import ImagePrompts, check_routing, has_images, load_vision_model, vision_config
 from treelit.utils.integrity import verify
 
 __all__ = ["main", "Sampler", "read_prompts", "next_step", "first_step"]
@@ -74,8 +77,9 @@ _LORA_IGNORED = {"peft_type", "task_type", "auto_mapping", "peft_version", "base
                  "inference_mode", "init_lora_weights", "megatron_core", "runtime_config"}
 
 
-def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[str, Any]]:
-    """``[{"id", "input_ids", **fields}]`` from a prompt JSONL file (chat messages rendered)."""
+def read_prompts(path: str, tokenizer_dir: Optional[Path] = None, images=None) -> List[Dict[str, Any]]:
+    """``[{"id", "input_ids", **fields}]`` from a prompt JSONL file (chat messages rendered; records
+    with images read by ``images``, a :class:`~treelit.cli.rollout_images.ImagePrompts`)."""
     out, tok = [], None
     if not os.path.exists(path):
         from treelit.cli.config import ConfigError, bundled_path
@@ -94,7 +98,15 @@ def read_prompts(path: str, tokenizer_dir: Optional[Path] = None) -> List[Dict[s
                 raise ValueError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
             if not isinstance(rec, dict) or ("input_ids" not in rec and "messages" not in rec):
                 raise ValueError(f"{path}:{n}: a prompt record needs 'input_ids' (token ids) or 'messages'")
-            if "messages" in rec:
+            if has_images(rec):
+                if images is None:
+                    raise ValueError(f"{path}:{n}: a prompt with images needs a vision-language checkpoint")
+                if "messages" in rec and tok is None and tokenizer_dir is not None:
+                    from transformers import AutoTokenizer  # heavy (~1.5 s CPU): chat prompts only
+
+                    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+                images.prepare(rec, path, f"{path}:{n}", tok)
+            elif "messages" in rec:
                 if tok is None:
                     if tokenizer_dir is None:
                         raise ValueError(f"{path}:{n}: chat messages need a tokenizer in the published checkpoint")
@@ -133,6 +145,9 @@ class Sampler:
         self.eos: Optional[int] = None
         self._peft = None  # base + LoRA layers (adapters): the PEFT model the weights are read into
         self._peft_key: Optional[Tuple[str, str]] = None  # (base, adapter config) it was built for
+        self.images: Optional[ImagePrompts] = None  # a vision-language policy's image processor
+        self.image_root: Optional[str] = None
+        self._image_inputs: Optional[Dict[str, Any]] = None  # the next first forward's pixel inputs
 
     def latest(self) -> Optional[Dict[str, Any]]:
         from treelit.lightning.publish import read_latest
@@ -146,11 +161,14 @@ class Sampler:
             path = config = Path(latest["path"])
             verify(path, f"published version {latest['version']}")
             cfg = json.loads((path / "config.json").read_text())
-            if cfg.get("vision_config") is not None:
-                raise ValueError(f"{path}: a vision-language checkpoint ({cfg.get('model_type')}); treelit-rollout samples "
-                                 "text models from text prompts only (docs: Data, \"Images\": how image rollouts would go)")
             self.native = cfg.get("model_type") == "treelit" or self.engine == "treelit"
-            if self.native:
+            if vision_config(cfg):  # transformers with the tower; the image processor published beside it
+                if self.engine == "treelit":
+                    raise ValueError(f"{path}: --engine treelit: a vision-language checkpoint "
+                                     f"({cfg.get('model_type')}) is sampled with transformers (--engine auto)")
+                self.native, self.model = False, load_vision_model(path, self.dtype)
+                self.images = self.images or ImagePrompts(path, self.image_root)
+            elif self.native:
                 import treelit
 
                 self.model = treelit.load_hf_checkpoint(path, dtype=self.dtype).eval()
@@ -202,6 +220,9 @@ class Sampler:
             if cfg.get("model_type") == "treelit":
                 raise ValueError(f"{base}: an adapter's base must be a Hugging Face checkpoint (this one is in "
                                  "treelit's own format)")
+            if vision_config(cfg):
+                raise ValueError(f"{base}: an adapter on a vision-language base is not sampled yet "
+                                 "(publish with publish.lora=merged)")
             self._peft_key = None
             self._peft = peft.get_peft_model(self._transformers(base), peft.LoraConfig(**json.loads(key[1])))
             for p in self._peft.parameters():  # the adapters in the sampling dtype (PEFT makes them float32)
@@ -307,18 +328,22 @@ class Sampler:
             return (h[:, -1] @ output_weight(self.model).t()), True
         # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` before)
         name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        out = self.model(input_ids=ids if past is None else ids[:, -1:], use_cache=True, **{name: past})
+        pixels = self._image_inputs if past is None else None
+        out = self.model(input_ids=ids if past is None else ids[:, -1:], use_cache=True, **{name: past},
+                         **(pixels or {}))
         if getattr(self, "_routing_steps", None) is not None:
             self._record_routing(ids.shape[0], ids.shape[1] if past is None else 1)
         return out.logits[:, -1], (out.cache if hasattr(out, "cache") else out.past_key_values)
 
     def sample(self, prompt: List[int], n: int, max_new_tokens: int, generator,
-               record_routing: bool = False) -> List[Tuple[List[int], List[float], Any]]:
+               record_routing: bool = False, vision=None) -> List[Tuple[List[int], List[float], Any]]:
         """``n`` completions of ``prompt``: (token ids, their log-probs, the routing or None), each
         cut after EOS. ``record_routing``: the experts each MoE layer sent each token it ran to,
-        ``[len(prompt) + len(completion) - 1, MoE layers, k]`` (the final token is never run)."""
+        ``[len(prompt) + len(completion) - 1, MoE layers, k]`` (the final token is never run).
+        ``vision``: the prompt's images (a :class:`~treelit.cli.rollout_images.VisionPrompt`)."""
         import torch  # cli: treelit-rollout --help pays for no torch
 
+        self._vision = vision
         if record_routing:
             self.start_routing()
         try:
@@ -327,17 +352,22 @@ class Sampler:
         finally:
             self.stop_routing()
             self._routing_steps = None
+            self._vision = self._image_inputs = None
         return [(t, lp, None if routing is None else routing[i, : len(prompt) + len(t) - 1])
                 for i, (t, lp) in enumerate(out)]
 
     def _sample(self, prompt: List[int], n: int, max_new_tokens: int, generator) -> List[Tuple[List[int], List[float]]]:
         import torch  # cli: treelit-rollout --help pays for no torch
 
-        ids = torch.tensor([prompt] * n)
+        vision = getattr(self, "_vision", None)
+        ids = torch.tensor([prompt if vision is None else vision.ids] * n)  # image tokens expanded
+        self._image_inputs = None if vision is None else vision.model_inputs(n, self.model, ids)
         past, toks, lps = None, [], []
         done = torch.zeros(n, dtype=torch.bool)
         for _ in range(max_new_tokens):
             logits, past = self._logits(ids, past)
+            if self.images is not None:  # an image placeholder is never sampled (rollout_images)
+                logits = logits.double().index_fill(-1, torch.tensor(self.images.never), float("-inf"))
             logp = torch.log_softmax(logits.double(), -1)
             nxt = torch.multinomial(logp.exp(), 1, generator=generator)
             toks.append(nxt[:, 0])
@@ -386,6 +416,8 @@ def parser() -> OneLineParser:
     p.add_argument("--partial", action="store_true",
                    help="partial rollouts: unfinished generations continue under each new version (tokens stamped "
                         "with their version, policy_versions); done groups are written, long ones land in later files")
+    p.add_argument("--image-root", default=None,
+                   help="a folder prompt images may also be read from (besides the prompts file's folder)")
     p.add_argument("--record-routing", action="store_true",
                    help="write each branch's routed_experts (MoE models; on by itself when the trainer "
                         "publishes with model.moe.routing=replay)")
@@ -436,6 +468,7 @@ def run(a) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     reward = resolve_reward(a.reward)
     sampler = Sampler(a.publish_dir, a.dtype, a.base, a.engine)
+    sampler.image_root = a.image_root
     prompts = None
     for i in range(start, a.steps):
         t0 = time.monotonic()
@@ -451,26 +484,30 @@ def run(a) -> int:
         if latest["version"] != sampler.version:
             sampler.load(latest)
         if prompts is None:
-            prompts = read_prompts(a.prompts, sampler.tokenizer_dir)
+            prompts = read_prompts(a.prompts, sampler.tokenizer_dir, sampler.images)
         t1 = time.monotonic()
         B = a.prompts_per_step or len(prompts)
         gen = torch.Generator().manual_seed(a.seed * 1_000_003 + i)
         records, rewards = [], []
         for j in range(B):
             rec = dict(prompts[(i * B + j) % len(prompts)])
-            prompt = rec.pop("input_ids")
+            prompt, vision = rec.pop("input_ids"), rec.pop("_vision", None)
             pid = str(rec.get("id"))
             fields = {k: v for k, v in rec.items() if k != "id"}
             key = f"{pid}@{i}"
             branches = []
             record = a.record_routing or latest.get("moe_routing") == "replay"
-            for comp, lps, routed in sampler.sample(prompt, a.n, a.max_new_tokens, gen, record_routing=record):
+            check_routing(vision, record)
+            for comp, lps, routed in sampler.sample(prompt, a.n, a.max_new_tokens, gen, record_routing=record,
+                                                    vision=vision):
                 r = float(reward(prompt_ids=list(prompt), completion_ids=comp, **fields))
                 rewards.append(r)
                 branches.append({"input_ids": prompt + comp, "loss_mask": [0] * len(prompt) + [1] * len(comp),
                                  "old_logprobs": [None] * len(prompt) + lps, "reward": r, "group": key})
                 if routed is not None:
                     branches[-1]["routed_experts"] = encode_routing(routed)
+                if vision is not None:  # the images, written into --out (before the file that names them)
+                    branches[-1]["images"] = sampler.images.store(out, vision)
             records.append({"id": key, "policy_version": sampler.version, "branches": branches})
         name = f"step-{i:06d}.jsonl"
         tmp = out / f".{name}.tmp"

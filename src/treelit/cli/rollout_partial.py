@@ -218,6 +218,10 @@ def run_partial(a, start: int, stop_at: Optional[Callable[[Group, int], int]] = 
             switches += pool.unfinished() > 0  # generations pause here and continue under the new weights
             sampler.load(latest)
             loading += time.monotonic() - t0
+            if sampler.images is not None:
+                raise ValueError(f"{a.publish_dir}: a vision-language policy: --partial continues text generations "
+                                 "only (image prompts' pixel inputs are not carried across versions); sample "
+                                 "without --partial")
         if prompts is None:
             prompts = read_prompts(a.prompts, sampler.tokenizer_dir)
             B = a.prompts_per_step or len(prompts)

@@ -208,10 +208,7 @@ def validate_token_record(rec: Any, source: str) -> None:
         if images is not None:
             if not isinstance(images, list) or not all(isinstance(r, str) and r for r in images):
                 raise DataError(f"{where}.images: must be a list of image paths or data: URIs, got {_show(images)}")
-            for key in ("old_logprobs", "ref_logprobs", "token_rewards"):
-                if images and br.get(key) is not None:
-                    raise DataError(f"{where}.{key}: per-token fields are not expanded with the images' placeholder "
-                                    "tokens; a branch with images cannot carry them")
+            # per-token fields are expanded with the images (builders.vision.expand_raw_images)
         for key in ("old_logprobs", "ref_logprobs"):
             lp = br.get(key)
             if lp is None:

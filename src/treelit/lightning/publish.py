@@ -2,9 +2,10 @@
 
 Online RL samples from the policy being trained. Every ``every_n_steps`` optimizer steps
 the trainer writes its weights to ``<dir>/step-<N>/`` (a Hugging Face checkpoint: safetensors,
-``config.json``, ``generation_config.json``, and the tokenizer files when the run names a
-tokenizer directory; treelit's own format for a layer mix no Hugging Face model holds),
-then points ``<dir>/latest.json`` at it: ``{"version": N, "path": ..., "time": ...}``.
+``config.json``, ``generation_config.json``, and the tokenizer files (and a vision checkpoint's
+image processor config) when the run names a tokenizer directory; treelit's own format for a
+layer mix no Hugging Face model holds), then points ``<dir>/latest.json`` at it:
+``{"version": N, "path": ..., "time": ...}``.
 
 **LoRA** (``model.lora.rank``). ``lora="merged"`` publishes the full weights with the adapters
 merged in (``W + s B A``), under the base model's own names: the same checkpoint format as
@@ -88,7 +89,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch
 LORA_MODES = ("adapter", "merged")
 ADAPTER_KIND = "lora_adapter"  # latest.json's "kind" when a version is a LoRA adapter
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "preprocessor_config.json", "processor_config.json")  # (a vision checkpoint's image processor)
 HOOK_PRESETS: Dict[str, Dict[str, Any]] = {
     # SGLang: reload the weights from a directory, tagged with the version
     "sglang": {"path": "/update_weights_from_disk", "body": {"model_path": "{path}", "weight_version": "{version}"}},
@@ -224,7 +226,8 @@ class PolicyPublisher:
         directory: where ``step-<N>/`` and ``latest.json`` go (created if missing).
         dtype: ``bfloat16`` or ``float32``: the dtype of the published weights.
         keep: how many versions to keep (the newest).
-        tokenizer: a directory whose tokenizer files are published beside the weights, or None.
+        tokenizer: a directory whose tokenizer (and image processor) files are published beside the
+            weights, or None.
         hooks: ``{name: HttpHook options}`` called after each publish.
         required: a failing hook raises :class:`PublishError` (otherwise logged and counted).
         lora: for a model with LoRA adapters, ``merged`` (full weights, adapters merged in) or

@@ -11,7 +11,9 @@ Built-ins, for the bundled toy tasks (``experiment=rl_online``):
 * ``even_tokens``: the share of the completion's tokens that are even ids (a token rule a
   tiny model learns in a few dozen updates);
 * ``sum_digits``: 1 when the completion's first token is the record's ``answer`` (single-digit
-  additions whose prompt tokens are the digits), else 0.
+  additions whose prompt tokens are the digits), else 0;
+* ``square_colour``: 1 when the completion's first token names the colour of the square in the
+  prompt's image (read from its pixels; defined in :mod:`treelit.rl.visual_task`), else 0.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from treelit.registry import get_registry
 
 __all__ = ["REWARDS", "resolve_reward"]
 
-REWARDS = get_registry("reward", ["treelit.rl.rewards"])
+REWARDS = get_registry("reward", ["treelit.rl.rewards", "treelit.rl.visual_task"])
 
 
 @REWARDS.register("even_tokens")
