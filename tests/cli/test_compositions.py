@@ -6,97 +6,16 @@ Validation only (no model is built: the checkpoints are config.json files)."""
 
 from __future__ import annotations
 
-import copy
-import functools
 import itertools
-import json
-import tempfile
-from pathlib import Path
-from typing import Dict, Optional, Tuple
 
 import pytest
 from omegaconf import OmegaConf
 
 from cli_helpers import quotes_balance
+from composition_configs import load_group, cell_config, verdict
 from treelit.cli.compositions import (EXCLUSIVE, FEATURES, REFUSALS, STRATEGIES, exclusive, refusal, refusal_table,
                                       refusals)
-from treelit.cli.config import CONF_DIR, ConfigError, compose, validate_config
-
-_GDN = {"head_dim": 8, "num_heads": 2, "num_v_heads": 4, "expand_v": 2.0, "conv_size": 4}
-
-
-@functools.lru_cache(maxsize=None)
-def checkpoint(model_type: str, experts: bool, vision: bool) -> str:
-    """A folder with a config.json only (nothing is loaded)."""
-    folder = Path(tempfile.mkdtemp(prefix=f"treelit-{model_type}-"))
-    data: Dict = {"model_type": model_type}
-    if experts:
-        data.update(num_experts=4, num_experts_per_tok=2)
-    if vision:
-        data["vision_config"] = {"depth": 1}
-    (folder / "config.json").write_text(json.dumps(data))
-    return str(folder)
-
-
-_TRAINERS: Dict[str, object] = {}
-
-
-def _load(group: str, name: str):
-    return OmegaConf.load(Path(CONF_DIR) / group / f"{name}.yaml")
-
-
-def cell_config(features: Tuple[str, ...], strategy: str, model: str):
-    """The composed config of ``features`` on ``strategy`` (``model``: ``native`` or ``hf_auto``)."""
-    f = set(features)
-    trainer = {"one_process": "cpu", "partitioned": "cpu", "ddp": "ddp_cpu"}.get(strategy, "fsdp2_cpu")
-    if trainer not in _TRAINERS:
-        _TRAINERS[trainer] = compose([f"trainer={trainer}"])
-    cfg = copy.deepcopy(_TRAINERS[trainer])
-    moe = bool(f & {"routing_replay", "router_loss"})
-    if model == "hf_auto":
-        cfg.model = _load("model", "hf_auto")
-        kind = ("qwen3_5" if "hybrid" in f else "qwen2_5_vl") if "images" in f else \
-            ("qwen3_next" if "hybrid" in f else "qwen3_moe") if moe else ("qwen3_5_text" if "hybrid" in f else "qwen2")
-        cfg.model.hf_checkpoint = checkpoint(kind, moe and "images" not in f, "images" in f)
-        cfg.model.vision = "images" in f
-    else:
-        cfg.model = _load("model", "qwen3_moe_tiny" if moe else "hybrid_tiny" if "hybrid" in f else "qwen2_tiny")
-        if moe and "hybrid" in f:
-            OmegaConf.update(cfg, "model.config.layer_types", ["gdn", "attention"], force_add=True)
-            OmegaConf.update(cfg, "model.config.recurrent", {"gdn": _GDN}, force_add=True)
-    critic = "shared" if "shared_critic" in f else "separate" if "separate_critic" in f else "none"
-    rl = critic != "none" or "reference_kl" in f
-    objective = "ppo" if critic != "none" else "grpo" if rl else "sft"
-    cfg.partition = _load("partition", "redundancy_free" if strategy.endswith("partitioned") else "none")
-    cfg.critic = _load("critic", critic)
-    cfg.objective = _load("objective", objective)
-    values = {
-        "model.moe.routing": "replay" if "routing_replay" in f else "live",
-        "model.router_aux_loss_coef": 0.05 if "router_loss" in f else None,
-        "model.lora.rank": 4 if "lora" in f else None,
-        "model.activation_checkpointing": "checkpointing" in f,
-    }
-    if trainer != "cpu":
-        values["trainer.devices"] = 4 if strategy == "hsdp" else 2
-    if strategy in ("cp", "cp_partitioned"):
-        values["trainer.strategy.context_parallel_degree"] = 2
-    if strategy == "hsdp":
-        values["trainer.strategy.replicate_degree"] = 2
-    if "reference_kl" in f:
-        values.update({"objective.kl_coef": 0.1, "objective.reference": "initial"})
-    if critic == "separate":
-        values["critic.model"] = "policy"
-    for key, value in values.items():
-        OmegaConf.update(cfg, key, value, force_add=True)
-    return cfg
-
-
-def verdict(features, strategy, model) -> Optional[str]:
-    try:
-        validate_config(cell_config(tuple(features), strategy, model))
-    except (ConfigError, KeyError) as exc:
-        return str(exc.args[0] if isinstance(exc, KeyError) else exc)
-    return None
+from treelit.cli.config import ConfigError, validate_config
 
 
 def cells():
@@ -150,7 +69,7 @@ def test_lookups():
 def test_router_loss_on_a_model_without_experts_is_refused_naming_the_option():
     """It did nothing before (no MoE layer, no router loss): now one line before launch."""
     cfg = cell_config(("router_loss",), "one_process", "native")
-    cfg.model = _load("model", "qwen2_tiny")
+    cfg.model = load_group("model", "qwen2_tiny")
     OmegaConf.update(cfg, "model.router_aux_loss_coef", 0.05, force_add=True)
     with pytest.raises(ConfigError, match=r"^model\.router_aux_loss_coef=0\.05 needs a mixture-of-experts model; "
                                           r"model\.preset=qwen2_tiny has no MoE layers"):

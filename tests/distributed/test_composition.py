@@ -1,0 +1,200 @@
+"""The composition matrix, generated from its one table (:mod:`treelit.cli.compositions`): every
+feature on every strategy and every pair of features on every strategy, each run held against one
+unpartitioned process in float64 (the loss and every trained parameter's gradient, <= 1e-9) and
+each one-process run against per-branch training (each branch its own tree, no token shared);
+each run trains something. A cell the table refuses is refused before launch, in one line naming
+the option (the option checks and the table agree on every cell: tests/cli/test_compositions.py).
+
+The default suite runs an all-pairs cover: per strategy, rows with as many features as the table
+lets run together, so that each (feature, strategy) and each pair of features within a strategy
+meets in a run or in a refusal. The full product (every cell alone) is ``slow``. When a row of
+the table goes, the cells it refused run here with no other edit.
+
+Processes: 2 (DDP, FSDP2, context parallelism C=2, partitioned or not), 4 (HSDP: 2 replicas x 2
+shards), 1 (one process, partitioned or not: in the test's own process).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Dict, FrozenSet, List, Optional, Tuple
+
+import pytest
+import torch
+
+from composition_cases import WORLD, cell_step, cell_steps
+from harness import launch
+from helpers import grad_floor, max_rel_grad_diff, negligible_grad
+from treelit.cli.compositions import FEATURES, STRATEGIES, exclusive, refusal, refusals
+
+Cell = Tuple[str, FrozenSet[str]]  # (strategy, features)
+TOL = 1e-9
+
+
+def model_path(features) -> str:
+    return "hf_auto" if "images" in features else "native"
+
+
+def refused(strategy: str, features) -> bool:
+    return refusal(features, strategy, model_path(features)) is not None
+
+
+def pair_targets(strategy: str) -> List[FrozenSet[str]]:
+    """What a cover of ``strategy`` must meet: each feature, and each pair not two values of one option."""
+    singles = [frozenset({f}) for f in FEATURES]
+    pairs = [frozenset(p) for p in itertools.combinations(FEATURES, 2) if not exclusive(p)]
+    return singles + pairs
+
+
+def cover(strategy: str) -> Tuple[List[FrozenSet[str]], List[FrozenSet[str]]]:
+    """``(runs, refusals)``: rows that run, each grown greedily from the first target not met yet by
+    adding every feature (in the table's order) the table lets run with it; and the targets the
+    table refuses (each asserted as its one-line refusal)."""
+    runs: List[FrozenSet[str]] = []
+    refusals = [t for t in pair_targets(strategy) if refused(strategy, t)]
+    left = [t for t in pair_targets(strategy) if t not in refusals]
+    while left:
+        row = set(left[0])
+        for f in FEATURES:
+            grown = row | {f}
+            if f not in row and not exclusive(grown) and not refused(strategy, grown):
+                row = grown
+        runs.append(frozenset(row))
+        left = [t for t in left if not t <= row]
+    return runs, refusals
+
+
+def covering_sample() -> Tuple[List[Cell], List[Cell]]:
+    runs, refusals = [], []
+    for s in STRATEGIES:
+        r, x = cover(s)
+        runs += [(s, f) for f in r]
+        refusals += [(s, f) for f in x]
+    return runs, refusals
+
+
+def full_product() -> Tuple[List[Cell], List[Cell]]:
+    cells = [(s, t) for s in STRATEGIES for t in pair_targets(s)]
+    return [c for c in cells if not refused(*c)], [c for c in cells if refused(*c)]
+
+
+def _id(cell: Cell) -> str:
+    return f"{cell[0]}-{'+'.join(f for f in FEATURES if f in cell[1])}"
+
+
+# running cells ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def vision_paths(tmp_path_factory) -> Dict[str, str]:
+    from vision_oracle import vision_checkpoint
+
+    base = tmp_path_factory.mktemp("vlm")
+    return {fam: str(vision_checkpoint(base / fam, fam)) for fam in ("qwen2_5_vl", "qwen3_5")}
+
+
+def _spec(cell: Cell, paths: Dict[str, str], reference: Optional[str] = None) -> Dict:
+    strategy, features = cell
+    spec = {"features": sorted(features), "strategy": strategy, "reference": reference}
+    if "images" in features:
+        spec["vision"] = paths["qwen3_5" if "hybrid" in features else "qwen2_5_vl"]
+    return spec
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(features: FrozenSet[str], kind: str, vision: Optional[str]) -> Dict:
+    spec = {"features": sorted(features), "strategy": "one_process", "reference": kind, "vision": vision}
+    return cell_step(0, 1, spec)
+
+
+def run_cells(cells: List[Cell], paths: Dict[str, str]) -> Dict[Cell, Dict]:
+    """Every cell's result: the one-process ones here, the others in one launch per world size."""
+    out = {}
+    by_world: Dict[int, List[Cell]] = {}
+    for c in cells:
+        by_world.setdefault(WORLD[c[0]], []).append(c)
+    for world, group in sorted(by_world.items()):
+        if world == 1:
+            for c in group:
+                out[c] = cell_step(0, 1, _spec(c, paths))
+        else:
+            res = launch(cell_steps, world, [_spec(c, paths) for c in group], deadline=600)
+            out.update(zip(group, res))
+    return out
+
+
+def check(cell: Cell, got: Dict, paths: Dict[str, str]) -> None:
+    """``got`` equals its reference: one unpartitioned process; for the one-process cells, per-branch training."""
+    strategy, features = cell
+    name = _id(cell)
+    assert "error" not in got, f"{name}: failed:\n{got['error']}"
+    kind = "per_branch" if strategy == "one_process" else "one_process"
+    want = _reference(features, kind, _spec(cell, paths).get("vision"))
+    assert want["loss"] != 0.0 and any(float(g.abs().max()) > 0 for g in want["grads"].values()), \
+        f"{name}: the case trains nothing"
+    assert got["grads"].keys() == want["grads"].keys(), f"{name}: {sorted(got['grads'])[:4]}"
+    rel = abs(got["loss"] - want["loss"]) / abs(want["loss"])
+    assert rel <= TOL, f"{name}: loss {got['loss']!r} vs {kind} {want['loss']!r}"
+    err = max_rel_grad_diff(got["grads"], want["grads"], grad_floor(torch.float64), negligible_grad(torch.float64))
+    assert err <= TOL, f"{name}: gradient differs from {kind} by {err:.2e} (relative)"
+    if strategy.endswith("partitioned"):
+        assert got["partitions"] > want["partitions"] * WORLD[strategy], f"{name}: the budget cut nothing"
+
+
+def check_refused(cell: Cell) -> None:
+    from composition_configs import verdict
+
+    strategy, features = cell
+    options = [r.option for r in refusals(features, strategy, model_path(features))]
+    msg = verdict(tuple(sorted(features)), strategy, model_path(features))
+    assert msg is not None and "\n" not in msg and any(o in msg for o in options), (_id(cell), options, msg)
+
+
+# the default suite: the cover ---------------------------------------------------------------------
+
+RUNS, REFUSALS = covering_sample()
+
+
+def test_the_sample_covers_every_feature_and_pair_on_every_strategy():
+    for s in STRATEGIES:
+        met = [f for c, f in RUNS + REFUSALS if c == s]
+        for t in pair_targets(s):
+            assert any(t <= row for row in met), (s, sorted(t))
+    assert len(RUNS) <= 24, len(RUNS)  # a few rows per strategy, not the product
+
+
+@pytest.fixture(scope="module")
+def sample(vision_paths):
+    return run_cells(RUNS, vision_paths)
+
+
+@pytest.mark.parametrize("cell", RUNS, ids=[_id(c) for c in RUNS])
+def test_cell_equals_its_reference(sample, vision_paths, cell):
+    check(cell, sample[cell], vision_paths)
+
+
+@pytest.mark.parametrize("cell", REFUSALS, ids=[_id(c) for c in REFUSALS])
+def test_refused_cell_is_refused_in_one_line_naming_the_option(cell):
+    check_refused(cell)
+
+
+# the full product: every cell alone (slow) ---------------------------------------------------------
+
+PRODUCT_RUNS, PRODUCT_REFUSALS = full_product()
+
+
+@pytest.fixture(scope="module")
+def product(vision_paths):
+    return run_cells(PRODUCT_RUNS, vision_paths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", PRODUCT_RUNS, ids=[_id(c) for c in PRODUCT_RUNS])
+def test_every_cell_equals_its_reference(product, vision_paths, cell):
+    check(cell, product[cell], vision_paths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", PRODUCT_REFUSALS, ids=[_id(c) for c in PRODUCT_REFUSALS])
+def test_every_refused_cell_is_refused(cell):
+    check_refused(cell)
