@@ -76,3 +76,15 @@ def test_router_loss_on_a_model_without_experts_is_refused_naming_the_option():
         validate_config(cfg)
     OmegaConf.update(cfg, "model.router_aux_loss_coef", 0.0)
     validate_config(cfg)
+
+
+def test_the_refusal_table_on_docs_distributed_md_is_the_modules():
+    from pathlib import Path
+
+    from treelit.cli.compositions import docs_section
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    assert page == docs_section(page), \
+        "docs/distributed.md's refusal table is stale: python -m treelit.cli.compositions --write docs/distributed.md"
+    for row in REFUSALS:
+        assert row.reason in page and f"`{row.option}`" in page

@@ -122,3 +122,24 @@ def refusal_table() -> str:
         rows.append(f"| {' + '.join(sorted(pair))} | every strategy | every model | (one option) "
                     f"| two values of one option: a run has one critic |")
     return "\n".join(rows)
+
+
+BEGIN, END = "<!-- COMPOSITIONS_BEGIN -->", "<!-- COMPOSITIONS_END -->"
+
+
+def docs_section(page: str) -> str:
+    """``page`` (docs/distributed.md) with the text between its markers set to :func:`refusal_table`."""
+    head, rest = page.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{refusal_table()}\n{END}{tail}"
+
+
+if __name__ == "__main__":  # python -m treelit.cli.compositions --write docs/distributed.md
+    import sys
+    from pathlib import Path
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        target = Path(sys.argv[2])
+        target.write_text(docs_section(target.read_text()))
+    else:
+        print(refusal_table())
