@@ -11,7 +11,8 @@ Models: treelit's decoders (``qwen2_tiny``; ``hybrid_tiny``; ``qwen3_moe_tiny`` 
 replay and the router loss, with Gated DeltaNet beside attention for ``hybrid``), or, for
 ``images``, a tiny Qwen2.5-VL (Qwen3.5 for ``hybrid``) through the transformers adapter with its
 vision tower. Objective: PPO with a critic, else GRPO (``reference_kl``: with a KL penalty to a
-frozen copy of the initial model); old log-probs recomputed by the policy (``old_logprobs=rollout``).
+frozen copy of the initial model); old log-probs recomputed by the policy (``old_logprobs=rollout``);
+or SFT (``cell["objective"] = "sft"``: the objective of the transformers oracle).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _recompute_in_float64(model) -> None:
     model._checkpointing_on = True
 
 
-def build_module(features, strategy: str, vision_path: Optional[str]):
+def build_module(features, strategy: str, vision_path: Optional[str], objective: str = "rl"):
     from treelit.lightning.module import TreeLitModule
     from treelit.models.critic import Critic
     from treelit.models.decoder import output_weight
@@ -150,8 +151,12 @@ def build_module(features, strategy: str, vision_path: Optional[str]):
         critic = Critic(kind, output_weight(model).shape[1], trunk, vf_coef=0.7, value_clip=0.05, dtype=F64,
                         init_std=0.3)
     kl = dict(kl_coef=0.1, reference="initial") if "reference_kl" in f else {}
-    objective = make_objective("ppo", clip_low=0.2, gamma=0.9, lam=0.8, **kl) if critic is not None else \
-        make_objective("grpo", **kl)
+    if objective == "sft":  # (the transformers oracle's objective)
+        objective = make_objective("sft")
+    elif critic is not None:
+        objective = make_objective("ppo", clip_low=0.2, gamma=0.9, lam=0.8, **kl)
+    else:
+        objective = make_objective("grpo", **kl)
     if kl:  # the frozen copy of the initial model, then the policy moved off it (the KL term trains)
         objective._reference_model(model)
         g = torch.Generator().manual_seed(5)
@@ -161,7 +166,8 @@ def build_module(features, strategy: str, vision_path: Optional[str]):
                     p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     partition = "redundancy_free" if strategy.endswith("partitioned") else "none"
     module = TreeLitModule(model, objective, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), attention="segment",
-                           partition=partition, old_logprobs="rollout", critic=critic)
+                           partition=partition, old_logprobs="data" if objective.name == "sft" else "rollout",
+                           critic=critic)
     return module, model, critic
 
 
@@ -202,13 +208,15 @@ def cell_step(rank: int, world: int, cell: Dict[str, Any]) -> Optional[Dict[str,
 
     features, strategy = frozenset(cell["features"]), cell["strategy"]
     reference = cell.get("reference")
+    # (built outside KeepFloat64, as transformers' reference is: RoPE's inverse frequencies in float32)
+    module, model, critic = build_module(features, "one_process" if reference else strategy, cell.get("vision"),
+                                         cell.get("objective", "rl"))
+    recs = records(features, seed=cell.get("seed", 0))
+    forest = trees(recs, per_branch=reference == "per_branch")
+    if module.partition != "none":  # passes of the longest path's length (over C ranks): every tree is cut
+        longest = max(len(b) for r in recs for b in r["branches"])
+        module.budget_tokens = -(-longest // 2) + 1 if strategy == "cp_partitioned" else longest + 1
     with _exact(features):
-        module, model, critic = build_module(features, "one_process" if reference else strategy, cell.get("vision"))
-        recs = records(features, seed=cell.get("seed", 0))
-        forest = trees(recs, per_branch=reference == "per_branch")
-        if module.partition != "none":  # passes of the longest path's length (over C ranks): every tree is cut
-            longest = max(len(b) for r in recs for b in r["branches"])
-            module.budget_tokens = -(-longest // 2) + 1 if strategy == "cp_partitioned" else longest + 1
         if world > 1:
             C = _mesh(module, strategy, world)
             micro = rank_micro_batches(forest, rank // C, world // C, MICRO_TOKENS)

@@ -178,6 +178,42 @@ def test_refused_cell_is_refused_in_one_line_naming_the_option(cell):
     check_refused(cell)
 
 
+# one process with images against transformers, branch by branch -----------------------------------
+
+def transformers_branch_by_branch(features, path: str):
+    """The SFT loss and gradients of the cell's trees, each branch through transformers' own
+    vision-language model with its own images (``vision_oracle.vlm_branch_loss``), float64 kept."""
+    from composition_cases import records
+    from float64_mode import KeepFloat64
+    from vision_oracle import load_reference, vlm_branch_loss
+
+    recs = records(features)
+    ref = load_reference(path)
+    with KeepFloat64():
+        loss = vlm_branch_loss(ref, *[[x for r in recs for x in r[k]] for k in ("branches", "images", "masks",
+                                                                                "weights")], "token-mean")
+        loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("strategy", ["one_process", "partitioned"])
+@pytest.mark.parametrize("features", [
+    ("images", "hybrid", "checkpointing"),  # Qwen3.5: vision tower + Gated DeltaNet, layers recomputed
+    pytest.param(("images",), marks=pytest.mark.slow),
+    pytest.param(("images", "checkpointing"), marks=pytest.mark.slow),
+    pytest.param(("images", "hybrid"), marks=pytest.mark.slow),
+], ids="+".join)
+def test_one_process_with_images_equals_transformers_branch_by_branch(vision_paths, features, strategy):
+    path = vision_paths["qwen3_5" if "hybrid" in features else "qwen2_5_vl"]
+    got = cell_step(0, 1, {"features": list(features), "strategy": strategy, "vision": path, "objective": "sft"})
+    loss, theirs = transformers_branch_by_branch(features, path)
+    ours = {n[len("model.hf."):]: g for n, g in got["grads"].items()}
+    assert loss > 0 and ours.keys() == theirs.keys(), sorted(set(ours) ^ set(theirs))[:6]
+    assert abs(got["loss"] - loss) <= TOL * loss, (got["loss"], loss)
+    err = max_rel_grad_diff(ours, theirs, grad_floor(torch.float64), negligible_grad(torch.float64))
+    assert err <= TOL, f"gradient differs from transformers branch by branch by {err:.2e}"
+
+
 # the full product: every cell alone (slow) ---------------------------------------------------------
 
 PRODUCT_RUNS, PRODUCT_REFUSALS = full_product()
