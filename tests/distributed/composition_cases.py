@@ -29,7 +29,6 @@ from treelit.objectives import make_objective
 
 F64 = torch.float64
 GDN = {"head_dim": 8, "num_heads": 2, "num_v_heads": 4, "expand_v": 2.0, "conv_size": 4}
-MOE_SHAPE = (2, 2, 8)  # qwen3_moe_tiny: (MoE layers, top-k, experts)
 WORLD = {"one_process": 1, "partitioned": 1, "ddp": 2, "fsdp2": 2, "hsdp": 4, "cp": 2, "cp_partitioned": 2,
          "fsdp2_partitioned": 2}
 MICRO_TOKENS = 90
@@ -50,8 +49,9 @@ def _image_pool():
     return [processed(proc, a, name="a"), processed(proc, b, name="b"), processed(proc, a.copy(), name="a2")]
 
 
-def records(features, n_trees: int = 4, seed: int = 0) -> List[Dict[str, Any]]:
-    """Each tree's branches and fields (the trees are built from these, shared or per branch)."""
+def records(features, n_trees: int = 4, seed: int = 0, replay=None) -> List[Dict[str, Any]]:
+    """Each tree's branches and fields (the trees are built from these, shared or per branch);
+    ``replay``: the model's ``(MoE layers, experts, top-k)`` (recorded routing)."""
     f = set(features)
     rng = np.random.default_rng(seed)
     pool = _image_pool() if "images" in f else None
@@ -71,14 +71,15 @@ def records(features, n_trees: int = 4, seed: int = 0) -> List[Dict[str, Any]]:
         rewards = [float(r) for r in rng.normal(0, 1, nb)]
         out.append(dict(branches=branches, masks=masks, images=images, weights=[1.0 + 0.5 * (b % 3) for b in range(nb)],
                         adv=[float(a) for a in rng.normal(0, 1, nb)], rewards=rewards,
-                        routing=_routing(branches) if "routing_replay" in f else None))
+                        routing=_routing(branches, replay) if replay is not None else None))
     return out
 
 
-def _routing(branches):
+def _routing(branches, shape):
     from routing_oracle import routing_for
 
-    return [routing_for(b, *MOE_SHAPE) for b in branches]
+    layers, experts, k = shape
+    return [routing_for(b, layers, k, experts) for b in branches]
 
 
 def _tree(rec, idx=None) -> treelit.TokenTree:
@@ -211,7 +212,9 @@ def cell_step(rank: int, world: int, cell: Dict[str, Any]) -> Optional[Dict[str,
     # (built outside KeepFloat64, as transformers' reference is: RoPE's inverse frequencies in float32)
     module, model, critic = build_module(features, "one_process" if reference else strategy, cell.get("vision"),
                                          cell.get("objective", "rl"))
-    recs = records(features, seed=cell.get("seed", 0))
+    from treelit.models.factory import replay_shape
+
+    recs = records(features, seed=cell.get("seed", 0), replay=replay_shape(model))
     forest = trees(recs, per_branch=reference == "per_branch")
     if module.partition != "none":  # passes of the longest path's length (over C ranks): every tree is cut
         longest = max(len(b) for r in recs for b in r["branches"])

@@ -85,19 +85,40 @@ def _id(cell: Cell) -> str:
 
 # running cells ----------------------------------------------------------------------------------
 
+def vision_family(features) -> str:
+    """The vision-language family of a cell with images: Qwen3.5 (Gated DeltaNet) for ``hybrid``,
+    else Qwen2.5-VL; with experts (routing replay, the router loss: refused until a vision family
+    with experts is among vision_oracle.FAMILIES) Qwen3.5-MoE / Qwen3-VL-MoE."""
+    moe = bool(set(features) & {"routing_replay", "router_loss"})
+    if "hybrid" in features:
+        return "qwen3_5_moe" if moe else "qwen3_5"
+    return "qwen3_vl_moe" if moe else "qwen2_5_vl"
+
+
+class VisionPaths(dict):
+    """Tiny random checkpoints of the vision families, written when first asked for."""
+
+    def __init__(self, base) -> None:
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, family: str) -> str:
+        from vision_oracle import vision_checkpoint
+
+        self[family] = str(vision_checkpoint(self.base / family, family))
+        return self[family]
+
+
 @pytest.fixture(scope="session")
 def vision_paths(tmp_path_factory) -> Dict[str, str]:
-    from vision_oracle import vision_checkpoint
-
-    base = tmp_path_factory.mktemp("vlm")
-    return {fam: str(vision_checkpoint(base / fam, fam)) for fam in ("qwen2_5_vl", "qwen3_5")}
+    return VisionPaths(tmp_path_factory.mktemp("vlm"))
 
 
 def _spec(cell: Cell, paths: Dict[str, str], reference: Optional[str] = None) -> Dict:
     strategy, features = cell
     spec = {"features": sorted(features), "strategy": strategy, "reference": reference}
     if "images" in features:
-        spec["vision"] = paths["qwen3_5" if "hybrid" in features else "qwen2_5_vl"]
+        spec["vision"] = paths[vision_family(features)]
     return spec
 
 
@@ -204,7 +225,7 @@ def transformers_branch_by_branch(features, path: str):
     pytest.param(("images", "hybrid"), marks=pytest.mark.slow),
 ], ids="+".join)
 def test_one_process_with_images_equals_transformers_branch_by_branch(vision_paths, features, strategy):
-    path = vision_paths["qwen3_5" if "hybrid" in features else "qwen2_5_vl"]
+    path = vision_paths[vision_family(features)]
     got = cell_step(0, 1, {"features": list(features), "strategy": strategy, "vision": path, "objective": "sft"})
     loss, theirs = transformers_branch_by_branch(features, path)
     ours = {n[len("model.hf."):]: g for n, g in got["grads"].items()}
