@@ -10,9 +10,10 @@ its own tree (no token shared: per-branch training), the reference of the one-pr
 Models: treelit's decoders (``qwen2_tiny``; ``hybrid_tiny``; ``qwen3_moe_tiny`` for routing
 replay and the router loss, with Gated DeltaNet beside attention for ``hybrid``), or, for
 ``images``, a tiny Qwen2.5-VL (Qwen3.5 for ``hybrid``) through the transformers adapter with its
-vision tower. Objective: PPO with a critic, else GRPO (``reference_kl``: with a KL penalty to a
-frozen copy of the initial model); old log-probs recomputed by the policy (``old_logprobs=rollout``);
-or SFT (``cell["objective"] = "sft"``: the objective of the transformers oracle).
+vision tower, or (``cell["hf"]``) a transformers text checkpoint through the adapter.
+Objective: PPO with a critic, else GRPO (``reference_kl``: with a KL penalty to a frozen copy of
+the initial model); old log-probs recomputed by the policy (``old_logprobs=rollout``); or SFT
+(``cell["objective"] = "sft"``: the objective of the transformers oracle).
 """
 
 from __future__ import annotations
@@ -99,10 +100,14 @@ def trees(recs, per_branch: bool = False) -> List[treelit.TokenTree]:
 
 # the model and the module ------------------------------------------------------------------------
 
-def build_model(features, vision_path: Optional[str], seed: int = 0):
+def build_model(features, vision_path: Optional[str], seed: int = 0, hf_path: Optional[str] = None):
+    """The cell's model: ``vision_path`` (images), ``hf_path`` (a transformers checkpoint through
+    the adapter, ``model=hf_auto``) or treelit's own decoder."""
     f = set(features)
     if "images" in f:
         model = treelit.load_hf_model(vision_path, dtype=F64, vision=True)
+    elif hf_path is not None:
+        model = treelit.load_hf_model(hf_path, dtype=F64, router_loss_set=True)
     elif _moe(f):
         extra = dict(layer_types=["gdn", "attention"], recurrent={"gdn": GDN}) if "hybrid" in f else {}
         model = tiny_model("qwen3_moe_tiny", F64, seed, **extra)
@@ -115,7 +120,7 @@ def build_model(features, vision_path: Optional[str], seed: int = 0):
     if "routing_replay" in f:
         set_moe_routing(model, "replay")
     model.activation_checkpointing = "checkpointing" in f
-    if "images" in f and "checkpointing" in f:  # transformers' per-layer recompute in float64 too (test-only)
+    if (vision_path or hf_path) and "checkpointing" in f:  # transformers' recompute in float64 too (test-only)
         _recompute_in_float64(model)
     return model
 
@@ -132,13 +137,14 @@ def _recompute_in_float64(model) -> None:
     model._checkpointing_on = True
 
 
-def build_module(features, strategy: str, vision_path: Optional[str], objective: str = "rl"):
+def build_module(features, strategy: str, vision_path: Optional[str], objective: str = "rl",
+                 hf_path: Optional[str] = None):
     from treelit.lightning.module import TreeLitModule
     from treelit.models.critic import Critic
     from treelit.models.decoder import output_weight
 
     f = set(features)
-    model = build_model(f, vision_path)
+    model = build_model(f, vision_path, hf_path=hf_path)
     if "lora" in f:
         from treelit.models.lora import apply_lora
 
@@ -147,7 +153,7 @@ def build_module(features, strategy: str, vision_path: Optional[str], objective:
     kind = "shared" if "shared_critic" in f else "separate" if "separate_critic" in f else None
     critic = None
     if kind is not None:
-        trunk = build_model(f - {"lora"}, vision_path, seed=1) if kind == "separate" else None
+        trunk = build_model(f - {"lora"}, vision_path, seed=1, hf_path=hf_path) if kind == "separate" else None
         torch.manual_seed(3)
         critic = Critic(kind, output_weight(model).shape[1], trunk, vf_coef=0.7, value_clip=0.05, dtype=F64,
                         init_std=0.3)
@@ -191,8 +197,8 @@ def _mesh(module, strategy: str, world: int) -> int:
     return C
 
 
-def _exact(features):
-    if "images" in features:  # transformers' float32 upcasts kept in float64
+def _exact(cell):
+    if cell.get("vision") or cell.get("hf"):  # transformers' float32 upcasts kept in float64
         from float64_mode import KeepFloat64
 
         return KeepFloat64()
@@ -211,7 +217,7 @@ def cell_step(rank: int, world: int, cell: Dict[str, Any]) -> Optional[Dict[str,
     reference = cell.get("reference")
     # (built outside KeepFloat64, as transformers' reference is: RoPE's inverse frequencies in float32)
     module, model, critic = build_module(features, "one_process" if reference else strategy, cell.get("vision"),
-                                         cell.get("objective", "rl"))
+                                         cell.get("objective", "rl"), cell.get("hf"))
     from treelit.models.factory import replay_shape
 
     recs = records(features, seed=cell.get("seed", 0), replay=replay_shape(model))
@@ -219,7 +225,7 @@ def cell_step(rank: int, world: int, cell: Dict[str, Any]) -> Optional[Dict[str,
     if module.partition != "none":  # passes of the longest path's length (over C ranks): every tree is cut
         longest = max(len(b) for r in recs for b in r["branches"])
         module.budget_tokens = -(-longest // 2) + 1 if strategy == "cp_partitioned" else longest + 1
-    with _exact(features):
+    with _exact(cell):
         if world > 1:
             C = _mesh(module, strategy, world)
             micro = rank_micro_batches(forest, rank // C, world // C, MICRO_TOKENS)
@@ -233,8 +239,8 @@ def cell_step(rank: int, world: int, cell: Dict[str, Any]) -> Optional[Dict[str,
         named = [(f"model.{n}", p) for n, p in model.named_parameters() if p.requires_grad]
         if critic is not None:
             named += [(f"critic.{n}", p) for n, p in critic.named_parameters() if p.requires_grad]
-        grads = {n: (gather_full(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)).detach().clone()
-                 for n, p in named}
+        grads = {n: (gather_full(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype))
+                 .detach().clone() for n, p in named}
         counts = comm.sum_vector([out["partitions"], out["token_forwards"]])
     if rank != 0:
         return None

@@ -11,7 +11,9 @@ meets in a run or in a refusal. The full product (every cell alone) is ``slow``.
 the table goes, the cells it refused run here with no other edit.
 
 Processes: 2 (DDP, FSDP2, context parallelism C=2, partitioned or not), 4 (HSDP: 2 replicas x 2
-shards), 1 (one process, partitioned or not: in the test's own process).
+shards), 1 (one process, partitioned or not: in the test's own process). Models: treelit's own
+decoders, the transformers adapter for images, and for the table's rows that hold on the adapter
+only (routing replay with activation checkpointing) their cells on the adapter as well.
 """
 
 from __future__ import annotations
@@ -26,18 +28,26 @@ import torch
 from composition_cases import WORLD, cell_step, cell_steps
 from harness import launch
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad
-from treelit.cli.compositions import FEATURES, STRATEGIES, exclusive, refusal, refusals
+from treelit.cli.compositions import FEATURES, REFUSALS as TABLE, STRATEGIES, exclusive, refusal, refusals
 
-Cell = Tuple[str, FrozenSet[str]]  # (strategy, features)
+Cell = Tuple[str, FrozenSet[str], str]  # (strategy, features, model path: native | hf_auto)
 TOL = 1e-9
 
 
 def model_path(features) -> str:
+    """Where a cell runs by default: images on the transformers adapter, the rest on treelit's decoders."""
     return "hf_auto" if "images" in features else "native"
 
 
-def refused(strategy: str, features) -> bool:
-    return refusal(features, strategy, model_path(features)) is not None
+def refused(strategy: str, features, model: Optional[str] = None) -> bool:
+    return refusal(features, strategy, model or model_path(features)) is not None
+
+
+def adapter_targets(strategy: str) -> List[FrozenSet[str]]:
+    """The features of the table's rows that hold on the transformers adapter only (e.g. routing
+    replay with activation checkpointing): run, or refused, there as well."""
+    return [frozenset(r.features) for r in TABLE if r.model == "hf_auto" and "images" not in r.features
+            and (not r.strategies or strategy in r.strategies)]
 
 
 def pair_targets(strategy: str) -> List[FrozenSet[str]]:
@@ -65,22 +75,30 @@ def cover(strategy: str) -> Tuple[List[FrozenSet[str]], List[FrozenSet[str]]]:
     return runs, refusals
 
 
+def _adapter_cells(s: str) -> List[Cell]:
+    return [(s, t, "hf_auto") for t in adapter_targets(s)]
+
+
 def covering_sample() -> Tuple[List[Cell], List[Cell]]:
     runs, refusals = [], []
     for s in STRATEGIES:
         r, x = cover(s)
-        runs += [(s, f) for f in r]
-        refusals += [(s, f) for f in x]
+        runs += [(s, f, model_path(f)) for f in r]
+        refusals += [(s, f, model_path(f)) for f in x]
+        for c in _adapter_cells(s):
+            (refusals if refused(*c) else runs).append(c)
     return runs, refusals
 
 
 def full_product() -> Tuple[List[Cell], List[Cell]]:
-    cells = [(s, t) for s in STRATEGIES for t in pair_targets(s)]
+    cells = [(s, t, model_path(t)) for s in STRATEGIES for t in pair_targets(s)]
+    cells += [c for s in STRATEGIES for c in _adapter_cells(s)]
     return [c for c in cells if not refused(*c)], [c for c in cells if refused(*c)]
 
 
 def _id(cell: Cell) -> str:
-    return f"{cell[0]}-{'+'.join(f for f in FEATURES if f in cell[1])}"
+    return f"{cell[0]}-{'+'.join(f for f in FEATURES if f in cell[1])}" + ("-hf_auto" if cell[2] != model_path(
+        cell[1]) else "")
 
 
 # running cells ----------------------------------------------------------------------------------
@@ -95,17 +113,38 @@ def vision_family(features) -> str:
     return "qwen3_vl_moe" if moe else "qwen2_5_vl"
 
 
+def text_family(features) -> str:
+    """The transformers family of a cell without images on ``model=hf_auto``."""
+    moe = bool(set(features) & {"routing_replay", "router_loss"})
+    return ("qwen3_next" if moe else "qwen3_5_text") if "hybrid" in features else "qwen3_moe" if moe else "qwen2"
+
+
+TEXT = dict(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+TEXT_FAMILIES = {"qwen3_moe": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                   output_router_logits=True, router_aux_loss_coef=0.0),
+                 "qwen2": {}}
+
+
 class VisionPaths(dict):
-    """Tiny random checkpoints of the vision families, written when first asked for."""
+    """Tiny random checkpoints (vision families by name; text families as ``text:<family>``),
+    written when first asked for."""
 
     def __init__(self, base) -> None:
         super().__init__()
         self.base = base
 
     def __missing__(self, family: str) -> str:
-        from vision_oracle import vision_checkpoint
+        if family.startswith("text:"):
+            from hf_oracle import random_hf_checkpoint
 
-        self[family] = str(vision_checkpoint(self.base / family, family))
+            name = family[5:]
+            random_hf_checkpoint(self.base / name, name, **TEXT, **TEXT_FAMILIES[name])
+            self[family] = str(self.base / name)
+        else:
+            from vision_oracle import vision_checkpoint
+
+            self[family] = str(vision_checkpoint(self.base / family, family))
         return self[family]
 
 
@@ -115,16 +154,18 @@ def vision_paths(tmp_path_factory) -> Dict[str, str]:
 
 
 def _spec(cell: Cell, paths: Dict[str, str], reference: Optional[str] = None) -> Dict:
-    strategy, features = cell
+    strategy, features, model = cell
     spec = {"features": sorted(features), "strategy": strategy, "reference": reference}
     if "images" in features:
         spec["vision"] = paths[vision_family(features)]
+    elif model == "hf_auto":
+        spec["hf"] = paths[f"text:{text_family(features)}"]
     return spec
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(features: FrozenSet[str], kind: str, vision: Optional[str]) -> Dict:
-    spec = {"features": sorted(features), "strategy": "one_process", "reference": kind, "vision": vision}
+def _reference(features: FrozenSet[str], kind: str, vision: Optional[str], hf: Optional[str]) -> Dict:
+    spec = {"features": sorted(features), "strategy": "one_process", "reference": kind, "vision": vision, "hf": hf}
     return cell_step(0, 1, spec)
 
 
@@ -146,11 +187,12 @@ def run_cells(cells: List[Cell], paths: Dict[str, str]) -> Dict[Cell, Dict]:
 
 def check(cell: Cell, got: Dict, paths: Dict[str, str]) -> None:
     """``got`` equals its reference: one unpartitioned process; for the one-process cells, per-branch training."""
-    strategy, features = cell
+    strategy, features, _ = cell
     name = _id(cell)
     assert "error" not in got, f"{name}: failed:\n{got['error']}"
     kind = "per_branch" if strategy == "one_process" else "one_process"
-    want = _reference(features, kind, _spec(cell, paths).get("vision"))
+    spec = _spec(cell, paths)
+    want = _reference(features, kind, spec.get("vision"), spec.get("hf"))
     assert want["loss"] != 0.0 and any(float(g.abs().max()) > 0 for g in want["grads"].values()), \
         f"{name}: the case trains nothing"
     assert got["grads"].keys() == want["grads"].keys(), f"{name}: {sorted(got['grads'])[:4]}"
@@ -165,9 +207,9 @@ def check(cell: Cell, got: Dict, paths: Dict[str, str]) -> None:
 def check_refused(cell: Cell) -> None:
     from composition_configs import verdict
 
-    strategy, features = cell
-    options = [r.option for r in refusals(features, strategy, model_path(features))]
-    msg = verdict(tuple(sorted(features)), strategy, model_path(features))
+    strategy, features, model = cell
+    options = [r.option for r in refusals(features, strategy, model)]
+    msg = verdict(tuple(sorted(features)), strategy, model)
     assert msg is not None and "\n" not in msg and any(o in msg for o in options), (_id(cell), options, msg)
 
 
@@ -178,10 +220,13 @@ RUNS, REFUSALS = covering_sample()
 
 def test_the_sample_covers_every_feature_and_pair_on_every_strategy():
     for s in STRATEGIES:
-        met = [f for c, f in RUNS + REFUSALS if c == s]
+        met = [f for c, f, _ in RUNS + REFUSALS if c == s]
         for t in pair_targets(s):
             assert any(t <= row for row in met), (s, sorted(t))
     assert len(RUNS) <= 24, len(RUNS)  # a few rows per strategy, not the product
+    for s in STRATEGIES:  # the adapter-only rows' cells are met on the adapter
+        for t in adapter_targets(s):
+            assert (s, t, "hf_auto") in RUNS + REFUSALS, (s, sorted(t))
 
 
 @pytest.fixture(scope="module")
