@@ -121,9 +121,12 @@ def text_family(features) -> str:
 
 TEXT = dict(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-TEXT_FAMILIES = {"qwen3_moe": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                                   output_router_logits=True, router_aux_loss_coef=0.0),
-                 "qwen2": {}}
+_GDN = dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=3)
+_EXPERTS = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                router_aux_loss_coef=0.0)
+TEXT_FAMILIES = {"qwen2": {}, "qwen3_moe": _EXPERTS, "qwen3_5_text": _GDN,
+                 "qwen3_next": dict(_GDN, **_EXPERTS, shared_expert_intermediate_size=8)}
 
 
 class VisionPaths(dict):
