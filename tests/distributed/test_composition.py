@@ -62,8 +62,8 @@ def cover(strategy: str) -> Tuple[List[FrozenSet[str]], List[FrozenSet[str]]]:
     adding every feature (in the table's order) the table lets run with it; and the targets the
     table refuses (each asserted as its one-line refusal)."""
     runs: List[FrozenSet[str]] = []
-    refusals = [t for t in pair_targets(strategy) if refused(strategy, t)]
-    left = [t for t in pair_targets(strategy) if t not in refusals]
+    refused_targets = [t for t in pair_targets(strategy) if refused(strategy, t)]
+    left = [t for t in pair_targets(strategy) if t not in refused_targets]
     while left:
         row = set(left[0])
         for f in FEATURES:
@@ -72,7 +72,7 @@ def cover(strategy: str) -> Tuple[List[FrozenSet[str]], List[FrozenSet[str]]]:
                 row = grown
         runs.append(frozenset(row))
         left = [t for t in left if not t <= row]
-    return runs, refusals
+    return runs, refused_targets
 
 
 def _adapter_cells(s: str) -> List[Cell]:
@@ -80,14 +80,15 @@ def _adapter_cells(s: str) -> List[Cell]:
 
 
 def covering_sample() -> Tuple[List[Cell], List[Cell]]:
-    runs, refusals = [], []
+    runs: List[Cell] = []
+    refused_cells: List[Cell] = []
     for s in STRATEGIES:
         r, x = cover(s)
         runs += [(s, f, model_path(f)) for f in r]
-        refusals += [(s, f, model_path(f)) for f in x]
+        refused_cells += [(s, f, model_path(f)) for f in x]
         for c in _adapter_cells(s):
-            (refusals if refused(*c) else runs).append(c)
-    return runs, refusals
+            (refused_cells if refused(*c) else runs).append(c)
+    return runs, refused_cells
 
 
 def full_product() -> Tuple[List[Cell], List[Cell]]:
