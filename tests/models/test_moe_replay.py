@@ -283,3 +283,35 @@ def test_a_copied_model_replays_on_its_own(kind, tmp_path_factory):
     twin = copy.deepcopy(ours)
     with torch.no_grad():
         assert treelit.tree_loss(twin, tree).item() == treelit.tree_loss(ours, tree).item()
+
+
+def test_a_hybrid_moe_model_replays_records_of_its_moe_layers_only():
+    """treelit's own hybrid with experts (Gated DeltaNet layers carry a dense MLP, attention layers
+    MoE): a record has one entry per MoE layer, as ``replay_shape`` says, and MoE layer j replays
+    entry j. Its attention layers once counted the recurrent layers before them as MoE layers,
+    so a record of ``replay_shape`` failed ("covers 1 MoE layers ... routes MoE layer 1")."""
+    from treelit.models.factory import replay_shape
+    from treelit.models.moe import MoEFeedForward
+
+    gdn = {"head_dim": 8, "num_heads": 2, "num_v_heads": 4, "expand_v": 2.0, "conv_size": 4}
+    torch.manual_seed(0)
+    model = treelit.build_model("qwen3_moe_tiny", vocab_size=16, max_seq_len=64, num_layers=4,
+                                layer_types=["gdn", "attention", "gdn", "attention"], recurrent={"gdn": gdn}).double()
+    set_moe_routing(model, "replay")
+    moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    assert [m.moe_index for m in moe] == [0, 1]
+    layers, experts, k = replay_shape(model)
+    assert (layers, experts, k) == (2, 8, 2)
+    branches, masks, weights = FOREST
+    recs = [routing_for(b, layers, k, experts) for b in branches]
+    tree = treelit.TokenTree.from_branches(branches, masks, weights, routed_experts=recs)
+    loss = treelit.tree_loss(model, tree, attention="sdpa_dense")
+    loss.backward()
+    assert loss.item() != 0
+    # entry 1 of the record is what the second MoE layer (layer 3) replays: changing it changes the loss
+    other = [r.copy() for r in recs]
+    for r in other:
+        r[:, 1] = (r[:, 1] + 1) % experts
+    changed = treelit.tree_loss(model, treelit.TokenTree.from_branches(branches, masks, weights, routed_experts=other),
+                                attention="sdpa_dense")
+    assert abs(changed.item() - loss.item()) > 1e-6

@@ -31,6 +31,7 @@ def check_model_options(cfg: DictConfig) -> None:
     if not hasattr(model, "get"):
         return
     _check_routing(model)
+    _check_router_loss(model)
     check_vision_options(cfg)
 
 
@@ -56,6 +57,18 @@ def _check_routing(model: Any) -> None:
         raise ConfigError(f"model.moe.routing=replay needs a mixture-of-experts model; {name} has no MoE layers: "
                           "use model.moe.routing=live, or a MoE model (model=qwen3_moe_tiny, or a checkpoint with "
                           "experts)")
+
+
+def _check_router_loss(model: Any) -> None:
+    """A router loss coefficient on a model that plainly has no experts would do nothing: refused
+    (docs/distributed.md, "What does not combine": no vision family treelit loads has experts)."""
+    coef = model.get("router_aux_loss_coef")
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef <= 0:
+        return
+    name, moe_layers = has_moe_layers(model)
+    if moe_layers is False:
+        raise ConfigError(f"model.router_aux_loss_coef={coef} needs a mixture-of-experts model; {name} has no MoE "
+                          "layers: set model.router_aux_loss_coef=null (or 0), or use a MoE model")
 
 
 def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":

@@ -197,8 +197,9 @@ class DecoderConfig:
         return self.sliding_window
 
     def is_moe_layer(self, i: int) -> bool:
-        """Layer ``i`` has a sparse mixture-of-experts MLP (transformers' Qwen3-MoE rule)."""
-        if not self.moe or int(self.moe["num_experts"]) <= 0:
+        """Layer ``i`` has a sparse mixture-of-experts MLP (transformers' Qwen3-MoE rule, on
+        attention layers: a recurrent layer of treelit's own carries a dense MLP, or none)."""
+        if not self.moe or int(self.moe["num_experts"]) <= 0 or self.layer_type(i) != "attention":
             return False
         return i not in self.moe["mlp_only_layers"] and (i + 1) % int(self.moe["sparse_step"]) == 0
 
