@@ -49,9 +49,11 @@ def cell_config(features: Tuple[str, ...], strategy: str, model: str):
     moe = bool(f & {"routing_replay", "router_loss"})
     if model == "hf_auto":
         cfg.model = load_group("model", "hf_auto")
-        kind = ("qwen3_5" if "hybrid" in f else "qwen2_5_vl") if "images" in f else \
-            ("qwen3_next" if "hybrid" in f else "qwen3_moe") if moe else ("qwen3_5_text" if "hybrid" in f else "qwen2")
-        cfg.model.hf_checkpoint = checkpoint(kind, moe and "images" not in f, "images" in f)
+        if "images" in f:  # the vision families, with experts where the cell routes them
+            kind = ("qwen3_5_moe" if moe else "qwen3_5") if "hybrid" in f else ("qwen3_vl_moe" if moe else "qwen2_5_vl")
+        else:
+            kind = ("qwen3_next" if "hybrid" in f else "qwen3_moe") if moe else ("qwen3_5_text" if "hybrid" in f else "qwen2")
+        cfg.model.hf_checkpoint = checkpoint(kind, moe, "images" in f)
         cfg.model.vision = "images" in f
     else:
         cfg.model = load_group("model", "qwen3_moe_tiny" if moe else "hybrid_tiny" if "hybrid" in f else "qwen2_tiny")

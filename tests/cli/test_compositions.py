@@ -59,7 +59,8 @@ def test_lookups():
     assert refusal(("images",), "partitioned", "hf_auto") is None
     assert refusal(("images", "lora"), "ddp", "hf_auto").option == "model.vision=true"
     assert refusal(("routing_replay", "checkpointing"), "fsdp2", "native") is None
-    assert refusal(("routing_replay", "checkpointing"), "fsdp2", "hf_auto") is not None
+    assert refusal(("routing_replay", "checkpointing"), "fsdp2", "hf_auto") is None  # (hf_recompute)
+    assert refusal(("images", "routing_replay"), "one_process", "hf_auto") is None
     with pytest.raises(KeyError, match="not in the composition matrix: pictures"):
         refusal(("pictures",), "ddp")
     table = refusal_table()

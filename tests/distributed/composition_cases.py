@@ -120,21 +120,7 @@ def build_model(features, vision_path: Optional[str], seed: int = 0, hf_path: Op
     if "routing_replay" in f:
         set_moe_routing(model, "replay")
     model.activation_checkpointing = "checkpointing" in f
-    if (vision_path or hf_path) and "checkpointing" in f:  # transformers' recompute in float64 too (test-only)
-        _recompute_in_float64(model)
     return model
-
-
-def _recompute_in_float64(model) -> None:
-    """transformers' checkpointed layers recompute in the backward, where :class:`KeepFloat64`
-    (a function mode of the forward) is not active: recomputed with it (``context_fn``), the
-    recompute sees float64 where the forward did. The model's own switch is then already on."""
-    from float64_mode import KeepFloat64
-
-    kind = "activation" if hasattr(model.hf, "activation_checkpointing_enable") else "gradient"
-    getattr(model.hf, f"{kind}_checkpointing_enable")(
-        {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), KeepFloat64())})
-    model._checkpointing_on = True
 
 
 def build_module(features, strategy: str, vision_path: Optional[str], objective: str = "rl",

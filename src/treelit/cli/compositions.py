@@ -71,9 +71,6 @@ class Refusal:
                 and (not self.model or self.model == model))
 
 
-_NO_VISION_MOE = ("no vision family treelit loads has experts (qwen3_vl_moe and qwen3_5_moe with its tower are not "
-                  "among the vision families): a dependency of the model, not of the step")
-
 REFUSALS: Tuple[Refusal, ...] = (
     Refusal(("images",), MULTI_PROCESS, "model.vision=true",
             "images on several processes have not been held against a per-branch reference: a rank whose rows show "
@@ -82,11 +79,6 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal(("images", "separate_critic"), (), "critic=separate",
             "the separate critic's own trunk has not been held against a per-branch reference with images "
             "(critic=shared has)"),
-    Refusal(("images", "routing_replay"), (), "model.moe.routing=replay", _NO_VISION_MOE),
-    Refusal(("images", "router_loss"), (), "model.router_aux_loss_coef", _NO_VISION_MOE),
-    Refusal(("routing_replay", "checkpointing"), (), "model.activation_checkpointing",
-            "transformers recomputes its checkpointed layers outside treelit's passes, where the recorded routing "
-            "is not installed (treelit's own decoders replay under checkpointing)", model="hf_auto"),
 )
 
 
