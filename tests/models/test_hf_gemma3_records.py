@@ -94,7 +94,7 @@ def _branch_images(tree, b):
     return [tree.images.pixel_values[i: i + 1] for i in starts]
 
 
-def _train(tmp_path, data, builder, proc_dir, ckpt, monkeypatch):
+def _train(tmp_path, data, builder, proc_dir, ckpt, monkeypatch, *extra):
     from app_helpers import SMALL
     from treelit.cli.config import compose
     from treelit.cli.train import run
@@ -109,6 +109,7 @@ def _train(tmp_path, data, builder, proc_dir, ckpt, monkeypatch):
                  "+callbacks.capture._target_=vision_records.CaptureStep"]
     if builder == "chat":
         overrides.append(f"tree_builder.tokenizer_path={proc_dir}")
+    overrides += list(extra)
     with KeepFloat64():
         summary = run(compose(overrides))
     assert summary["global_step"] == 1
