@@ -2,7 +2,8 @@
 character-level tokenizer whose image tokens have the checkpoint's ids, a chat template in the
 family's manner, and the family's own processor (Gemma-3: ``Gemma3Processor`` with
 ``Gemma3ImageProcessor``; GLM-4.5V: ``Glm4vProcessor`` with ``Glm4vImageProcessor``), so that a
-record's tokens and pixels can be held against the processor's own chat template and ``__call__``.
+record's tokens and pixels can be held against the processor's own chat template and ``__call__``
+(``glm_record``: a chat record with two images and, per branch, what the processor is given).
 
 ``CaptureStep`` is a callback for in-process ``treelit-train`` runs: the first optimizer step's
 loss and every parameter gradient (before the update; run with ``grad_clip=null``).
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import string
 
+import numpy as np
+
 import lightning.pytorch as pl
 
-from vision_oracle import END, IMAGE, START, VOCAB
+from vision_oracle import END, IMAGE, START, VOCAB, random_image
 
 CHARS = list(string.ascii_lowercase) + [" ", "\n", ":", "?", "."]
 # a template in Gemma-3's manner: <bos>, turns of user / model, text parts trimmed, an image part as <start_of_image>
@@ -91,6 +94,23 @@ def processor_dir(path, processor) -> str:
     else:
         processor.save_pretrained(path)
     return str(path)
+
+
+def glm_record(folder):
+    """A chat record with two images (files in ``folder``), and per branch the processor's
+    messages and images."""
+    rng = np.random.default_rng(0)
+    pics = {"a.png": random_image(rng, 20, 16), "b.png": random_image(rng, 16, 24)}
+    for name, pic in pics.items():
+        pic.save(folder / name)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image", "image": "a.png"},
+                                         {"type": "text", "text": " what?"}]},
+            {"role": "assistant", "content": "red."},
+            {"role": "user", "content": [{"type": "image", "image": "b.png"}, {"type": "text", "text": "and this?"}]},
+            {"role": "assistant", "content": "blue."}]
+    plain = [dict(m, content=[{"type": "image"} if p["type"] == "image" else p for p in m["content"]])
+             if isinstance(m["content"], list) else m for m in msgs]
+    return {"id": "g", "messages": msgs}, [(plain[:2], [pics["a.png"]]), (plain, [pics["a.png"], pics["b.png"]])]
 
 
 class CaptureStep(pl.Callback):

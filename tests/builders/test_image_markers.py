@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import types
 
-import numpy as np
 import pytest
 import torch
 
 from treelit.builders.chat import ChatBuilder
 from treelit.builders.vision import check_model_images
 from treelit.lightning.data import build_trees
-from vision_oracle import END, IMAGE, START, random_image
-from vision_records import GEMMA3_SPECIALS, char_tokenizer, glm4v_processor, processor_dir
+from vision_oracle import END, IMAGE, START
+from vision_records import GEMMA3_SPECIALS, char_tokenizer, glm4v_processor, glm_record, processor_dir
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -46,23 +45,6 @@ def _image_spans(ids):
 def glm(tmp_path_factory):
     proc = glm4v_processor()
     return proc, processor_dir(tmp_path_factory.mktemp("glm4v") / "proc", proc)
-
-
-def glm_record(folder):
-    """A chat record with two images (files in ``folder``), and per branch the processor's
-    messages and images."""
-    rng = np.random.default_rng(0)
-    pics = {"a.png": random_image(rng, 20, 16), "b.png": random_image(rng, 16, 24)}
-    for name, pic in pics.items():
-        pic.save(folder / name)
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image", "image": "a.png"},
-                                         {"type": "text", "text": " what?"}]},
-            {"role": "assistant", "content": "red."},
-            {"role": "user", "content": [{"type": "image", "image": "b.png"}, {"type": "text", "text": "and this?"}]},
-            {"role": "assistant", "content": "blue."}]
-    plain = [dict(m, content=[{"type": "image"} if p["type"] == "image" else p for p in m["content"]])
-             if isinstance(m["content"], list) else m for m in msgs]
-    return {"id": "g", "messages": msgs}, [(plain[:2], [pics["a.png"]]), (plain, [pics["a.png"], pics["b.png"]])]
 
 
 def test_glm4v_chat_records_are_its_processors_tokens_and_pixels(glm, tmp_path):

@@ -13,12 +13,11 @@ import torch
 
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad
 from test_hf_gemma3_records import _train, _transformers
-from test_image_markers import glm_record
 from treelit.builders.chat import ChatBuilder
 from treelit.lightning.data import build_trees
 from treelit.tree.images import ProcessedImage
 from vision_oracle import IMAGE, vision_checkpoint
-from vision_records import glm4v_processor, processor_dir
+from vision_records import glm4v_processor, glm_record, processor_dir
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")

@@ -149,6 +149,11 @@ def expand_raw_images(reader: Any, token: int, br: Dict[str, Any], refs: List[st
     if len(at) != len(refs):
         raise DataError(f"{where}.input_ids: {len(at)} image token(s) {token} for {len(refs)} "
                         "image(s) (one token per image, in order)")
+    glued = next((k for k in range(1, len(at)) if at[k] == at[k - 1] + 1), None)
+    if glued is not None and getattr(reader, "fixed", None) is not None:  # Gemma-3: one bidirectional block
+        raise DataError(f"{where}.input_ids[{at[glued]}]: images {glued - 1} and {glued} have no token between them, "
+                        "which makes them one bidirectional image block in Gemma-3; write each image token between "
+                        "the start and end of image markers, as its processor does")
     per_token = {k: br[k] for k in PER_TOKEN if br.get(k) is not None}
     for key, values in per_token.items():
         for t in at:
