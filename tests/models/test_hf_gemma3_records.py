@@ -163,3 +163,46 @@ def test_gemma3_records_train_exactly_as_transformers_per_branch(builder, folder
     assert mine.keys() == theirs.keys() and any("vision_tower" in k for k in mine)
     assert abs(loss - expected_loss) <= 1e-10 * abs(expected_loss), (loss, expected_loss)
     assert max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64)) <= 1e-10
+
+
+@pytest.mark.slow
+def test_bad_gemma3_records_and_folders_are_one_line(folders, tmp_path):
+    """Records: one line naming the file, the line and the field. Folders: one line naming what
+    is missing or not read (pan-and-scan crops; no tokens-per-image count)."""
+    from treelit.builders.base import make_tree_builder
+    from treelit.builders.chat import ChatBuilder
+    from treelit.data.records import DataError
+    from treelit.lightning.data import build_trees
+
+    proc, proc_dir, _ = folders
+    _images(tmp_path)
+    one = [2, 37, IMAGE, 38]
+    cases = [
+        ("sequences", {"id": "r", "branches": [{"input_ids": one + [IMAGE, 38], "images": ["a.png"]}]},
+         "branches[0].input_ids: 2 image token(s) 35 for 1 image(s)"),
+        ("sequences", {"id": "r", "branches": [{"input_ids": [2, 37, IMAGE, IMAGE, 38], "images": ["a.png", "b.png"]}]},
+         "branches[0].input_ids[3]: images 0 and 1 have no token between them"),
+        ("chat", {"id": "c", "messages": [{"role": "user", "content": [{"type": "image", "image": "gone.png"}]},
+                                          {"role": "assistant", "content": "ok."}]},
+         "messages[0].content[0]: image 'gone.png' does not exist"),
+    ]
+    for kind, record, says in cases:
+        path = tmp_path / f"{kind}.jsonl"
+        path.write_text(json.dumps({"id": "fine", "branches": [{"input_ids": [2, 6, 7]}]} if kind == "sequences" else
+                                   {"id": "fine", "messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "ok."}]})
+                        + "\n" + json.dumps(record) + "\n")
+        builder = (ChatBuilder(proc_dir, processor_path=proc_dir) if kind == "chat"
+                   else make_tree_builder(kind, processor_path=proc_dir))
+        with pytest.raises(DataError) as err:
+            build_trees(str(path), builder)
+        assert "\n" not in str(err.value) and str(err.value).startswith(f"{path}:2: {says}"), str(err.value)
+    panned = gemma3_processor(TOKENS)
+    panned.image_processor.do_pan_and_scan = True
+    no_count = tmp_path / "no_count"
+    proc.image_processor.save_pretrained(no_count)  # preprocessor_config.json only: no image_seq_length
+    for folder, says in ((processor_dir(tmp_path / "panned", panned), "do_pan_and_scan=true is not read"),
+                         (str(no_count), "or a fixed number of tokens per image (Gemma-3: image_seq_length")):
+        with pytest.raises(ValueError) as err:
+            make_tree_builder("sequences", processor_path=folder)
+        assert "\n" not in str(err.value) and says in str(err.value), str(err.value)
