@@ -77,8 +77,16 @@ def test_glm4v_chat_records_are_its_processors_tokens_and_pixels(glm, tmp_path):
 
 
 def test_a_tokenizer_with_no_familys_image_tokens_is_one_line(glm, tmp_path):
-    """Gemma-3's tokens with a grid-counting (GLM) image processor: neither Qwen's nor GLM's markers."""
+    """Gemma-3's tokens with a grid-counting (GLM) image processor: neither Qwen's nor GLM's markers;
+    GLM's tokens with Gemma-3's processor (a fixed count): not Gemma-3's."""
+    from vision_records import gemma3_processor
+
     proc, folder = glm
+    with pytest.raises(ValueError) as err:
+        ChatBuilder(tokenizer=proc.tokenizer, processor=gemma3_processor())
+    assert str(err.value) == ("the tokenizer has no <start_of_image>, <image_soft_token>, <end_of_image> token(s); an "
+                              "image processor with a fixed number of tokens per image (Gemma-3) needs Gemma-3's image "
+                              "tokens in the tokenizer (tree_builder.tokenizer_path)")
     tok = char_tokenizer(GEMMA3_SPECIALS, "{{ messages[0]['content'] }}")
     with pytest.raises(ValueError) as err:
         ChatBuilder(tokenizer=tok, processor=proc.image_processor)
