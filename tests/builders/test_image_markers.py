@@ -93,3 +93,19 @@ def test_a_tokenizer_with_no_familys_image_tokens_is_one_line(glm, tmp_path):
     assert "\n" not in str(err.value) and str(err.value).startswith(
         "the tokenizer has the image tokens of no vision family treelit reads (Qwen: <|vision_start|> <|image_pad|> "
         "<|vision_end|>; GLM-4.5V: <|begin_of_image|> <|image|> <|end_of_image|>)")
+
+
+def test_the_content_parts_probe_is_bounded_by_the_render_timeout(glm):
+    """Whether the template renders content parts is asked of it once, under the render time limit."""
+    import copy
+    import time
+
+    proc, _ = glm
+    tok = copy.copy(proc.tokenizer)
+    tok.chat_template = ("{% if messages[0]['content'] is not string %}{% for i in range(100000) %}"
+                         "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}") + proc.chat_template
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"^the chat template of the tokenizer took longer than "
+                                         r"tree_builder.render_timeout_s=0.5 s on one short message$"):
+        ChatBuilder(tokenizer=tok, processor=proc.image_processor, render_timeout_s=0.5)
+    assert time.monotonic() - t0 < 15

@@ -299,14 +299,22 @@ class ChatBuilder(TreeBuilder):
                                       image_root=image_root, tokens_per_image=tokens_per_image(processor_path))
             self.image_markers = image_text(self.tok, fixed_count=self.images.fixed is not None)
             self._image_text, self.image_token_id = self.image_markers.text, self.image_markers.token_id
-            self._parts = template_renders_parts(
-                lambda msgs: self.tok.apply_chat_template(msgs, tokenize=False), _IMAGE_MARK)
+            try:
+                self._parts = template_renders_parts(self._render_plain, _IMAGE_MARK)
+            except _RenderTimeout:
+                raise ValueError(f"the chat template of {tokenizer_path or 'the tokenizer'} took longer than "
+                                 f"tree_builder.render_timeout_s={self.render_timeout_s:g} s on one short "
+                                 "message") from None
         self._record_path: Optional[str] = None
 
     def validate(self, rec: Any, source: str) -> None:
         validate_chat_record(rec, source, self.group_key)
 
     # rendering -------------------------------------------------------------------------
+    def _render_plain(self, msgs: List[Dict[str, Any]]) -> str:
+        with _time_limit(self.render_timeout_s):
+            return self.tok.apply_chat_template(msgs, tokenize=False)
+
     def _render(self, msgs: List[Dict[str, Any]], gen: bool = False) -> str:
         with _time_limit(self.render_timeout_s):
             text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
