@@ -17,7 +17,7 @@ import vision_records
 from float64_mode import KeepFloat64
 from helpers import grad_floor, max_rel_grad_diff, negligible_grad
 from vision_oracle import IMAGE, load_reference, random_image, vision_checkpoint, vlm_branch_loss
-from vision_records import CaptureStep, gemma3_processor, processor_dir
+from vision_records import gemma3_processor, processor_dir
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -94,13 +94,12 @@ def _branch_images(tree, b):
     return [tree.images.pixel_values[i: i + 1] for i in starts]
 
 
-def _train(tmp_path, data, builder, proc_dir, ckpt, monkeypatch, *extra):
+def _train(tmp_path, data, builder, proc_dir, ckpt, *extra):
     from app_helpers import SMALL
     from treelit.cli.config import compose
     from treelit.cli.train import run
 
     vision_records.CAPTURED.clear()
-    monkeypatch.setattr(CaptureStep, "__module__", "vision_records")
     overrides = [f"output_dir={tmp_path / 'run'}", *[o for o in SMALL if not o.startswith("model.")], "model=hf_auto",
                  f"model.hf_checkpoint={ckpt}", "model.dtype=float64", "model.vision=true", "attention=sdpa_dense",
                  "data=jsonl", f"data.train_path={data}", "data.shuffle=false", "data.micro_batch_tokens=100000",
@@ -126,7 +125,7 @@ def _transformers(ckpt, branches, images, masks):
 
 
 @pytest.mark.parametrize("builder", ["chat", pytest.param("sequences", marks=pytest.mark.slow)])
-def test_gemma3_records_train_exactly_as_transformers_per_branch(builder, folders, tmp_path, monkeypatch):
+def test_gemma3_records_train_exactly_as_transformers_per_branch(builder, folders, tmp_path):
     """Default suite (chat): the record's branches are the processor's tokens and pixels, and the
     treelit-train step on them is transformers' Gemma-3 per branch (loss and every gradient)."""
     from treelit.builders.base import make_tree_builder
@@ -157,7 +156,7 @@ def test_gemma3_records_train_exactly_as_transformers_per_branch(builder, folder
         images.append([ProcessedImage(pv.to(F64), (1, 1, 1), TOKENS, IMAGE) for pv in shown])
         masks.append([int(m) for m in tree.loss_mask(b).tolist()])
         assert sum(masks[-1]) > 0 and not any(m for t, m in zip(ids, masks[-1]) if t == IMAGE)
-    loss, grads = _train(tmp_path, data, builder, proc_dir, ckpt, monkeypatch)
+    loss, grads = _train(tmp_path, data, builder, proc_dir, ckpt)
     expected_loss, theirs = _transformers(ckpt, branches, images, masks)
     mine = {n[len("hf."):]: g for n, g in grads.items()}
     assert mine.keys() == theirs.keys() and any("vision_tower" in k for k in mine)
@@ -206,3 +205,20 @@ def test_bad_gemma3_records_and_folders_are_one_line(folders, tmp_path):
         with pytest.raises(ValueError) as err:
             make_tree_builder("sequences", processor_path=folder)
         assert "\n" not in str(err.value) and says in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+def test_a_whole_gemma3_conversation_is_the_processors_tokens(folders, tmp_path):
+    """export=trajectory: the whole conversation, one branch, is the processor's chat template and
+    ``__call__`` with both images."""
+    from treelit.builders.chat import ChatBuilder
+    from treelit.lightning.data import build_trees
+
+    proc, proc_dir, _ = folders
+    record, calls = _chat(_images(tmp_path))
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    (built,) = build_trees(str(data), ChatBuilder(proc_dir, processor_path=proc_dir, export="trajectory"))
+    ((ids, pixels),) = _expected(proc, calls[-1:])
+    assert built.tree.num_branches == 1 and built.tree.branch(0).tolist() == ids
+    assert torch.equal(torch.cat(_branch_images(built.tree, 0)), pixels)
