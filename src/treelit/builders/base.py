@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from treelit.builders.assemble import Assembler, BuiltTree
 from treelit.builders.vision import NO_VISION, expand_raw_images, image_token_without_image, raw_image_token
-from treelit.data.images import ImageLimits, ImageReader, load_image_processor
+from treelit.data.images import ImageLimits, ImageReader, load_image_processor, tokens_per_image
 from treelit.data.records import DataError, Record, validate_token_record
 from treelit.loss.branches import Branches
 from treelit.registry import get_registry
@@ -214,7 +214,8 @@ class TokenBuilder(TreeBuilder):
         self.images: Optional[ImageReader] = None
         if processor_path:
             self.images = ImageReader(load_image_processor(processor_path),
-                                      ImageLimits(int(max_image_bytes), int(max_image_pixels)), image_root=image_root)
+                                      ImageLimits(int(max_image_bytes), int(max_image_pixels)), image_root=image_root,
+                                      tokens_per_image=tokens_per_image(processor_path))
         self.image_token_id = raw_image_token(processor_path, image_token_id)
 
     def encode(self, record: Record) -> List[Dict[str, Any]]:

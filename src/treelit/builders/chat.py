@@ -42,7 +42,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from treelit.builders.base import TREE_BUILDERS, TreeBuilder
 from treelit.builders.vision import NO_VISION
-from treelit.data.images import ImageLimits, ImageReader, image_ref, load_image_processor
+from treelit.builders.image_text import content_for_template, image_text, template_renders_parts
+from treelit.data.images import ImageLimits, ImageReader, image_ref, load_image_processor, tokens_per_image
 from treelit.data.records import DataError, Record, check_key, check_text, finite_number
 from treelit.rl.advantages import ADVANTAGES
 
@@ -184,18 +185,21 @@ def _conversations(rec: Dict[str, Any], source: str) -> List[Tuple[str, Any]]:
     raise DataError(f"{source}: messages: a chat record needs 'messages' (or 'branches' with 'messages')")
 
 
-def _normalise(m: Dict[str, Any], keep_thinking: bool) -> Dict[str, Any]:
-    """A message as the template should see it (thinking folded into content or dropped)."""
+def _normalise(m: Dict[str, Any], keep_thinking: bool, parts: bool = False) -> Dict[str, Any]:
+    """A message as the template should see it (thinking folded into content or dropped; content
+    parts kept as parts for a template that renders them, see :mod:`treelit.builders.image_text`)."""
     out = {k: v for k, v in m.items() if k not in ("reasoning_content", "thinking", "compaction", "policy_version")}
     if isinstance(out.get("content"), list):  # text and image parts: images become their placeholder text
-        out["content"] = "".join(p["text"] if p["type"] == "text" else _IMAGE_MARK for p in out["content"])
+        out["content"] = content_for_template(out["content"], _IMAGE_MARK, parts)
     if out.get("tool_calls"):
         out["tool_calls"] = [{k: v for k, v in c.items() if not (k == "function" and v is None)} for c in out["tool_calls"]]
     thinking = m.get("reasoning_content") or m.get("thinking")
     if out.get("content") is None:
         out["content"] = ""
     if keep_thinking and thinking:
-        out["content"] = f"<think>\n{thinking}\n</think>\n\n{out['content']}"
+        head = f"<think>\n{thinking}\n</think>\n\n"
+        out["content"] = ([{"type": "text", "text": head}] + out["content"] if isinstance(out["content"], list)
+                          else head + out["content"])
     return out
 
 
@@ -287,18 +291,30 @@ class ChatBuilder(TreeBuilder):
         self.advantage_options = advantage_options
         self.render_timeout_s = None if render_timeout_s is None else float(render_timeout_s)
         self.images: Optional[ImageReader] = None
+        self._parts = False  # content parts to the template as parts (only with images)
         if processor is None and processor_path:
             processor = load_image_processor(processor_path)
         if processor is not None:
             self.images = ImageReader(processor, ImageLimits(int(max_image_bytes), int(max_image_pixels)),
-                                      image_root=image_root)
-            self._image_text, self.image_token_id = _image_tokens(self.tok)
+                                      image_root=image_root, tokens_per_image=tokens_per_image(processor_path))
+            self.image_markers = image_text(self.tok, fixed_count=self.images.fixed is not None)
+            self._image_text, self.image_token_id = self.image_markers.text, self.image_markers.token_id
+            try:
+                self._parts = template_renders_parts(self._render_plain, _IMAGE_MARK)
+            except _RenderTimeout:
+                raise ValueError(f"the chat template of {tokenizer_path or 'the tokenizer'} took longer than "
+                                 f"tree_builder.render_timeout_s={self.render_timeout_s:g} s on one short "
+                                 "message") from None
         self._record_path: Optional[str] = None
 
     def validate(self, rec: Any, source: str) -> None:
         validate_chat_record(rec, source, self.group_key)
 
     # rendering -------------------------------------------------------------------------
+    def _render_plain(self, msgs: List[Dict[str, Any]]) -> str:
+        with _time_limit(self.render_timeout_s):
+            return self.tok.apply_chat_template(msgs, tokenize=False)
+
     def _render(self, msgs: List[Dict[str, Any]], gen: bool = False) -> str:
         with _time_limit(self.render_timeout_s):
             text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -363,7 +379,7 @@ class ChatBuilder(TreeBuilder):
             raise DataError(f"{source}: {field}: no assistant message to train on")
         try:
             if self.export == "trajectory":
-                norm = [_normalise(m, keep_thinking=True) for m in msgs]
+                norm = [_normalise(m, keep_thinking=True, parts=self._parts) for m in msgs]
                 train = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
                 ids, mask, images = self._encode(norm, train, f"{source}: {field}",
                                                  _refs(msgs, range(len(msgs)), f"{source}: {field}"))
@@ -373,8 +389,9 @@ class ChatBuilder(TreeBuilder):
                 if m["role"] != "assistant":
                     continue
                 seen = _visible_history(msgs, t)
-                ctx = [_normalise(msgs[i], keep_thinking=False) for i in seen]
-                ids, mask, images = self._encode(ctx + [_normalise(m, keep_thinking=True)], [len(ctx)],
+                ctx = [_normalise(msgs[i], keep_thinking=False, parts=self._parts) for i in seen]
+                call = _normalise(m, keep_thinking=True, parts=self._parts)
+                ids, mask, images = self._encode(ctx + [call], [len(ctx)],
                                                  f"{source}: {field}[{t}]",
                                                  _refs(msgs, seen + [t], f"{source}: {field}"))
                 out.append((ids, *_owned(mask, msgs, [t], field), f"{field}[{t}]", images))
@@ -430,20 +447,6 @@ def _refs(msgs: Sequence[Dict[str, Any]], which, field: str) -> List[Tuple[str, 
                 if (r := image_ref(p, where)):
                     out.append((r, where))
     return out
-
-
-def _image_tokens(tok) -> Tuple[str, int]:
-    """The text an image part renders as and its placeholder token id (the Qwen vision families'
-    ``<|vision_start|><|image_pad|><|vision_end|>``, or the tokenizer's own ``image_token``)."""
-    pad = getattr(tok, "image_token", None) or "<|image_pad|>"
-    start = getattr(tok, "vision_start_token", None) or "<|vision_start|>"
-    end = getattr(tok, "vision_end_token", None) or "<|vision_end|>"
-    ids = {t: tok.convert_tokens_to_ids(t) for t in (pad, start, end)}
-    missing = [t for t, i in ids.items() if i is None or i == tok.unk_token_id]
-    if missing:
-        raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s); images need a vision checkpoint's "
-                         "tokenizer (tree_builder.tokenizer_path)")
-    return start + pad + end, int(ids[pad])
 
 
 def load_tokenizer(path: str):

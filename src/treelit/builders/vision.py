@@ -44,8 +44,9 @@ def checkpoint_image_token(folder: str) -> Optional[Tuple[int, str]]:
     ``tokenizer.json``'s added tokens or ``tokenizer_config.json``'s ``added_tokens_decoder``.
     None: no file names one."""
     config = _json(os.path.join(folder, "config.json")) or {}
-    if is_int(config.get("image_token_id")):
-        return int(config["image_token_id"]), "config.json"
+    for key in ("image_token_id", "image_token_index"):  # Gemma-3's config names it image_token_index
+        if is_int(config.get(key)):
+            return int(config[key]), "config.json"
     tok_config = _json(os.path.join(folder, "tokenizer_config.json")) or {}
     proc_config = _json(os.path.join(folder, "processor_config.json")) or {}
     name = next((c["image_token"] for c in (proc_config, tok_config) if isinstance(c.get("image_token"), str)),
@@ -102,6 +103,29 @@ def check_model_images(builder: Any, model: Any) -> None:
         raise ValueError(f"the data's image token {ours} ({source}) differs from the model's image_token_id {token}: "
                          "the processor and the model must come from the same checkpoint")
     builder.image_token_id = token
+    _check_markers(getattr(builder, "image_markers", None), vision)
+
+
+MARKER_KEYS = (("vision_start_token_id", "vision_end_token_id"),  # Qwen
+               ("image_start_token_id", "image_end_token_id"),  # GLM-4.5V
+               ("boi_token_index", "eoi_token_index"))  # Gemma-3
+
+
+def _check_markers(markers: Any, vision: Any) -> None:
+    """The chat builder's image markers (:mod:`treelit.builders.image_text`) must be the ones the
+    model's config names (its tokenizer and the model from one checkpoint)."""
+    hf = getattr(vision, "_hf", None)
+    config = getattr(hf[0], "config", None) if hf else None
+    if markers is None or config is None:
+        return
+    for start, end in MARKER_KEYS:
+        want = (getattr(config, start, None), getattr(config, end, None))
+        if all(is_int(w) for w in want):
+            if (markers.start_id, markers.end_id) != tuple(want):
+                raise ValueError(f"the tokenizer's {markers.family} image markers ({markers.start_id}, "
+                                 f"{markers.end_id}) differ from the model's {start}/{end} {want}: the tokenizer "
+                                 "(tree_builder.tokenizer_path) and the model must come from the same checkpoint")
+            return
 
 
 def image_token_without_image(ids: List[int], token: Optional[int], where: str) -> None:
@@ -125,6 +149,11 @@ def expand_raw_images(reader: Any, token: int, br: Dict[str, Any], refs: List[st
     if len(at) != len(refs):
         raise DataError(f"{where}.input_ids: {len(at)} image token(s) {token} for {len(refs)} "
                         "image(s) (one token per image, in order)")
+    glued = next((k for k in range(1, len(at)) if at[k] == at[k - 1] + 1), None)
+    if glued is not None and getattr(reader, "fixed", None) is not None:  # Gemma-3: one bidirectional block
+        raise DataError(f"{where}.input_ids[{at[glued]}]: images {glued - 1} and {glued} have no token between them, "
+                        "which makes them one bidirectional image block in Gemma-3; write each image token between "
+                        "the start and end of image markers, as its processor does")
     per_token = {k: br[k] for k in PER_TOKEN if br.get(k) is not None}
     for key, values in per_token.items():
         for t in at:

@@ -108,14 +108,15 @@ class ImagePrompts:
 
     def __init__(self, checkpoint: Path, image_root: Optional[str] = None) -> None:
         from treelit.builders.vision import checkpoint_image_token
-        from treelit.data.images import ImageReader, load_image_processor
+        from treelit.data.images import ImageReader, load_image_processor, tokens_per_image
 
         checkpoint = Path(checkpoint)
         if not (checkpoint / "preprocessor_config.json").is_file():
             raise ValueError(f"{checkpoint}: a vision-language checkpoint without preprocessor_config.json (its image "
                              "processor): publish with publish.tokenizer naming the checkpoint folder that has it")
         try:
-            self.reader = ImageReader(load_image_processor(str(checkpoint)), image_root=image_root)
+            self.reader = ImageReader(load_image_processor(str(checkpoint)), image_root=image_root,
+                                      tokens_per_image=tokens_per_image(str(checkpoint)))
         except ValueError as exc:
             raise ValueError(str(exc).replace("tree_builder.image_root", "--image-root")) from None
         found = checkpoint_image_token(str(checkpoint))
@@ -161,14 +162,16 @@ class ImagePrompts:
         rec["_vision"] = VisionPrompt(expanded + ids[prev:], pixels, raw)
 
     def _render(self, messages: Any, tok: Any, where: str) -> Tuple[List[int], List[Tuple[str, str]]]:
-        from treelit.builders.chat import _IMAGE_MARK, _image_tokens, _normalise, _refs
+        from treelit.builders.chat import _IMAGE_MARK, _normalise, _refs
+        from treelit.builders.image_text import image_text, template_renders_parts
 
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError(f"{where}: messages: must be a list of message objects")
         refs = _refs(messages, range(len(messages)), f"{where}: messages")
-        text, _ = _image_tokens(tok)
+        text = image_text(tok, fixed_count=self.reader.fixed is not None).text  # as the trainer's chat builder
+        parts = template_renders_parts(lambda msgs: tok.apply_chat_template(msgs, tokenize=False), _IMAGE_MARK)
         try:
-            rendered = tok.apply_chat_template([_normalise(m, keep_thinking=True) for m in messages],
+            rendered = tok.apply_chat_template([_normalise(m, keep_thinking=True, parts=parts) for m in messages],
                                                add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a malformed message or part: the record's error, in one line
             raise ValueError(f"{where}: messages: the chat template cannot render them ({type(exc).__name__}: "

@@ -28,6 +28,7 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 import os
 import warnings
 from collections import OrderedDict
@@ -39,7 +40,7 @@ from PIL import Image
 from treelit.data.records import DataError
 from treelit.tree.images import ProcessedImage
 
-__all__ = ["ImageLimits", "ImageReader", "image_ref", "load_image_processor"]
+__all__ = ["ImageLimits", "ImageReader", "image_ref", "load_image_processor", "tokens_per_image"]
 
 MiB = 1 << 20
 CACHE_BYTES = 256 * MiB  # processed pixel values kept per reader (a 1280x720 screenshot's are ~22 MB in float32)
@@ -106,16 +107,39 @@ def load_image_processor(path: str):
                          f"({' '.join(str(exc).split())[:300]})") from None
 
 
+def tokens_per_image(path: Optional[str]) -> Optional[int]:
+    """The fixed number of placeholder tokens per image a processor folder names (Gemma-3:
+    ``image_seq_length`` in ``processor_config.json``, else ``mm_tokens_per_image`` in
+    ``config.json``); None: neither does (the Qwen and GLM processors count by grid)."""
+    for name, key in (("processor_config.json", "image_seq_length"), ("config.json", "mm_tokens_per_image")):
+        full = os.path.join(path, name) if path else ""
+        if not full or not os.path.isfile(full) or os.path.getsize(full) > 64 * MiB:
+            continue
+        try:
+            with open(full, "rb") as f:
+                value = json.loads(f.read().decode("utf-8")).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value <= 0:
+                raise ValueError(f"{full}: {key}={value} must be a positive number of image tokens")
+            return value
+    return None
+
+
 class ImageReader:
     """Reads, bounds and processes the images of records (one reader per builder; each image of a
     record is processed once however many branches show it; processed images are kept, least
     recently used dropped first, up to ``cache_bytes`` of pixel values).
 
-    ``processor``: the checkpoint's processor (``image_processor`` attribute) or image processor;
-    ``make(pixel_values, grid_thw, name)`` turns its output into the row's image objects."""
+    ``processor``: the checkpoint's processor (``image_processor`` attribute) or image processor.
+    An image becomes ``t*h*w / merge**2`` placeholder tokens for a processor with a ``merge_size``
+    (the Qwen and GLM families), else ``tokens_per_image`` of them (Gemma-3's
+    ``mm_tokens_per_image``; default: the processor's ``image_seq_length``) from one
+    ``[1, 3, H, W]`` pixel block, its grid ``(1, 1, 1)``."""
 
     def __init__(self, processor: Any, limits: Optional[ImageLimits] = None, cache_bytes: int = CACHE_BYTES,
-                 image_root: Optional[str] = None) -> None:
+                 image_root: Optional[str] = None, tokens_per_image: Optional[int] = None) -> None:
         self.image_processor = getattr(processor, "image_processor", processor)
         self.image_root = None
         if image_root is not None:
@@ -125,10 +149,20 @@ class ImageReader:
             self.image_root = os.path.realpath(image_root)
         self.limits = limits or ImageLimits()
         merge = getattr(self.image_processor, "merge_size", None)
+        self.merge = None if merge is None else int(merge)
+        self.fixed = None
         if merge is None:
-            raise ValueError(f"{type(self.image_processor).__name__}: treelit reads images for processors with a "
-                             "merge_size (the Qwen vision families)")
-        self.merge = int(merge)
+            name = type(self.image_processor).__name__
+            fixed = tokens_per_image if tokens_per_image is not None else getattr(processor, "image_seq_length", None)
+            if fixed is None:
+                raise ValueError(f"{name}: treelit reads images for processors with a merge_size (the Qwen and GLM "
+                                 "vision families) or a fixed number of tokens per image (Gemma-3: image_seq_length "
+                                 "in processor_config.json, or mm_tokens_per_image in config.json); the folder names "
+                                 "neither")
+            if getattr(self.image_processor, "do_pan_and_scan", False):
+                raise ValueError(f"{name}: do_pan_and_scan=true is not read (an image would become several crops, "
+                                 "each its own image block); set do_pan_and_scan to false in the processor's config")
+            self.fixed = int(fixed)
         self.cache_bytes = int(cache_bytes)
         self._cache: "OrderedDict[str, Tuple[Any, Tuple[int, ...], int]]" = OrderedDict()  # least recently used first
         self._cached = 0  # bytes of the pixel values held
@@ -229,8 +263,14 @@ class ImageReader:
                 raise DataError(f"{where}: image {name!r} ({img.width}x{img.height}) is refused by the image "
                                 f"processor ({_one_line(exc)})") from None
             pv = out["pixel_values"]
-            grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            n = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
+            if self.fixed is not None:  # one pixel block per image (no pan-and-scan crops: refused above)
+                if pv.ndim != 4 or pv.shape[0] != 1:
+                    raise DataError(f"{where}: image {name!r}: the image processor made {tuple(pv.shape)} pixel values, "
+                                    "not one [1, 3, H, W] block")
+                grid, n = (1, 1, 1), self.fixed
+            else:
+                grid = tuple(int(x) for x in out["image_grid_thw"][0])
+                n = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
             self._remember(key, (pv, grid, n))
         return ProcessedImage(pv, grid, n, int(token_id), name=name)
 
