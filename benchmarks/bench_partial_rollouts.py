@@ -54,7 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from treelit.cli.rollout import Sampler, _args  # noqa: E402
+from treelit.cli.rollout import Sampler, _args, read_prompts  # noqa: E402
 from treelit.cli.rollout_partial import Pool, run_partial, write_file  # noqa: E402
 from treelit.lightning.publish import PolicyPublisher  # noqa: E402
 from treelit.rl.rewards import resolve_reward  # noqa: E402
@@ -152,7 +152,7 @@ def one(a, mode: str, tmp: Path):
     trainer.start()
     t0 = time.monotonic()
     if mode == "partial":
-        run_partial(worker, 0, stop_at=stop_at, log=rows.append)
+        run_partial(worker, 0, Sampler, read_prompts, stop_at=stop_at, log=rows.append)
     else:
         whole(a, worker, stop_at, rows.append)
     wall = time.monotonic() - t0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from treelit.cli.rollout import _args, run
+from treelit.cli.rollout import Sampler, _args, read_prompts, run
 from treelit.cli.rollout_partial import run_partial
 from treelit.lightning.publish import PolicyPublisher
 from treelit.models.context import CausalContext
@@ -68,7 +68,7 @@ def test_versions_change_mid_branch_and_each_token_has_its_versions_logprob(tmp_
     models, log = simulated_trainer(tmp_path, family)
     a = args(tmp_path, "--steps", "3", "--max-new-tokens", "8", "--max-staleness", "0")
     (tmp_path / "out").mkdir()
-    assert run_partial(a, 0, stop_at=long_first, log=log) == 0
+    assert run_partial(a, 0, Sampler, read_prompts, stop_at=long_first, log=log) == 0
     recs = files(tmp_path / "out")
     assert len(recs) == 3 and all(len(f) == 2 for f in recs)
     assert [r["id"] for r in recs[0]] == ["p1@1", "p2@2"]  # the short groups are written first
@@ -107,7 +107,7 @@ def partial_files(tmp_path):
     _, log = simulated_trainer(tmp_path, vocab_size=16)
     a = args(tmp_path, "--steps", "3", "--max-new-tokens", "8", "--max-staleness", "0")
     (tmp_path / "out").mkdir()
-    run_partial(a, 0, stop_at=long_first, log=log)
+    run_partial(a, 0, Sampler, read_prompts, stop_at=long_first, log=log)
     return tmp_path / "out"
 
 

@@ -458,7 +458,7 @@ def run(a) -> int:
     if a.partial:
         from treelit.cli.rollout_partial import run_partial
 
-        return run_partial(a, start)
+        return run_partial(a, start, Sampler, read_prompts)
 
     import torch  # cli: treelit-rollout --help pays for no torch
 

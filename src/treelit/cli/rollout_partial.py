@@ -180,13 +180,15 @@ def write_file(out: Path, i: int, groups: List[Group], reward) -> Tuple[List[flo
     return rewards, versions
 
 
-def run_partial(a, start: int, stop_at: Optional[Callable[[Group, int], int]] = None,
+def run_partial(a, start: int, sampler_cls: Callable, read_prompts: Callable,
+                stop_at: Optional[Callable[[Group, int], int]] = None,
                 log: Optional[Callable[[Dict[str, Any]], None]] = None) -> int:
     """Files ``start`` .. ``a.steps - 1`` of ``treelit-rollout --partial`` (``a``: its parsed
-    arguments); ``log`` receives each file's stats (default: printed as a JSON line)."""
+    arguments; ``sampler_cls`` and ``read_prompts``: :mod:`treelit.cli.rollout`'s sampler and
+    prompt reader, handed in so that the two modules do not import each other); ``log``
+    receives each file's stats (default: printed as a JSON line)."""
     import torch  # cli: treelit-rollout --help pays for no torch
 
-    from treelit.cli.rollout import Sampler, read_prompts
     from treelit.rl.rewards import resolve_reward
 
     if a.record_routing:
@@ -194,7 +196,7 @@ def run_partial(a, start: int, stop_at: Optional[Callable[[Group, int], int]] = 
     out = Path(a.out)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     reward = resolve_reward(a.reward)
-    sampler = Sampler(a.publish_dir, a.dtype, a.base, a.engine)
+    sampler = sampler_cls(a.publish_dir, a.dtype, a.base, a.engine)
     pool = Pool(sampler, a.n, a.max_new_tokens, torch.Generator().manual_seed(a.seed * 1_000_003 + start), stop_at)
     prompts, B, started = None, None, 0
     i = start
