@@ -84,7 +84,8 @@ def _logprobs(ref, ids, shown):
     return lp, len(full) - len(ids)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", *(pytest.param(f, marks=pytest.mark.slow)
+                                                    for f in ("qwen3_vl", "qwen3_5", "qwen3_vl_moe"))])
 def test_image_prompts_roll_out_into_files_the_trainer_reads_and_trains_on(family, request, tmp_path):
     from PIL import Image
 
