@@ -75,6 +75,7 @@ import torch
 from omegaconf import OmegaConf
 
 from treelit.lightning.faults import hold_launched_ranks
+from treelit.lightning.publish_check import check_head_written
 from treelit.models.factory import replay_shape
 from treelit.models.hf import save_hf_checkpoint
 from treelit.models.lora import is_lora_key, lora_of, merged_state_dict, save_adapter
@@ -368,6 +369,10 @@ class PolicyPublisher:
             else:
                 save_hf_checkpoint(model, tmp, state_dict=sd, native_fallback=True,
                                    max_shard_bytes=self.max_shard_bytes)
+                try:  # a separate output layer the files lack: the sampler would load another head
+                    check_head_written(model, sd, tmp, f"version {version} ({final})")
+                except ValueError as exc:
+                    raise PublishError(str(exc)) from None
                 self._generation_config(tmp)
                 if self.tokenizer is not None:
                     for name in TOKENIZER_FILES:
