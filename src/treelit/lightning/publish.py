@@ -40,7 +40,9 @@ newest version (``rewind``): the steps after that checkpoint are trained again, 
 versions published from them are removed once ``latest.json`` names the resumed step.
 Each version holds a manifest (``treelit-manifest.json``: the size and SHA-256 of every file,
 :mod:`treelit.utils.integrity`), written last, which ``treelit-rollout`` checks before it loads
-the version. A write that fails for want of space (a full disk, the file-size limit) removes
+the version. The output layer is left out only when it is the input embedding (tied); a
+version whose files lack a separate head is refused (:mod:`treelit.lightning.publish_check`).
+A write that fails for want of space (a full disk, the file-size limit) removes
 the temporary directory and leaves ``latest.json`` on the previous version; with
 ``required=false`` the run goes on (a warning naming the version and the bytes it needed;
 ``publish/write_failures`` counts them), with ``required=true`` every rank stops.
