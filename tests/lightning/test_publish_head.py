@@ -98,3 +98,9 @@ def test_native_loader_ties_a_checkpoint_head_as_transformers_does(distinct, tmp
     tokens = torch.randint(0, model.vocab_size, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+    # model=hf_auto is transformers' load: its tie flag (which publishing reads) follows the load
+    from treelit.models.hf_adapter import load_hf_model
+
+    auto = load_hf_model(path, dtype=torch.float32)
+    assert auto.config.tie_word_embeddings is (not distinct)
+    assert torch.equal(auto.output.weight, hf.lm_head.weight)
