@@ -20,9 +20,9 @@ from vision_oracle import END, IMAGE, START, VIDEO, image_processor, png_bytes, 
 pytest.importorskip("transformers")
 
 
-def _publish(root, family, **text):
+def _publish(root, family):
     """A tiny checkpoint of ``family`` with its image processor, published as version 0 (float64)."""
-    ckpt = vision_checkpoint(root / "ckpt", family, **text)
+    ckpt = vision_checkpoint(root / "ckpt", family)
     image_processor().save_pretrained(ckpt)
     model = treelit.load_hf_model(ckpt, dtype=torch.float64, vision=True)
     PolicyPublisher(root / "policy", dtype="float64", tokenizer=str(ckpt)).publish(model, 0)
@@ -95,11 +95,8 @@ def test_image_prompts_roll_out_into_files_the_trainer_reads_and_trains_on(famil
     from treelit.objectives import make_objective
     from vision_oracle import load_reference
 
-    # (the MoE checkpoint's text config says its head is untied, as its top-level config does: with
-    # the tiny config's default, tied, saving drops the untied head)
-    text = {"tie_word_embeddings": False} if family == "qwen3_vl_moe" else {}
     root, ckpt, model = (request.getfixturevalue("policy") if family == "qwen2_5_vl"
-                         else _publish(tmp_path, family, **text))
+                         else _publish(tmp_path, family))
     assert (root / "policy" / "step-0" / "preprocessor_config.json").is_file()  # published with the weights
     prompts, out = _prompts(tmp_path), tmp_path / "out"
     SEEN.clear()

@@ -40,7 +40,9 @@ newest version (``rewind``): the steps after that checkpoint are trained again, 
 versions published from them are removed once ``latest.json`` names the resumed step.
 Each version holds a manifest (``treelit-manifest.json``: the size and SHA-256 of every file,
 :mod:`treelit.utils.integrity`), written last, which ``treelit-rollout`` checks before it loads
-the version. A write that fails for want of space (a full disk, the file-size limit) removes
+the version. The output layer is left out only when it is the input embedding (tied); a
+version whose files lack a separate head is refused (:mod:`treelit.lightning.publish_check`).
+A write that fails for want of space (a full disk, the file-size limit) removes
 the temporary directory and leaves ``latest.json`` on the previous version; with
 ``required=false`` the run goes on (a warning naming the version and the bytes it needed;
 ``publish/write_failures`` counts them), with ``required=true`` every rank stops.
@@ -75,6 +77,7 @@ import torch
 from omegaconf import OmegaConf
 
 from treelit.lightning.faults import hold_launched_ranks
+from treelit.lightning.publish_check import check_head_written
 from treelit.models.factory import replay_shape
 from treelit.models.hf import save_hf_checkpoint
 from treelit.models.lora import is_lora_key, lora_of, merged_state_dict, save_adapter
@@ -368,6 +371,10 @@ class PolicyPublisher:
             else:
                 save_hf_checkpoint(model, tmp, state_dict=sd, native_fallback=True,
                                    max_shard_bytes=self.max_shard_bytes)
+                try:  # a separate output layer the files lack: the sampler would load another head
+                    check_head_written(model, sd, tmp, f"version {version} ({final})")
+                except ValueError as exc:
+                    raise PublishError(str(exc)) from None
                 self._generation_config(tmp)
                 if self.tokenizer is not None:
                     for name in TOKENIZER_FILES:

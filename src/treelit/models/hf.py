@@ -25,7 +25,7 @@ from treelit import models  # the package face: the decoder (torchtune) is impor
 from treelit.models.config import DecoderConfig, check_rope_scaling, decode_special_floats, parse_config_json
 from treelit.models.errors import CheckpointError
 from treelit.models.hf_files import SAFE_INDEX, check_weight_shapes, weight_files
-from treelit.models.hf_keys import check_config_keys, effective_windows
+from treelit.models.hf_keys import check_config_keys, effective_windows, untie_distinct_head
 from treelit.models.hf_recurrent import (
     config_from_hf_recurrent,
     config_to_hf_recurrent,
@@ -420,6 +420,7 @@ def load_hf_checkpoint(
     check_weight_shapes(cfg, weight_files(path)[0], cfg_file)
     tune_sd = _read_state_dict(path)
     if cfg.get("model_type") != NATIVE_MODEL_TYPE:
+        untie_distinct_head(config, tune_sd, str(cfg_file))  # as transformers' load of the folder
         tune_sd = _hf_weights_to_tune(tune_sd, config, path)
     # names and shapes on the meta device (nothing allocated): weights left out of the checkpoint, or
     # sizes in config.json the weights do not have, are refused before the model is built at those sizes

@@ -197,6 +197,15 @@ def bias_routed(hf_model: nn.Module) -> Optional[str]:
     return None
 
 
+def head_is_embedding(hf_model: nn.Module) -> bool:
+    """Whether the model's output layer is its input embedding (one tensor): what transformers
+    actually tied, not what a config flag says. A vision-language config can say tied in its
+    ``text_config`` (Qwen3-VL-MoE's text config defaults to it) while transformers ties by the
+    top-level flag, and does not tie a checkpoint whose head and embedding differ."""
+    head, emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    return head is not None and emb is not None and head.weight is emb.weight
+
+
 class HFTreeModel(nn.Module):
     """A transformers causal LM (``attn_implementation="treelit"``) that treelit's passes run.
 
@@ -213,7 +222,7 @@ class HFTreeModel(nn.Module):
         self.config = AdapterConfig(
             model_type=cfg.model_type, vocab_size=int(cfg.vocab_size),
             max_seq_len=int(getattr(cfg, "max_position_embeddings", 0) or 2**31),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), moe=_moe_options(cfg))
+            tie_word_embeddings=head_is_embedding(hf_model), moe=_moe_options(cfg))
         self.activation_checkpointing = False
         self._checkpointing_on = False
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)

@@ -193,3 +193,21 @@ def check_config_keys(cfg: Dict[str, Any], where: str, max_seq_len: Optional[int
         _WARNED.add((mt, tuple(unknown)))
         log.warning("%s: config keys %s are not known for model_type %r; they are kept on save but not applied",
                     where, ", ".join(unknown), mt)
+
+
+EMBED_KEYS = ("model.embed_tokens.weight", "backbone.embeddings.weight", "backbone.embedding.weight")
+
+
+def untie_distinct_head(config, sd: Dict[str, Any], where: str) -> None:
+    """A checkpoint whose config says tied (``tie_word_embeddings``) but whose weights hold an
+    ``lm_head.weight`` unequal to the embedding: transformers (5.x) then does not tie them and
+    keeps the head it read; so does treelit (``config.tie_word_embeddings`` becomes False)."""
+    head = sd.get("lm_head.weight")
+    emb = next((sd[k] for k in EMBED_KEYS if k in sd), None)
+    if not config.tie_word_embeddings or head is None or emb is None:
+        return
+    if head.shape == emb.shape and bool((head == emb).all()):
+        return
+    log.warning("%s: tie_word_embeddings is true but lm_head.weight differs from the embedding: loaded "
+                "untied (as transformers does); set tie_word_embeddings=false in config.json", where)
+    config.tie_word_embeddings = False
