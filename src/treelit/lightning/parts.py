@@ -11,7 +11,9 @@ hooks it needs:
   :meth:`~StepPart.clip_groups`;
 - before a step batch's first update: :meth:`~StepPart.before_updates`;
 - per update: :meth:`~StepPart.normalizer` (its step normaliser's share of a micro-batch);
-- per micro-batch: :meth:`~StepPart.whole_row` (composed around the whole-row loss),
+- per micro-batch: :meth:`~StepPart.micro_batch` (a context around each micro-batch's passes
+  and no-gradient reads, e.g. the image encoder's tower forward before and backward after),
+  :meth:`~StepPart.whole_row` (composed around the whole-row loss),
   :meth:`~StepPart.pass_parts` / :meth:`~StepPart.extra_runs` (the partition engine's),
   :meth:`~StepPart.pad` / :meth:`~StepPart.pad_loss` (a padding pass);
 - per step: :meth:`~StepPart.step_metrics`.
@@ -22,6 +24,7 @@ here; the executors and the module do not change.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -82,6 +85,11 @@ class StepPart:
         return None
 
     # per micro-batch
+    def micro_batch(self, spec, mb, grad: bool):
+        """A context the executor runs one micro-batch ``mb`` in: its forward and backward
+        (``grad``), or a no-gradient read (values, log-probs). Nothing by default."""
+        return contextlib.nullcontext()
+
     def whole_row(self, spec, inner: LossFn, norms) -> LossFn:
         return inner
 
@@ -346,7 +354,11 @@ def step_parts(model, objective, *, critic=None, old_logprobs: str = "data", lin
                ) -> List[StepPart]:
     """The parts of a run, in the order their hooks run (the first part's whole-row loss
     outermost; the pass parts in this order)."""
+    from treelit.lightning.image_part import ImageEncoder, has_vision_tower
+
     parts: List[StepPart] = []
+    if has_vision_tower(model):  # first: its micro-batch context holds the others'
+        parts.append(ImageEncoder(model))
     if old_logprobs == "rollout":
         parts.append(RolloutLogprobs(objective))
     if hasattr(objective, "_reference_model") and getattr(objective, "reference", None) == "initial":

@@ -23,10 +23,14 @@ In tree mode (an adapted model with :class:`VisionInputs`, ``model.vision``):
   DeltaNet through treelit's tree kernels, the vision tower on its own sdpa attention (an
   image attends within itself, never across the tree).
 
-A part of a row (a partition; :meth:`TreeBatch.subset`) keeps the images its tokens show and
-encodes them itself: an image shown in two partitions is encoded by each, and the tower's
-gradient is the sum over them, as it is over branches. Its positions are the whole row's (the
-part holds no branches), computed once on the row and sliced.
+In training the step's image encoder (:class:`~treelit.lightning.image_part.ImageEncoder`, a
+step part) runs the tower once per micro-batch and hands every pass the rows it needs
+(``batch.image_embeds``); the tower's backward then runs once, with the gradient the passes
+summed. Without it (library use: ``tree_loss``, ``tree_backward``), a part of a row (a
+partition; :meth:`TreeBatch.subset`) keeps the images its tokens show and encodes them
+itself: an image shown in two partitions is encoded by each, and the tower's gradient is the
+sum over them, as it is over branches. A part's positions are the whole row's (the part holds
+no branches), computed once on the row and sliced.
 
 ``freeze_vision``: the tower's parameters stop requiring gradients (the common LoRA / RL
 setting); the projector (the patch merger, part of the tower in these families) follows.
@@ -116,8 +120,11 @@ class VisionInputs:
         return kw
 
     def _with_images(self, batch, embeds: torch.Tensor):
-        """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image."""
-        rows, deep = self.encode(batch.images)
+        """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image:
+        the row's ``image_embeds`` when the step's image encoder encoded them for the micro-batch
+        (:mod:`treelit.lightning.image_part`), else encoded here."""
+        pre = getattr(batch, "image_embeds", None)
+        rows, deep = (pre.rows, pre.deep) if pre is not None else self.encode(batch.images)
         rows = rows.to(embeds.dtype)
         sel = batch.image_row >= 0
         at = batch.image_row.clamp(min=0)
