@@ -55,7 +55,8 @@ def per_branch_records(branches: Sequence[Sequence[int]], records: Sequence[np.n
 def hf_routers(hf_model) -> List[torch.nn.Module]:
     """The MoE blocks' routers (``mlp.gate``) of a transformers model, in layer order."""
     out = []
-    for layer in hf_model.model.layers:
+    base = hf_model.model
+    for layer in getattr(base, "language_model", base).layers:  # a vision-language model: its text model
         gate = getattr(getattr(layer, "mlp", None), "gate", None)
         if gate is not None and hasattr(gate, "top_k"):
             out.append(gate)
@@ -82,7 +83,7 @@ def _replay_forward(experts: torch.Tensor, sigmoid: bool = False):
         if (idx < 0).any():  # not recorded: the router's own top-k
             idx = torch.where(idx[:, :1] >= 0, idx, torch.topk(probs, self.top_k, dim=-1).indices)
         w = probs.gather(1, idx)
-        if self.norm_topk_prob:
+        if getattr(self, "norm_topk_prob", True):  # Qwen3.5-MoE / Qwen3-VL-MoE routers always renormalise
             w = w / w.sum(dim=-1, keepdim=True)
         return logits, w.to(logits.dtype), idx
     return forward
@@ -123,16 +124,19 @@ def balance_loss(logits: Sequence[torch.Tensor], experts: Sequence[torch.Tensor]
 
 
 def replay_branch_loss(hf_model, branches, masks, weights, routing, aggregation: str = "token-mean",
-                       router=None) -> torch.Tensor:
+                       router=None, inputs=None) -> torch.Tensor:
     """Per-branch loss (and, with ``router=(definition, coef)``, coef x the router loss) of the
-    transformers model with branch b's routing ``routing[b]`` replayed."""
+    transformers model with branch b's routing ``routing[b]`` replayed (``inputs(b, ids)``: branch
+    b's further forward arguments, e.g. its images)."""
     total, n_targets, n_seq = 0.0, 0, 0
-    E = getattr(hf_model.config, "num_experts", None) or getattr(hf_model.config, "num_local_experts", None)
+    cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
+    E = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     per_branch = []
-    for br, m, w, r in zip(branches, masks, weights, routing):
+    for b, (br, m, w, r) in enumerate(zip(branches, masks, weights, routing)):
         ids = torch.tensor([list(br)])
         with replayed(hf_model, r):
-            out = hf_model(input_ids=ids, output_router_logits=router is not None)
+            out = hf_model(input_ids=ids, output_router_logits=router is not None,
+                           **(inputs(b, ids) if inputs is not None else {}))
         logp = torch.log_softmax(out.logits[0], -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
         mask = torch.tensor([float(v) for v in m[1:]], dtype=logp.dtype)
         n = int(mask.sum().item())

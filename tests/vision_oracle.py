@@ -20,6 +20,13 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attentio
             num_hidden_layers=2, max_position_embeddings=256, head_dim=8, rope_parameters=ROPE)
 VISION = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4, spatial_merge_size=2,
               temporal_patch_size=2, out_hidden_size=32)
+MOE = dict(moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+QWEN35_MOE_TEXT = dict(
+    {k: v for k, v in TEXT.items() if k != "intermediate_size"}, num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=3,
+    moe_intermediate_size=8, shared_expert_intermediate_size=12, num_experts=8, num_experts_per_tok=2,
+    rope_parameters=dict(ROPE, mrope_interleaved=True, partial_rotary_factor=0.5))
 FAMILIES = {
     "qwen2_5_vl": (dict(TEXT), dict(VISION, window_size=16, fullatt_block_indexes=[1])),
     "qwen3_vl": (dict(TEXT, rope_parameters=dict(ROPE, mrope_interleaved=True)),
@@ -29,7 +36,19 @@ FAMILIES = {
                      linear_conv_kernel_dim=3,
                      rope_parameters=dict(ROPE, mrope_interleaved=True, partial_rotary_factor=0.5)),
                 dict(VISION, num_position_embeddings=64)),
+    # Qwen3.5-MoE-shaped: Gated DeltaNet layers with full attention every 4th layer (the real pattern,
+    # full_attention_interval=4), every MLP a mixture of experts with a gated shared expert
+    "qwen3_5_moe": (dict(QWEN35_MOE_TEXT), dict(VISION, num_position_embeddings=64)),
+    "qwen3_vl_moe": (dict(TEXT, rope_parameters=dict(ROPE, mrope_interleaved=True), **MOE),
+                     dict(VISION, deepstack_visual_indexes=[0], num_position_embeddings=64)),
+    "glm4v_moe": (dict(TEXT, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                       routed_scaling_factor=2.5, first_k_dense_replace=1, n_group=2, topk_group=1,
+                       norm_topk_prob=True, rope_parameters=dict(ROPE, mrope_section=[1, 1, 0], partial_rotary_factor=0.5)),
+                  dict(VISION, num_heads=2, image_size=16, rms_norm_eps=1e-5)),
 }
+# the multimodal checkpoints' own token ids beyond Qwen's (GLM-4.1V names its image markers apart)
+TOKEN_IDS = {"glm4v_moe": dict(image_start_token_id=START, image_end_token_id=END, video_start_token_id=33,
+                               video_end_token_id=34)}
 
 
 def vision_checkpoint(path, family: str, seed: int = 0, std: float = 0.3, **text_overrides):
@@ -37,9 +56,9 @@ def vision_checkpoint(path, family: str, seed: int = 0, std: float = 0.3, **text
     import transformers
 
     text, vision = FAMILIES[family]
+    ids = TOKEN_IDS.get(family, dict(vision_start_token_id=START, vision_end_token_id=END))
     cfg = transformers.AutoConfig.for_model(family, text_config=dict(text, **text_overrides), vision_config=vision,
-                                            image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
-                                            vision_end_token_id=END)
+                                            image_token_id=IMAGE, video_token_id=VIDEO, **ids)
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
     g = torch.Generator().manual_seed(seed)
@@ -98,22 +117,25 @@ def span(im):
 
 
 def load_reference(path, dtype=torch.float64):
-    """The transformers model of ``path`` (sdpa; Qwen3.5's Gated DeltaNet on transformers' torch functions)."""
+    """The transformers model of ``path`` (sdpa; Qwen3.5's Gated DeltaNet on transformers' torch functions;
+    experts in transformers' eager loop)."""
     import transformers
 
     from hf_oracle import no_hub_kernels
     from treelit.models.hf_kernels import bind_torch_kernels
 
+    kw = no_hub_kernels()
+    if getattr(transformers.AutoConfig.from_pretrained(path).text_config, "num_experts_per_tok", None):
+        kw["experts_implementation"] = "eager"  # MoE: grouped_mm has no float64 kernel
     ref = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                                   **no_hub_kernels()).to(dtype)
+                                                                   **kw).to(dtype)
     bind_torch_kernels(ref)
     return ref
 
 
-def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = "token-mean") -> torch.Tensor:
-    """Per-branch loss from the definition (see the module docstring)."""
-    from hf_oracle import hf_branch_loss
-
+def branch_inputs(model, images):
+    """``inputs(b, ids)``: branch b's image arguments as the processor returns them (positions
+    from this branch alone)."""
     def inputs(b, ids):
         model.model.rope_deltas = None  # positions from this branch alone
         ims = images[b]
@@ -122,8 +144,14 @@ def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = 
         return dict(pixel_values=torch.cat([i.pixel_values for i in ims]),
                     image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]),
                     mm_token_type_ids=(ids == IMAGE).int())
+    return inputs
 
-    return hf_branch_loss(model, branches, masks, weights, aggregation, inputs=inputs)
+
+def vlm_branch_loss(model, branches, images, masks, weights, aggregation: str = "token-mean") -> torch.Tensor:
+    """Per-branch loss from the definition (see the module docstring)."""
+    from hf_oracle import hf_branch_loss
+
+    return hf_branch_loss(model, branches, masks, weights, aggregation, inputs=branch_inputs(model, images))
 
 
 def text_mask(branch):

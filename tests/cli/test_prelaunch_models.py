@@ -57,8 +57,6 @@ def _refusal(overrides, vl=None, text=None, moe=None) -> str:
      r"model.preset=qwen3_moe_tiny has no MoE layers"),
     (["model=hf_auto", "model.hf_checkpoint={text}", "model.moe.routing=replay"],
      r"model.moe.routing=replay needs a mixture-of-experts model; the checkpoint .*text' \(qwen2\) has no MoE"),
-    (["model=hf_auto", "model.hf_checkpoint={moe}", "model.moe.routing=replay", "model.activation_checkpointing=true"],
-     r"model.moe.routing=replay with model.activation_checkpointing=true is not supported on model=hf_auto"),
     (["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "trainer=fsdp2_cpu", "trainer.devices=2",
       "trainer.strategy.context_parallel_degree=2"],
      r"^trainer.strategy.context_parallel_degree=2 with model.vision=true: a row split over ranks"),
@@ -80,6 +78,8 @@ def test_model_option_is_one_line_at_validation(overrides, expected, vl, text, m
 @pytest.mark.parametrize("overrides", [
     ["model=qwen3_moe_tiny", "model.moe.routing=replay"],
     ["model=hf_auto", "model.hf_checkpoint={moe}", "model.moe.routing=replay"],
+    # recomputed layers replay their pass's records (once refused here)
+    ["model=hf_auto", "model.hf_checkpoint={moe}", "model.moe.routing=replay", "model.activation_checkpointing=true"],
     ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "model.freeze_vision=true",
      "critic=shared", "objective=ppo", "tree_builder.advantage=null"],
 ], ids=lambda v: " ".join(v))

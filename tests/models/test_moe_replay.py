@@ -70,17 +70,20 @@ def ours_for(path, kind):
     return model, "hf."
 
 
-def compare(path, kind, router=None, budget=None, aggregation="token-mean", last=True, forest=FOREST):
+def compare(path, kind, router=None, budget=None, aggregation="token-mean", last=True, forest=FOREST,
+            checkpointing=False):
     """(loss, max gradient) relative differences; GLM-4.5's router computes in float32 by itself:
-    kept in float64 on both sides (``KeepFloat64``)."""
+    kept in float64 on both sides (``KeepFloat64``). ``checkpointing``: the model's activation
+    checkpointing on (its layers, routers included, recomputed in the backward)."""
     with KeepFloat64() if path.name.startswith("glm4_moe") else contextlib.nullcontext():
-        return _compare(path, kind, router, budget, aggregation, last, forest)
+        return _compare(path, kind, router, budget, aggregation, last, forest, checkpointing)
 
 
-def _compare(path, kind, router, budget, aggregation, last, forest):
+def _compare(path, kind, router, budget, aggregation, last, forest, checkpointing=False):
     branches, masks, weights = forest
     rec = routing(branches, last)
     ours, strip = ours_for(path, kind)
+    ours.activation_checkpointing = checkpointing
     set_moe_routing(ours, "replay")
     set_router_aux_loss(ours, *((router[1], router[0]) if router else (0.0, None)))
     tree = treelit.TokenTree.from_branches(branches, masks, weights, routed_experts=rec)
@@ -241,18 +244,31 @@ def test_replay_needs_routing_and_a_moe_model():
         treelit.tree_loss(moe, treelit.TokenTree.from_branches([[1, 2, 3]]))
 
 
-def test_hf_auto_replay_is_refused_where_it_cannot_hold(tmp_path_factory):
-    """A dense transformers model is refused by name; transformers' own activation checkpointing
-    recomputes layers outside treelit's passes, so replay refuses it on hf_auto."""
+def test_hf_auto_replay_is_refused_on_a_dense_model(tmp_path_factory):
+    """A dense transformers model is refused by name."""
     from treelit.models.hf_adapter import make_hf_model
 
     dense = tmp_path_factory.mktemp("llama")
     random_hf_checkpoint(dense, "llama", **TINY)
     with pytest.raises(ValueError, match=r"routing=replay needs a mixture-of-experts model; this model \(llama\)"):
         make_hf_model(str(dense), moe={"routing": "replay"})
-    with pytest.raises(ValueError, match="replay with model.activation_checkpointing=true is not supported"):
-        make_hf_model(str(checkpoint("qwen3_moe", tmp_path_factory)), activation_checkpointing=True,
-                      moe={"routing": "replay"})
+
+
+@pytest.mark.parametrize("config, router, budget", [
+    ("qwen2_moe", ("micro_batch", 0.5), None),
+    pytest.param("qwen3_moe", ("sequence", 0.5), 7, marks=pytest.mark.slow),
+    pytest.param("glm4_moe", None, 7, marks=pytest.mark.slow)])
+def test_hf_auto_replay_with_activation_checkpointing(config, router, budget, tmp_path_factory):
+    """transformers' activation checkpointing recomputes each layer in the backward, outside the
+    pass: the recomputed routers replay the pass's records (``hf_replay.checkpoint_contexts``),
+    so the loss and every gradient stay per-branch training's. Once refused before the model loaded."""
+    from treelit.models.hf_adapter import make_hf_model
+
+    path = checkpoint(config, tmp_path_factory)
+    model = make_hf_model(str(path), dtype="float64", activation_checkpointing=True, moe={"routing": "replay"})
+    assert model.activation_checkpointing and model.config.moe["routing"] == "replay"
+    d = compare(path, "hf_auto", router=router, budget=budget, checkpointing=True)
+    assert max(d) <= LIMIT, d
 
 
 @pytest.mark.parametrize("kind", ["native", "hf_auto"])

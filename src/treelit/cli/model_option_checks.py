@@ -24,8 +24,6 @@ from treelit.cli.errors import ConfigError
 
 __all__ = ["check_model_options", "check_vision_options", "has_moe_layers"]
 
-HF_ADAPTER = "treelit.models.hf_adapter.make_hf_model"
-
 
 def check_model_options(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` (one line) for the first bad ``model.moe`` / ``model.vision`` setting."""
@@ -58,10 +56,6 @@ def _check_routing(model: Any) -> None:
         raise ConfigError(f"model.moe.routing=replay needs a mixture-of-experts model; {name} has no MoE layers: "
                           "use model.moe.routing=live, or a MoE model (model=qwen3_moe_tiny, or a checkpoint with "
                           "experts)")
-    if str(model.get("_target_", "")) == HF_ADAPTER and model.get("activation_checkpointing"):
-        raise ConfigError("model.moe.routing=replay with model.activation_checkpointing=true is not supported on "
-                          "model=hf_auto (transformers recomputes its layers outside treelit's passes); set "
-                          "model.activation_checkpointing=false")
 
 
 def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":

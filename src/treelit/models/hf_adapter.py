@@ -54,6 +54,7 @@ from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
 from treelit.models.hf_vision import VisionInputs, check_vision_config
 from treelit.models.lora import apply_lora, lora_options
+from treelit.models.hf_recompute import checkpoint_contexts
 from treelit.models.hf_replay import ReplayBinding
 from treelit.models.moe import record_pass
 
@@ -266,8 +267,9 @@ class HFTreeModel(nn.Module):
         if self.activation_checkpointing != self._checkpointing_on:  # transformers' own, per layer
             # transformers 5.x names it activation_checkpointing_*; older releases gradient_checkpointing_*
             kind = "activation" if hasattr(self.hf, "activation_checkpointing_enable") else "gradient"
-            if self.activation_checkpointing:
-                getattr(self.hf, f"{kind}_checkpointing_enable")({"use_reentrant": False})
+            if self.activation_checkpointing:  # a recomputed layer sees its forward's pass (hf_recompute)
+                getattr(self.hf, f"{kind}_checkpointing_enable")(
+                    {"use_reentrant": False, "context_fn": self._recompute_contexts})
             else:
                 getattr(self.hf, f"{kind}_checkpointing_disable")()
             self._checkpointing_on = self.activation_checkpointing
@@ -278,9 +280,6 @@ class HFTreeModel(nn.Module):
         kw = {"output_router_logits": True} if self.config.moe else {}
         replay = self._replay
         if replay is not None:
-            if self.activation_checkpointing:
-                raise ValueError("model.moe.routing=replay with model.activation_checkpointing=true is not supported "
-                                 "on model=hf_auto (transformers recomputes its layers outside treelit's passes)")
             replay.ctx = ctx
         kw.update(self._base_inputs(input_ids, position_ids, ctx))
         try:
@@ -299,6 +298,10 @@ class HFTreeModel(nn.Module):
         if self._head_scale != 1.0:  # logits = lm_head(h) * scale, and the head is linear without bias
             return out.last_hidden_state * self._head_scale
         return out.last_hidden_state
+
+    def _recompute_contexts(self):
+        """The checkpoint's ``context_fn`` (a bound method: a deep copy of the model binds its own)."""
+        return checkpoint_contexts(self._replay)
 
     def _base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
         """What the base model reads besides the mask and the tree context (a vision model
@@ -446,7 +449,4 @@ def make_hf_model(hf_checkpoint: str, dtype: str = "float32", router_aux_loss_co
         raise ValueError(f"model.router_aux_loss_coef={router_aux_loss_coef}: {model._router_refusal}")
     model.activation_checkpointing = bool(activation_checkpointing)
     set_moe_routing(model, moe_routing(moe))
-    if model.config.moe.get("routing") == "replay" and model.activation_checkpointing:
-        raise ValueError("model.moe.routing=replay with model.activation_checkpointing=true is not supported on "
-                         "model=hf_auto (transformers recomputes its layers outside treelit's passes)")
     return apply_lora(model, opts)

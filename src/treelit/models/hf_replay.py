@@ -13,6 +13,10 @@ The routers are the modules transformers records as ``router_logits`` (the model
 ``_can_record_outputs``), in layer order: the i-th of them reads MoE layer i of the record.
 A router whose forward does not make exactly one such top-k call (a family that chooses its
 experts another way) is an error at its first replayed pass, never a silent live routing.
+
+With activation checkpointing (transformers' own, per layer, non-reentrant) a layer's forward
+runs again in the backward, outside the pass: :mod:`treelit.models.hf_recompute` puts the
+pass's context back around the recompute, so the recomputed routers replay the same records.
 """
 
 from __future__ import annotations
@@ -84,8 +88,8 @@ class ReplayBinding:
 
     def _enter(self, module, args):
         if self.ctx is None:
-            raise RuntimeError("model.moe.routing=replay: a router ran outside treelit's passes (activation "
-                               "checkpointing recomputes layers outside them; it is refused with replay here)")
+            raise RuntimeError("model.moe.routing=replay: a router ran outside treelit's passes (a layer "
+                               "recomputed by a checkpoint that does not restore the pass: hf_recompute)")
         mode = _ReplayTopK(self.ctx.replay_experts(self._index(module), self.k), self.E, self.k)
         mode.__enter__()
         self._active.append(mode)
@@ -108,3 +112,4 @@ class ReplayBinding:
         for h in self._handles:
             h.remove()
         self._handles = []
+

@@ -53,7 +53,8 @@ from treelit.models.errors import CheckpointError
 
 __all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config"]
 
-VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5"}
+VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
+                   "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V"}
 _REFUSED = {
     "gemma3": "Gemma-3 attends bidirectionally inside each image block, a visibility rule treelit's tree mask "
               "does not implement; its branches would see other attention than per-branch training",
