@@ -1,0 +1,50 @@
+"""The flagship on one process (tests/flagship_case.py): a Qwen3.5-MoE-shaped multimodal hybrid
+with images, routing replay, LoRA on the language model and a shared critic (PPO with GAE on
+GRPO-shaped groups), through the module's step - rollout log-probs, the critic's values, the
+step-global advantages, the gradients - equals transformers branch by branch with the same
+images, routes, adapters and value head: loss and every trained gradient, float64 <= 1e-10,
+whole rows and partitioned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flagship_case import branch_reference, flagship_module, groups, run_step, trained_grads, trees
+from float64_mode import KeepFloat64
+from helpers import grad_floor, max_rel_grad_diff, negligible_grad
+from vision_oracle import vision_checkpoint
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def flagship(tmp_path_factory):
+    return vision_checkpoint(tmp_path_factory.mktemp("flagship"), "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("partition", ["none", pytest.param("redundancy_free", marks=pytest.mark.slow)])
+def test_flagship_step_equals_transformers_branch_by_branch(flagship, partition):
+    from treelit.lightning.image_part import ImageEncoder
+    from treelit.lightning.parts import RoutingReplay, ValueHead
+
+    cases = groups()
+    micro = [t.to_batch() for t in trees(cases)]
+    budget = max(len(b) for c in cases for b in c[0]) + 1 if partition != "none" else None
+    module = flagship_module(flagship, partition, budget)
+    kinds = {type(p) for p in module.parts}
+    assert {ImageEncoder, RoutingReplay, ValueHead} <= kinds
+    with KeepFloat64():
+        out = run_step(module, micro)
+        mine = trained_grads(module)
+    expected, theirs = branch_reference(flagship, cases, module.model, module.critic)
+    if partition != "none":
+        assert module.last_partition_stats.partitions > len(micro), "the budget cut nothing"
+    assert mine and all(".lora_" in k or k.startswith("critic.") for k in mine)
+    assert mine.keys() == theirs.keys(), sorted(set(mine) ^ set(theirs))
+    assert any("linear_attn" in k for k in mine) and any("self_attn" in k for k in mine)
+    assert abs(out["loss"] - expected.item()) <= 1e-10 * abs(expected.item()), (out["loss"], expected.item())
+    assert max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64)) <= 1e-10
