@@ -25,16 +25,16 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 F64 = torch.float64
-N_GROUPS = 4
+FULL, SMALL = (4, 3), (2, 2)  # (groups, completions per group)
 
 
-def _share(rank: int, replicas: int):
+def _share(rank: int, replicas: int, size):
     """This data-parallel replica's groups (round robin; the ranks of a context-parallel group
     hold the same ones)."""
-    return [t.to_batch() for i, t in enumerate(trees(groups(N_GROUPS))) if i % replicas == rank]
+    return [t.to_batch() for i, t in enumerate(trees(groups(*size))) if i % replicas == rank]
 
 
-def sharded_step(rank: int, world: int, path: str, cp: int, partition: str, budget):
+def sharded_step(rank: int, world: int, path: str, cp: int, partition: str, budget, size=FULL):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -46,7 +46,7 @@ def sharded_step(rank: int, world: int, path: str, cp: int, partition: str, budg
         module._cp_group = group
     module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     module.configure_model()
-    micro = _share(rank // cp, world // cp)
+    micro = _share(rank // cp, world // cp, size)
     with KeepFloat64():
         out = run_step(module, micro)
         grads = trained_grads(module)
@@ -56,9 +56,9 @@ def sharded_step(rank: int, world: int, path: str, cp: int, partition: str, budg
     return {"loss": loss, "grads": grads, "images": [r[0] for r in images]} if rank == 0 else None
 
 
-def one_process(path, partition, budget):
+def one_process(path, partition, budget, size=FULL):
     module = flagship_module(path, partition, budget)
-    micro = _share(0, 1)
+    micro = _share(0, 1, size)
     with KeepFloat64():
         out = run_step(module, micro)
         return out["loss"], trained_grads(module)
@@ -88,13 +88,22 @@ def check(res, ref):
     assert max_rel_grad_diff(res["grads"], grads, grad_floor(F64), negligible_grad(F64)) <= 1e-9
 
 
+def test_flagship_on_two_processes_equals_one_process(flagship):
+    """Default suite: two groups of two completions, one group per rank (about 26 s of CPU; 60 s
+    of wall time at load 10 on 2 shared cores, process start-up and imports dominating)."""
+    res = launch(sharded_step, 2, flagship, 1, "none", None, SMALL, deadline=600)
+    assert all(n > 0 for n in res["images"]), res["images"]
+    check(res, one_process(flagship, "none", None, SMALL))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world,cp,partition", [
     (2, 1, "none"),
-    pytest.param(2, 1, "redundancy_free", marks=pytest.mark.slow),
-    pytest.param(4, 2, "none", marks=pytest.mark.slow, id="fsdp2-cp2-4proc"),
+    (2, 1, "redundancy_free"),
+    pytest.param(4, 2, "none", id="fsdp2-cp2-4proc"),
 ])
 def test_flagship_sharded_equals_one_process(flagship, world, cp, partition):
-    budget = max(len(b) for c in groups(N_GROUPS) for b in c[0]) + 1 if partition != "none" else None
+    budget = max(len(b) for c in groups(*FULL) for b in c[0]) + 1 if partition != "none" else None
     if cp > 1:
         why = _images_under_cp_refusal(flagship)
         if why:
