@@ -48,3 +48,39 @@ def test_flagship_step_equals_transformers_branch_by_branch(flagship, partition)
     assert any("linear_attn" in k for k in mine) and any("self_attn" in k for k in mine)
     assert abs(out["loss"] - expected.item()) <= 1e-10 * abs(expected.item()), (out["loss"], expected.item())
     assert max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64)) <= 1e-10
+
+
+def test_the_example_checkpoint_has_the_flagship_layer_pattern():
+    """examples/tiny_flagship.py (the recipe's checkpoint) writes the shape tested here: the same
+    layer types, experts, shared expert and tower depth as ``vision_checkpoint(.., "qwen3_5_moe")``."""
+    import importlib.util
+    from pathlib import Path
+
+    from vision_oracle import FAMILIES
+
+    spec = importlib.util.spec_from_file_location(
+        "tiny_flagship", Path(__file__).resolve().parents[2] / "examples" / "tiny_flagship.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    text, vision = FAMILIES["qwen3_5_moe"]
+    for key in ("num_hidden_layers", "layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "hidden_size", "linear_num_value_heads"):
+        assert ex.TEXT[key] == text[key], key
+    assert ex.TEXT["layer_types"][3::4] == ["full_attention"] and "linear_attention" in ex.TEXT["layer_types"]
+    for key in ("depth", "patch_size", "spatial_merge_size", "out_hidden_size"):
+        assert ex.VISION[key] == vision[key], key
+
+
+def test_the_flagship_experiment_composes_and_a_critic_with_grpo_is_refused():
+    from treelit.cli.config import ConfigError, check_critic_config, compose
+    from treelit.cli.model_option_checks import check_vision_options
+
+    cfg = compose(["experiment=flagship", "model.hf_checkpoint=ckpt", "data.train_path=groups.jsonl"])
+    assert cfg.model.vision and cfg.model.moe.routing == "replay" and cfg.model.lora.rank
+    assert cfg.critic.kind == "shared" and cfg.objective.name == "ppo" and cfg.tree_builder.advantage is None
+    assert cfg.tree_builder.processor_path == "ckpt"
+    check_critic_config(cfg)
+    check_vision_options(cfg)
+    with pytest.raises(ConfigError, match="critic=shared trains with objective=ppo"):
+        check_critic_config(compose(["experiment=flagship", "model.hf_checkpoint=ckpt", "objective=grpo",
+                                     "data.train_path=groups.jsonl"]))
