@@ -138,12 +138,8 @@ def _cfg(**over):
     ({"mode": "linear"}, "mode=linear with model.vision=true: the per-branch baseline has no image inputs"),
     ({"verify_every": 5}, "verify_every=5 with model.vision=true"),
     ({"critic": {"kind": "separate"}}, "critic=separate with model.vision=true"),
-    ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "context_parallel_degree": 1}}},
-     "trainer=fsdp2 with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
      "trainer.strategy.context_parallel_degree=2 with model.vision=true"),
-    ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.DDP"}, "devices": 2, "num_nodes": 1}},
-     "trainer.devices=2 x trainer.num_nodes=1 with model.vision=true: several processes"),
 ])
 def test_what_does_not_run_with_images_is_refused_by_option(over, match):
     from treelit.cli.config import ConfigError
@@ -164,6 +160,19 @@ def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
 
     # partitioning and a shared critic run with images
     check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}))
+
+
+@pytest.mark.parametrize("trainer", [
+    {"strategy": {"_target_": "treelit.lightning.strategies.DDP"}, "devices": 2, "num_nodes": 1},
+    {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "context_parallel_degree": 1}, "devices": 2},
+    {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "replicate_degree": 2}, "devices": 2,
+     "num_nodes": 2},
+])
+def test_images_run_on_several_processes(trainer):
+    """DDP, FSDP2 and HSDP run images (exact against one process: tests/distributed/test_vision_parallel.py)."""
+    from treelit.cli.model_option_checks import check_vision_options
+
+    check_vision_options(_cfg(trainer=trainer, partition={"name": "redundancy_free"}))
 
 
 def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):

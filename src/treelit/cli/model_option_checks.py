@@ -96,18 +96,11 @@ def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":
 
 # the vision tower ---------------------------------------------------------------------------------
 
-def _processes(trainer: Any) -> int:
-    n = 1
-    for key in ("devices", "num_nodes"):
-        v = trainer.get(key, 1)
-        n *= v if isinstance(v, int) else (2 if str(v) in ("auto", "-1") else len(v) if hasattr(v, "__len__") else 1)
-    return n
-
-
 def check_vision_options(cfg: DictConfig) -> None:
     """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option:
     each of these runs branches apart or splits a row over processes, which has not been checked
-    against a per-branch reference with images. And the tower's own options without it."""
+    against a per-branch reference with images. And the tower's own options without it. (DDP,
+    FSDP2 and HSDP run images: the step's image encoder, :mod:`treelit.lightning.image_part`.)"""
     model = cfg.get("model") or {}
     vision = model.get("vision", False)
     if not vision:
@@ -126,7 +119,6 @@ def check_vision_options(cfg: DictConfig) -> None:
                           f"got {per_pass!r}")
     tr = cfg.get("trainer") or {}
     strategy = tr.get("strategy")
-    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
     cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
     critic = (cfg.get("critic") or {}).get("kind", "none")
     verify = cfg.get("verify_every", 0)
@@ -141,12 +133,6 @@ def check_vision_options(cfg: DictConfig) -> None:
             "(use context_parallel_degree=1)"),
         f"critic={critic}": (critic == "separate", "a separate critic's own trunk has not been checked against a "
                                                    "per-branch reference with images (critic=shared has)"),
-        "trainer=fsdp2": ("FSDP2" in target or "ModelParallelStrategy" in target,
-                          "sharding the vision tower has not been checked against a per-branch reference with images"),
-        f"trainer.devices={tr.get('devices', 1)} x trainer.num_nodes={tr.get('num_nodes', 1)}": (
-            _processes(tr) > 1,
-            "several processes have not been checked against a per-branch reference with images (a rank whose rows "
-            "show no image leaves the tower without a gradient)"),
     }
     for option, (bad, reason) in why.items():
         if bad:

@@ -43,7 +43,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from treelit.lightning.parts import StepPart
+from treelit.lightning.step_part import StepPart
 from treelit.models.forward import in_forward
 from treelit.tree.images import EncodedImages, ImageSet
 from treelit.utils.distributed import is_sharded

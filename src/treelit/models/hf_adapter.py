@@ -257,6 +257,14 @@ class HFTreeModel(nn.Module):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
+    def fsdp_blocks(self) -> list:
+        """FSDP2's units (:func:`~treelit.utils.distributed.shard_model`): the decoder's layers and,
+        with a vision tower, the tower's blocks, sharded alike (docs/distributed.md, "Images")."""
+        blocks = list(self.layers)
+        if self.vision is not None:
+            blocks += list(self.vision.visual.blocks)
+        return blocks
+
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size

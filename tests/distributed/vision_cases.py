@@ -1,0 +1,140 @@
+"""Worker for the multi-process tests of images (run on every rank by harness.launch).
+
+:func:`vision_step` computes one update's loss and gradients the way ``TreeLitModule`` does on
+several ranks (DDP, FSDP2 or HSDP; partitioned or not; LoRA, a frozen tower, a critic) on a tiny
+vision-language checkpoint, where some ranks' rows show images and at least one rank's show
+none, and, on rank 0, the same update on one process with the library's unpartitioned tree loss
+(each row encoding its own images) on an unsharded copy of the model; it returns both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+import treelit
+from helpers import grad_floor, max_rel_grad_diff, negligible_grad
+
+F64 = torch.float64
+EMPTY = treelit.TokenTree.from_branches([[0, 0]], loss_masks=[[0, 0]])
+
+
+def vision_trees(seed: int = 0) -> Dict[str, treelit.TokenTree]:
+    """Trees with images (``img0``: a and b; ``img1``: a again and c) and without (``txt0..3``)."""
+    from vision_oracle import image_processor, processed, random_image, span, text_mask
+
+    proc = image_processor()
+    rng = np.random.default_rng(seed)
+    a, b, c = (processed(proc, random_image(rng, h, w), name=n) for n, (h, w) in
+               zip("abc", [(16, 24), (24, 16), (16, 16)]))
+    out = {
+        "img0": ([[1] + span(a) + [3, 4, 5, 6, 7], [1] + span(a) + [6, 7, 2, 9], [1] + span(a) + [3, 8] + span(b) + [9]],
+                 [[a], [a], [a, b]]),
+        "img1": ([[2, 5] + span(c) + [4, 4, 9], [2, 5] + span(c) + [7] + span(a) + [3], [2, 6, 8]], [[c], [c, a], []]),
+    }
+    trees = {}
+    for name, (branches, images) in out.items():
+        adv = [float(x) for x in rng.normal(0, 1, len(branches))]
+        trees[name] = treelit.TokenTree.from_branches(branches, [text_mask(br) for br in branches],
+                                                      [1.0 + 0.5 * i for i in range(len(branches))],
+                                                      advantages=adv, images=images)
+    for t in range(4):
+        prefix = [int(x) for x in rng.integers(1, 30, 3 + t)]
+        branches = [prefix + [int(x) for x in rng.integers(1, 30, 2 + (b + t) % 4)] for b in range(2 + t % 2)]
+        masks = [[0] * len(prefix) + [1] * (len(br) - len(prefix)) for br in branches]
+        trees[f"txt{t}"] = treelit.TokenTree.from_branches(
+            branches, masks, advantages=[float(x) for x in rng.normal(0, 1, len(branches))])
+    return trees
+
+
+def build(spec: Dict[str, Any]):
+    from treelit.models.hf_adapter import load_hf_model
+
+    model = load_hf_model(spec["path"], dtype=F64, vision=True, freeze_vision=bool(spec.get("freeze")))
+    if spec.get("lora"):
+        from treelit.models.lora import apply_lora
+
+        torch.manual_seed(0)
+        apply_lora(model, {"rank": 4, "alpha": 8, "init": False})
+    return model
+
+
+def _module(spec, model, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from treelit.lightning.module import TreeLitModule
+    from treelit.objectives import make_objective
+
+    module = TreeLitModule(model, make_objective(spec.get("objective", "sft")),
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.0), attention="sdpa_dense",
+                           partition=spec.get("partition", "none"), budget_tokens=spec.get("budget"),
+                           old_logprobs="rollout" if spec.get("objective", "sft") != "sft" else "data")
+    strategy = spec["strategy"]
+    if strategy == "hsdp":
+        from treelit.utils.distributed import hsdp_mesh
+
+        module._device_mesh = hsdp_mesh(2, world)
+        module.configure_model()
+    elif strategy == "fsdp2":
+        module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        module.configure_model()
+    return module
+
+
+def vision_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
+    from treelit.utils.distributed import gather_full
+
+    trees = vision_trees()
+    shares: List[List[str]] = spec["shares"]
+    n = max(len(s) for s in shares)
+    micro = [trees[name].to_batch() for name in shares[rank]] + [EMPTY.to_batch() for _ in range(n - len(shares[rank]))]
+    model = build(spec)
+    module = _module(spec, model, world)
+    # FSDP2 / HSDP: the tower sharded per block like the decoder (each block a unit of its own)
+    from torch.distributed.fsdp import FSDPModule
+
+    tower_units = [isinstance(b, FSDPModule) for b in model.vision.visual.blocks]
+    if spec.get("objective", "sft") != "sft":
+        module.record_rollout_logprobs(micro)
+    out = module.compute_gradients(micro)
+    from treelit.utils.distributed import Collectives
+
+    loss = Collectives().sum(out["loss"])
+    grads = {k: gather_full(p.grad).detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    partitions = Collectives().gather_lists([int(out["partitions"])])
+    if rank != 0:
+        return None
+    ref_loss, ref_grads = reference(spec, [trees[name] for s in shares for name in s])
+    return {"loss": loss, "ref_loss": ref_loss, "keys": sorted(grads), "ref_keys": sorted(ref_grads),
+            "grad_err": max_rel_grad_diff(grads, ref_grads, grad_floor(F64), negligible_grad(F64)),
+            "tower_norm": sum(float(g.norm()) for k, g in grads.items() if "visual" in k),
+            "partitions": [p[0] for p in partitions], "tower_units": tower_units}
+
+
+def reference(spec: Dict[str, Any], trees) -> "tuple[float, Dict[str, torch.Tensor]]":
+    """The update on one process: the library's unpartitioned tree loss over every row."""
+    from treelit.loss.tree import tree_token_logprobs
+    from treelit.objectives import make_objective
+
+    model = build(spec)
+    obj = make_objective(spec.get("objective", "sft"))
+    micro = [t.to_batch() for t in trees]
+    Z = treelit.global_normalizer(micro, "token-mean", objective=obj)
+    total = 0.0
+    for mb in micro:
+        if spec.get("objective", "sft") != "sft":
+            with torch.no_grad():
+                sel, lp, _ = tree_token_logprobs(model, mb, "sdpa_dense")
+            old = torch.full((mb.num_tokens,), float("nan"), dtype=F64)
+            old[sel] = lp.double()
+            mb.token_old_logp, mb.branch_old_logp = old, old[mb.branch_tokens]
+        loss = treelit.tree_loss(model, mb, "token-mean", "sdpa_dense", normalizer=Z, objective=obj)
+        loss.backward()
+        total += float(loss.detach())
+    return total, {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def vision_steps(rank: int, world: int, specs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return [vision_step(rank, world, spec) for spec in specs]
