@@ -82,6 +82,8 @@ def test_model_option_is_one_line_at_validation(overrides, expected, vl, text, m
      "critic=shared", "objective=ppo", "tree_builder.advantage=null"],
     ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "trainer=ddp_cpu", "trainer.devices=2"],
     ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "trainer=fsdp2_cpu", "trainer.devices=2"],
+    ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "critic=separate", "critic.model=policy",
+     "objective=ppo", "tree_builder.advantage=null"],
 ], ids=lambda v: " ".join(v))
 def test_good_model_options_pass(overrides, vl, moe):
     validate_config(compose([o.format(vl=vl, moe=moe) for o in overrides]))

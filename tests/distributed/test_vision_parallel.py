@@ -26,7 +26,7 @@ def checkpoint(tmp_path_factory):
 
 
 def check(res, what, tower=True, sharded=True):
-    assert res["keys"] == res["ref_keys"], what
+    assert res["keys"] == res["ref_keys"] and not res["extra_nonzero"], (what, res["extra_nonzero"])
     assert all(res["tower_units"]) if sharded else not any(res["tower_units"]), what
     assert any("visual" in k for k in res["keys"]) == tower, what
     if tower:
@@ -58,6 +58,22 @@ def test_ddp_and_fsdp2_with_images_equal_one_process(checkpoint):
     results = launch(vision_steps, 2, [dict(CASES[n], path=checkpoint) for n in names], deadline=900)
     for name, res in zip(names, results):
         check(res, name, sharded=not name.startswith("ddp"))
+
+
+@pytest.mark.parametrize("kind", ["separate", pytest.param("shared", marks=pytest.mark.slow)])
+def test_fsdp2_ppo_with_a_critic_and_images_equals_one_process(checkpoint, tmp_path_factory, kind):
+    """critic=separate: the critic's own vision model (its tower sharded per block too) sees the
+    images through its own tower; PPO's values, whitened GAE and every gradient (policy, critic
+    trunk, head) equal one unpartitioned process's."""
+    from vision_oracle import vision_checkpoint
+
+    critic_path = str(vision_checkpoint(tmp_path_factory.mktemp("critic"), "qwen2_5_vl", seed=1))
+    spec = dict(strategy="fsdp2", partition="redundancy_free", budget=24, shares=TWO, objective="ppo", critic=kind,
+                critic_path=critic_path, path=checkpoint)
+    (res,) = launch(vision_steps, 2, [spec], deadline=600)
+    check(res, f"fsdp2 critic={kind}")
+    if kind == "separate":
+        assert any(k.startswith("critic.trunk.") and "visual" in k for k in res["keys"]), res["keys"]
 
 
 @pytest.mark.slow

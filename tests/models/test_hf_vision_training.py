@@ -137,7 +137,8 @@ def _cfg(**over):
 @pytest.mark.parametrize("over,match", [
     ({"mode": "linear"}, "mode=linear with model.vision=true: the per-branch baseline has no image inputs"),
     ({"verify_every": 5}, "verify_every=5 with model.vision=true"),
-    ({"critic": {"kind": "separate"}}, "critic=separate with model.vision=true"),
+    ({"critic": {"kind": "separate", "model": "hf_auto"}},
+     "critic.model=hf_auto with model.vision=true: critic=separate reads the images through a vision tower of its own"),
     ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
      "trainer.strategy.context_parallel_degree=2 with model.vision=true"),
 ])
@@ -158,8 +159,9 @@ def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
         treelit.tree_loss(text_model, tree)
     from treelit.cli.model_option_checks import check_vision_options
 
-    # partitioning and a shared critic run with images
+    # partitioning and a critic, shared or separate (its own copy of the policy's model), run with images
     check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}))
+    check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "separate", "model": "policy"}))
 
 
 @pytest.mark.parametrize("trainer", [

@@ -131,9 +131,12 @@ def check_vision_options(cfg: DictConfig) -> None:
             isinstance(cp, int) and cp > 1,
             "a row split over ranks would need each image's embeddings and tower gradient exchanged "
             "(use context_parallel_degree=1)"),
-        f"critic={critic}": (critic == "separate", "a separate critic's own trunk has not been checked against a "
-                                                   "per-branch reference with images (critic=shared has)"),
     }
+    critic_model = (cfg.get("critic") or {}).get("model")
+    if critic == "separate" and critic_model not in (None, "policy"):  # its own model must see the images
+        why[f"critic.model={critic_model}"] = (True, "critic=separate reads the images through a vision tower of its "
+                                                     "own; use critic.model=policy (a copy of the policy's model "
+                                                     "config, its tower included)")
     for option, (bad, reason) in why.items():
         if bad:
             raise ConfigError(f"{option} with model.vision=true: {reason}")

@@ -302,6 +302,8 @@ def step_parts(model, objective, *, critic=None, old_logprobs: str = "data", lin
         parts.append(RouterLoss(model))
     if critic is not None:
         parts.append(ValueHead(critic, model, objective, linear_values))
+        if critic.trunk is not None and has_vision_tower(critic.trunk):  # a separate critic sees the images
+            parts.append(ImageEncoder(critic.trunk))
     if replay_shape(model) is not None:
         parts.append(RoutingReplay(model))
     return parts

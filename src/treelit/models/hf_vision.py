@@ -121,9 +121,9 @@ class VisionInputs:
 
     def _with_images(self, batch, embeds: torch.Tensor):
         """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image:
-        the row's ``image_embeds`` when the step's image encoder encoded them for the micro-batch
+        the row's ``image_embeds`` of this tower when the step's image encoder encoded them for the micro-batch
         (:mod:`treelit.lightning.image_part`), else encoded here."""
-        pre = getattr(batch, "image_embeds", None)
+        pre = (getattr(batch, "image_embeds", None) or {}).get(self)  # (another model's tower: not its rows)
         rows, deep = (pre.rows, pre.deep) if pre is not None else self.encode(batch.images)
         rows = rows.to(embeds.dtype)
         sel = batch.image_row >= 0
