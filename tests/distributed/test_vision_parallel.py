@@ -42,22 +42,30 @@ CASES = {
     "ddp": dict(strategy="ddp", shares=TWO),
     "ddp-partitioned-grpo": dict(strategy="ddp", partition="redundancy_free", budget=24, shares=TWO, objective="grpo"),
     "fsdp2-grpo": dict(strategy="fsdp2", shares=TWO, objective="grpo"),
+    "fsdp2-lora-tower-trained": dict(strategy="fsdp2", partition="redundancy_free", budget=24, shares=TWO,
+                                     lora="trained"),
+    "fsdp2-lora-tower-frozen": dict(strategy="fsdp2", shares=TWO, lora="frozen", objective="grpo"),
+    "ddp-lora-tower-trained": dict(strategy="ddp", partition="redundancy_free", budget=24, shares=TWO, lora="trained"),
 }
 
 
 def test_fsdp2_partitioned_with_a_rank_without_images_equals_one_process(checkpoint):
-    spec = dict(CASES["fsdp2-partitioned"], path=checkpoint)
-    (res,) = launch(vision_steps, 2, [spec], deadline=600)
-    check(res, "fsdp2-partitioned")
-    assert res["partitions"][0] > 2, res["partitions"]  # the budget cut rank 0's rows
+    """And, in the same launch, LoRA on the language model with the tower trained in full
+    (``model.lora.modules_to_save: [visual]``: PEFT's copy of the tower, sharded per block)."""
+    names = ["fsdp2-partitioned", "fsdp2-lora-tower-trained"]
+    results = launch(vision_steps, 2, [dict(CASES[n], path=checkpoint) for n in names], deadline=600)
+    for name, res in zip(names, results):
+        check(res, name)
+        assert res["partitions"][0] > 2, res["partitions"]  # the budget cut rank 0's rows
+    assert all("lora_" in k or "modules_to_save" in k for k in results[1]["keys"])
 
 
 @pytest.mark.slow
 def test_ddp_and_fsdp2_with_images_equal_one_process(checkpoint):
-    names = ["fsdp2", "ddp", "ddp-partitioned-grpo", "fsdp2-grpo"]
+    names = ["fsdp2", "ddp", "ddp-partitioned-grpo", "fsdp2-grpo", "fsdp2-lora-tower-frozen", "ddp-lora-tower-trained"]
     results = launch(vision_steps, 2, [dict(CASES[n], path=checkpoint) for n in names], deadline=900)
     for name, res in zip(names, results):
-        check(res, name, sharded=not name.startswith("ddp"))
+        check(res, name, tower="frozen" not in name, sharded=not name.startswith("ddp"))
 
 
 @pytest.mark.parametrize("kind", ["separate", pytest.param("shared", marks=pytest.mark.slow)])

@@ -54,12 +54,14 @@ def vision_trees(seed: int = 0, rewards: bool = False) -> Dict[str, treelit.Toke
 def build(spec: Dict[str, Any]):
     from treelit.models.hf_adapter import load_hf_model
 
-    model = load_hf_model(spec["path"], dtype=F64, vision=True, freeze_vision=bool(spec.get("freeze")))
-    if spec.get("lora"):
+    lora = spec.get("lora")  # LoRA on the language model, the tower "trained" (PEFT's copy) or "frozen"
+    model = load_hf_model(spec["path"], dtype=F64, vision=True, freeze_vision=bool(spec.get("freeze")) or lora == "frozen")
+    if lora:
         from treelit.models.lora import apply_lora
 
         torch.manual_seed(0)
-        apply_lora(model, {"rank": 4, "alpha": 8, "init": False})
+        apply_lora(model, {"rank": 4, "alpha": 8, "init": False,
+                           "modules_to_save": ["visual"] if lora == "trained" else []})
     return model
 
 
@@ -108,7 +110,9 @@ def vision_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     # FSDP2 / HSDP: the tower sharded per block like the decoder (each block a unit of its own)
     from torch.distributed.fsdp import FSDPModule
 
-    tower_units = [isinstance(b, FSDPModule) for b in model.vision.visual.blocks]
+    from treelit.models.hf_vision import tower_blocks
+
+    tower_units = [isinstance(b, FSDPModule) for b in tower_blocks(model.vision.visual)]
     out = _update(module, micro)
     from treelit.utils.distributed import Collectives
 

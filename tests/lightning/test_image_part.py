@@ -182,3 +182,47 @@ def test_a_separate_critic_sees_the_images_through_its_own_tower(vlm, tmp_path_f
     assert expected.item() != 0 and mine.keys() == theirs.keys()
     assert any(k.startswith("trunk.") and "visual" in k for k in mine)
     assert max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64)) <= 1e-10
+
+
+@pytest.mark.parametrize("tower", ["trained", "frozen"])
+@pytest.mark.parametrize("partition", ["none", pytest.param("redundancy_free", marks=pytest.mark.slow)])
+def test_lora_on_the_language_model_with_the_tower_trained_or_frozen(vlm, tower, partition):
+    """LoRA adapters on the language model; the tower trained in full (``model.lora.modules_to_save:
+    [visual]``, PEFT's trained copy) or frozen (``model.freeze_vision``). The module's step gives
+    the adapters' and the tower copy's gradients of transformers + PEFT with the same adapters run
+    branch by branch (float64 1e-10)."""
+    import peft
+
+    from treelit.models.lora import apply_lora
+
+    path, branches, images = vlm
+    trained = tower == "trained"
+    ours = treelit.load_hf_model(path, dtype=F64, vision=True, freeze_vision=not trained)
+    torch.manual_seed(0)
+    apply_lora(ours, {"rank": 4, "alpha": 8, "init": False, "modules_to_save": ["visual"] if trained else []})
+    names = [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert any("visual.modules_to_save" in n for n in names) == trained
+    assert all(".lora_" not in n or "language_model" in n for n in names)
+    ref = load_reference(path)
+    peft.inject_adapter_in_model(ours.treelit_lora_config, ref, adapter_name="default")
+    ref.load_state_dict({k[len("hf."):]: v for k, v in ours.state_dict().items()}, strict=True)
+    ref.to(F64)
+    for n, p in ref.named_parameters():
+        p.requires_grad_(".lora_" in n or ".modules_to_save." in n)
+    masks = [text_mask(b) for b in branches]
+    weights = [1.0, 2.0, 0.5, 1.0]
+    module = TreeLitModule(ours, make_objective("sft"), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                           partition=partition, budget_tokens=max(len(b) for b in branches) + 1, attention="sdpa_dense")
+    batch = treelit.TokenTree.from_branches(branches, masks, weights, images=images).to_batch()
+    with KeepFloat64():
+        expected = vlm_branch_loss(ref, branches, images, masks, weights)
+        expected.backward()
+        theirs = _grads(ref)
+        before = ours.vision.images_encoded
+        out = module.compute_gradients([batch])
+        assert ours.vision.images_encoded - before == 2
+        mine = _grads(ours, strip="hf.")
+    assert mine.keys() == theirs.keys() and len(mine) == len(names)
+    assert any("visual" in k for k in mine) == trained
+    assert abs(out["loss"] - expected.item()) <= 1e-10 * abs(expected.item())
+    assert max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64)) <= 1e-10

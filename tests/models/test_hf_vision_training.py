@@ -141,6 +141,8 @@ def _cfg(**over):
      "critic.model=hf_auto with model.vision=true: critic=separate reads the images through a vision tower of its own"),
     ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
      "trainer.strategy.context_parallel_degree=2 with model.vision=true"),
+    ({"model": {"vision": True, "freeze_vision": True, "lora": {"rank": 4, "modules_to_save": ["visual"]}}},
+     r"model.freeze_vision=true with model.lora.modules_to_save=\['visual'\]: the one freezes the vision tower"),
 ])
 def test_what_does_not_run_with_images_is_refused_by_option(over, match):
     from treelit.cli.config import ConfigError
@@ -175,6 +177,9 @@ def test_images_run_on_several_processes(trainer):
     from treelit.cli.model_option_checks import check_vision_options
 
     check_vision_options(_cfg(trainer=trainer, partition={"name": "redundancy_free"}))
+    # LoRA on the language model with the tower trained in full (PEFT's copy), or frozen
+    check_vision_options(_cfg(trainer=trainer, model={"vision": True, "lora": {"rank": 4, "modules_to_save": ["visual"]}}))
+    check_vision_options(_cfg(trainer=trainer, model={"vision": True, "freeze_vision": True, "lora": {"rank": 4}}))
 
 
 def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):

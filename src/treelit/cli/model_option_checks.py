@@ -117,6 +117,11 @@ def check_vision_options(cfg: DictConfig) -> None:
     if not (isinstance(per_pass, int) and not isinstance(per_pass, bool) and per_pass >= 0):
         raise ConfigError(f"model.vision_images_per_pass must be an integer >= 0 (0: all images at once), "
                           f"got {per_pass!r}")
+    lora = model.get("lora") or {}
+    saved = list(lora.get("modules_to_save") or []) if hasattr(lora, "get") and lora.get("rank") else []
+    if model.get("freeze_vision") and any(str(m).split(".")[-1] == "visual" for m in saved):
+        raise ConfigError(f"model.freeze_vision=true with model.lora.modules_to_save={saved}: the one freezes the vision "
+                          "tower, the other trains a copy of it in full; drop one")
     tr = cfg.get("trainer") or {}
     strategy = tr.get("strategy")
     cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1

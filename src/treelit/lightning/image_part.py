@@ -107,7 +107,7 @@ class ImageEncoder(StepPart):
         if images is None and not collective:
             yield
             return
-        trains = grad and torch.is_grad_enabled() and any(p.requires_grad for p in self.vision.visual.parameters())
+        trains = grad and torch.is_grad_enabled() and self.vision.tower_trains()
         with torch.set_grad_enabled(trains):
             if images is None:
                 p = next(self.vision.visual.parameters())

@@ -52,7 +52,7 @@ from treelit.models.factory import moe_routing, parse_dtype, set_moe_routing, se
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
-from treelit.models.hf_vision import VisionInputs, check_vision_config
+from treelit.models.hf_vision import VisionInputs, check_vision_config, tower_blocks
 from treelit.models.lora import apply_lora, lora_options
 from treelit.models.hf_replay import ReplayBinding
 from treelit.models.moe import record_pass
@@ -262,7 +262,7 @@ class HFTreeModel(nn.Module):
         with a vision tower, the tower's blocks, sharded alike (docs/distributed.md, "Images")."""
         blocks = list(self.layers)
         if self.vision is not None:
-            blocks += list(self.vision.visual.blocks)
+            blocks += tower_blocks(self.vision.visual)
         return blocks
 
     @property
