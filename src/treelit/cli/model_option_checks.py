@@ -90,18 +90,11 @@ def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":
 
 # the vision tower ---------------------------------------------------------------------------------
 
-def _processes(trainer: Any) -> int:
-    n = 1
-    for key in ("devices", "num_nodes"):
-        v = trainer.get(key, 1)
-        n *= v if isinstance(v, int) else (2 if str(v) in ("auto", "-1") else len(v) if hasattr(v, "__len__") else 1)
-    return n
-
-
 def check_vision_options(cfg: DictConfig) -> None:
     """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option:
     each of these runs branches apart or splits a row over processes, which has not been checked
-    against a per-branch reference with images. And the tower's own options without it."""
+    against a per-branch reference with images. And the tower's own options without it. (DDP,
+    FSDP2 and HSDP run images: the step's image encoder, :mod:`treelit.lightning.image_part`.)"""
     model = cfg.get("model") or {}
     vision = model.get("vision", False)
     if not vision:
@@ -118,9 +111,13 @@ def check_vision_options(cfg: DictConfig) -> None:
     if not (isinstance(per_pass, int) and not isinstance(per_pass, bool) and per_pass >= 0):
         raise ConfigError(f"model.vision_images_per_pass must be an integer >= 0 (0: all images at once), "
                           f"got {per_pass!r}")
+    lora = model.get("lora") or {}
+    saved = list(lora.get("modules_to_save") or []) if hasattr(lora, "get") and lora.get("rank") else []
+    if model.get("freeze_vision") and any(str(m).split(".")[-1] == "visual" for m in saved):
+        raise ConfigError(f"model.freeze_vision=true with model.lora.modules_to_save={saved}: the one freezes the vision "
+                          "tower, the other trains a copy of it in full; drop one")
     tr = cfg.get("trainer") or {}
     strategy = tr.get("strategy")
-    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
     cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
     critic = (cfg.get("critic") or {}).get("kind", "none")
     verify = cfg.get("verify_every", 0)
@@ -133,15 +130,12 @@ def check_vision_options(cfg: DictConfig) -> None:
             isinstance(cp, int) and cp > 1,
             "a row split over ranks would need each image's embeddings and tower gradient exchanged "
             "(use context_parallel_degree=1)"),
-        f"critic={critic}": (critic == "separate", "a separate critic's own trunk has not been checked against a "
-                                                   "per-branch reference with images (critic=shared has)"),
-        "trainer=fsdp2": ("FSDP2" in target or "ModelParallelStrategy" in target,
-                          "sharding the vision tower has not been checked against a per-branch reference with images"),
-        f"trainer.devices={tr.get('devices', 1)} x trainer.num_nodes={tr.get('num_nodes', 1)}": (
-            _processes(tr) > 1,
-            "several processes have not been checked against a per-branch reference with images (a rank whose rows "
-            "show no image leaves the tower without a gradient)"),
     }
+    critic_model = (cfg.get("critic") or {}).get("model")
+    if critic == "separate" and critic_model not in (None, "policy"):  # its own model must see the images
+        why[f"critic.model={critic_model}"] = (True, "critic=separate reads the images through a vision tower of its "
+                                                     "own; use critic.model=policy (a copy of the policy's model "
+                                                     "config, its tower included)")
     for option, (bad, reason) in why.items():
         if bad:
             raise ConfigError(f"{option} with model.vision=true: {reason}")

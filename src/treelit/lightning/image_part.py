@@ -9,8 +9,8 @@ in others. Encoded by this part, around the executor's work on one micro-batch:
 
 1. before the passes: the row's distinct images (``mb.images``) go through the tower once,
    inside the model's forward (FSDP2's hooks see it); the passes get a detached leaf of the
-   embedding rows (``mb.image_embeds``, :class:`~treelit.tree.images.EncodedImages`), which a
-   partition indexes for its own images (:meth:`TreeBatch.subset`);
+   embedding rows (``mb.image_embeds[tower]``, :class:`~treelit.tree.images.EncodedImages`),
+   which a partition indexes for its own images (:meth:`TreeBatch.subset`);
 2. the passes run and backpropagate as they would: the leaf's gradient accumulates over all
    of them (the whole row, or every partition);
 3. after the passes: one backward of the tower with that gradient.
@@ -21,6 +21,12 @@ alone), with one tower forward and backward per micro-batch instead of one per p
 
 No-gradient reads (values, rollout log-probs) get the rows too, without a leaf. A frozen tower
 (``model.freeze_vision``) is run without gradient, and nothing runs after the passes.
+
+``critic=separate``: the critic's trunk (a vision model of its own, e.g. ``critic.model=policy``
+copies the policy, tower included) sees the images through its own tower, which its value loss
+trains, as per-branch training of two models would: it gets an encoder of its own
+(:func:`~treelit.lightning.parts.step_parts`), and each model reads the rows of its own tower
+(``image_embeds`` is keyed by the tower).
 
 Several processes: the step's collectives must match on every rank. Under FSDP2 / HSDP the
 tower is sharded per block like the decoder (:meth:`HFTreeModel.fsdp_blocks`), so each of its
@@ -43,7 +49,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from treelit.lightning.parts import StepPart
+from treelit.lightning.step_part import StepPart
 from treelit.models.forward import in_forward
 from treelit.tree.images import EncodedImages, ImageSet
 from treelit.utils.distributed import is_sharded
@@ -80,13 +86,14 @@ class ImageEncoder(StepPart):
     needs = ("a pass's image rows",)
 
     def __init__(self, model) -> None:
+        self.model = model  # the policy, or a separate critic's trunk (each its own tower)
         self.vision = _inner(model).vision
 
     # the two steps context parallelism replaces ------------------------------------------------
     def encode(self, spec, images: ImageSet) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Embedding rows ``[R, D]`` of ``images`` (and Qwen3-VL's deepstack rows), inside the
         model's forward."""
-        return in_forward(spec.model, lambda m: self.vision.encode(images))
+        return in_forward(self.model, lambda m: self.vision.encode(images))
 
     def backward(self, outputs: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
         """The tower's backward with the gradient the passes sent back to its rows."""
@@ -96,11 +103,11 @@ class ImageEncoder(StepPart):
     @contextlib.contextmanager
     def micro_batch(self, spec, mb, grad: bool):
         images = mb.images if mb.images is not None and mb.images.num_images else None
-        collective = is_sharded(spec.model)  # every rank calls the sharded tower alike
+        collective = is_sharded(self.model)  # every rank calls the sharded tower alike
         if images is None and not collective:
             yield
             return
-        trains = grad and torch.is_grad_enabled() and any(p.requires_grad for p in self.vision.visual.parameters())
+        trains = grad and torch.is_grad_enabled() and self.vision.tower_trains()
         with torch.set_grad_enabled(trains):
             if images is None:
                 p = next(self.vision.visual.parameters())
@@ -110,11 +117,13 @@ class ImageEncoder(StepPart):
         outputs = [rows, *deep]
         leaves = [x.detach().requires_grad_(True) for x in outputs] if trains else outputs
         if images is not None:
-            mb.image_embeds = EncodedImages.of(images, leaves[0], leaves[1:])
+            mb.image_embeds = {**(mb.image_embeds or {}), self.vision: EncodedImages.of(images, leaves[0], leaves[1:])}
         try:
             yield
         finally:
-            mb.image_embeds = None
+            if images is not None:
+                mb.image_embeds.pop(self.vision, None)
+                mb.image_embeds = mb.image_embeds or None
         if trains:
             self.backward(outputs, [_grad(leaf) for leaf in leaves])
 

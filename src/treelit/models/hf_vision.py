@@ -33,7 +33,10 @@ sum over them, as it is over branches. A part's positions are the whole row's (t
 no branches), computed once on the row and sliced.
 
 ``freeze_vision``: the tower's parameters stop requiring gradients (the common LoRA / RL
-setting); the projector (the patch merger, part of the tower in these families) follows.
+setting); the projector (the patch merger, part of the tower in these families) follows. With
+LoRA (adapters on the language model only) the tower is part of the frozen base, unless
+``model.lora.modules_to_save`` names it (``[visual]``): PEFT's trained copy of the tower then
+trains in full beside the adapters, and is saved with them.
 
 Gemma-3 is refused: its language model attends bidirectionally inside an image block, a
 visibility rule treelit's tree mask does not have.
@@ -51,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from treelit.models.errors import CheckpointError
 
-__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config"]
+__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config", "tower_blocks"]
 
 VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
                    "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V"}
@@ -108,6 +111,10 @@ class VisionInputs:
     def language_model(self) -> nn.Module:
         return self._hf[0].model.language_model
 
+    def tower_trains(self) -> bool:
+        """Whether any parameter of the tower (or LoRA's trained copy of it) requires a gradient."""
+        return any(p.requires_grad for p in self.visual.parameters())
+
     def base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
         batch = getattr(ctx, "batch", None)
         embeds = self.language_model.get_input_embeddings()(input_ids)
@@ -117,14 +124,19 @@ class VisionInputs:
         if batch.images is not None and batch.images.num_images:
             embeds, extra = self._with_images(batch, embeds)
             kw.update(extra)
+        if not embeds.requires_grad and torch.is_grad_enabled() and self.tower_trains():
+            # a row without images reads no tower rows: its inputs require a gradient all the same, as a
+            # row with images does, so that under FSDP2 the first layer's gradient reduction runs at the
+            # same point of every rank's backward (with LoRA the embeddings are frozen)
+            embeds = embeds.detach().requires_grad_(True)
         kw["inputs_embeds"] = embeds
         return kw
 
     def _with_images(self, batch, embeds: torch.Tensor):
         """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image:
-        the row's ``image_embeds`` when the step's image encoder encoded them for the micro-batch
+        the row's ``image_embeds`` of this tower when the step's image encoder encoded them for the micro-batch
         (:mod:`treelit.lightning.image_part`), else encoded here."""
-        pre = getattr(batch, "image_embeds", None)
+        pre = (getattr(batch, "image_embeds", None) or {}).get(self)  # (another model's tower: not its rows)
         rows, deep = (pre.rows, pre.deep) if pre is not None else self.encode(batch.images)
         rows = rows.to(embeds.dtype)
         sel = batch.image_row >= 0
@@ -162,6 +174,16 @@ class VisionInputs:
         feats = self.vlm.get_image_features(pixel_values, grid_thw, return_dict=True)
         deep = getattr(feats, "deepstack_features", None) or []
         return torch.cat(feats.pooler_output), [torch.cat(f) for f in deep]
+
+
+def tower_blocks(visual: nn.Module) -> list:
+    """The vision tower's blocks (FSDP2's units: :meth:`HFTreeModel.fsdp_blocks`). A tower that
+    LoRA trains in full (``model.lora.modules_to_save`` naming it) is PEFT's wrapper: the frozen
+    original's blocks (what runs with the adapters off) and the trained copy's."""
+    towers = [visual]
+    if hasattr(visual, "original_module") and hasattr(visual, "modules_to_save"):
+        towers = [visual.original_module, *visual.modules_to_save.values()]
+    return [b for t in towers for b in t.blocks]
 
 
 def _function_modes() -> list:

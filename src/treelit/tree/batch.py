@@ -123,9 +123,10 @@ class TreeBatch:
     mrope_position_ids: Optional[torch.Tensor] = None
     # a part of a row (subset) whose M-RoPE positions are its parent's: (parent row, token indices)
     mrope_parent: Optional[Any] = None
-    # the row's images already encoded (treelit.tree.images.EncodedImages; set for one micro-batch by
-    # the step's image encoder, treelit.lightning.image_part): the model reads them, not the tower
-    image_embeds: Optional[Any] = None
+    # the row's images already encoded, per tower that encoded them (tower -> treelit.tree.images.
+    # EncodedImages; set for one micro-batch by the step's image encoders, treelit.lightning.image_part:
+    # the policy's, a separate critic's): each model reads its own tower's rows, not the tower
+    image_embeds: Optional[Dict[Any, Any]] = None
     # host (numpy) copies of tensor fields, made where the row was built or before it moved to a
     # device: name -> (the tensor they mirror, its values); see :meth:`host`
     _host_copies: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -291,8 +292,8 @@ class TreeBatch:
             return {}
         images, rows = self.images.select(self.image_row[tokens])
         out = {"images": images, "image_row": rows}
-        if self.image_embeds is not None and images is not None:  # encoded once for the row: its rows
-            out["image_embeds"] = self.image_embeds.for_set(images)
+        if self.image_embeds and images is not None:  # encoded once for the row: its rows
+            out["image_embeds"] = {tower: enc.for_set(images) for tower, enc in self.image_embeds.items()}
         if self.mrope_position_ids is not None:
             return {**out, "mrope_position_ids": self.mrope_position_ids[:, tokens]}
         if self.mrope_parent is not None:
