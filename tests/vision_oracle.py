@@ -1,11 +1,19 @@
 """Tiny vision-language checkpoints and transformers as their per-branch float64 oracle.
 
 ``vision_checkpoint`` writes a random Qwen2.5-VL / Qwen3-VL / Qwen3.5 (vision + Gated
-DeltaNet) checkpoint with 4-pixel patches and merge size 2; ``image_processor`` is the
-families' own image processor (transformers' PIL backend) sized to it; ``vlm_branch_loss``
-is per-branch training from the definition: each branch through the transformers model
-with its own images (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids`` as the
-processor returns them), its positions from the model's forward, one branch at a time.
+DeltaNet) / Qwen3.5-MoE / Qwen3-VL-MoE / GLM-4.5V checkpoint with 4-pixel patches and merge
+size 2, or a Gemma-3 one (a SigLIP tower on 16x16 images, 4 tokens per image);
+``image_processor`` is the Qwen families' own image processor (transformers' PIL backend)
+sized to it, ``gemma3_processed`` Gemma-3's; ``vlm_branch_loss`` is per-branch training from
+the definition: each branch through the transformers model with its own images
+(``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids`` as the processor returns them;
+Gemma-3: ``pixel_values`` and ``token_type_ids``), its positions from the model's forward, one
+branch at a time.
+
+``vision_checkpoint(path, "qwen3_5_moe")`` is Qwen3.5-MoE-shaped: the real layer pattern
+(three Gated DeltaNet layers, then full attention; every MLP a mixture of experts beside a
+gated shared expert; a vision tower, which in Qwen3.5 has no deepstack) at tiny sizes
+(``num_hidden_layers=8`` for two rounds of the pattern).
 """
 
 from __future__ import annotations
@@ -22,11 +30,13 @@ VISION = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_
               temporal_patch_size=2, out_hidden_size=32)
 MOE = dict(moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
 QWEN35_MOE_TEXT = dict(
-    {k: v for k, v in TEXT.items() if k != "intermediate_size"}, num_hidden_layers=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+    {k: v for k, v in TEXT.items() if k != "intermediate_size"}, num_hidden_layers=4,  # layer types: the config's
+    linear_key_head_dim=8, linear_value_head_dim=8,  # own pattern (full attention every 4th layer) at any depth
     linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=3,
     moe_intermediate_size=8, shared_expert_intermediate_size=12, num_experts=8, num_experts_per_tok=2,
     rope_parameters=dict(ROPE, mrope_interleaved=True, partial_rotary_factor=0.5))
+GEMMA3_TEXT = dict({k: v for k, v in TEXT.items() if k != "rope_parameters"}, sliding_window=3,
+                   query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention"])
 FAMILIES = {
     "qwen2_5_vl": (dict(TEXT), dict(VISION, window_size=16, fullatt_block_indexes=[1])),
     "qwen3_vl": (dict(TEXT, rope_parameters=dict(ROPE, mrope_interleaved=True)),
@@ -43,12 +53,21 @@ FAMILIES = {
                      dict(VISION, deepstack_visual_indexes=[0], num_position_embeddings=64)),
     "glm4v_moe": (dict(TEXT, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                        routed_scaling_factor=2.5, first_k_dense_replace=1, n_group=2, topk_group=1,
-                       norm_topk_prob=True, rope_parameters=dict(ROPE, mrope_section=[1, 1, 0], partial_rotary_factor=0.5)),
+                       norm_topk_prob=True,
+                       rope_parameters=dict(ROPE, mrope_section=[1, 1, 0], partial_rotary_factor=0.5)),
                   dict(VISION, num_heads=2, image_size=16, rms_norm_eps=1e-5)),
+    # Gemma-3: a SigLIP tower (16x16 images of 4x4 patches, pooled to 2x2 = 4 tokens), sliding and global
+    # layers; its language model attends bidirectionally inside each image block
+    "gemma3": (dict(GEMMA3_TEXT), dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=16, patch_size=4)),
 }
-# the multimodal checkpoints' own token ids beyond Qwen's (GLM-4.1V names its image markers apart)
-TOKEN_IDS = {"glm4v_moe": dict(image_start_token_id=START, image_end_token_id=END, video_start_token_id=33,
-                               video_end_token_id=34)}
+GEMMA3_TOKENS = 4  # mm_tokens_per_image of the tiny Gemma-3
+# the image markers and placeholder of each family (Qwen's by default; GLM-4.5V and Gemma-3 name theirs apart)
+_QWEN_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+TOKEN_IDS = {"glm4v_moe": dict(image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=START,
+                               image_end_token_id=END, video_start_token_id=33, video_end_token_id=34),
+             "gemma3": dict(image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
+                            mm_tokens_per_image=GEMMA3_TOKENS)}
 
 
 def vision_checkpoint(path, family: str, seed: int = 0, std: float = 0.3, **text_overrides):
@@ -56,9 +75,8 @@ def vision_checkpoint(path, family: str, seed: int = 0, std: float = 0.3, **text
     import transformers
 
     text, vision = FAMILIES[family]
-    ids = TOKEN_IDS.get(family, dict(vision_start_token_id=START, vision_end_token_id=END))
     cfg = transformers.AutoConfig.for_model(family, text_config=dict(text, **text_overrides), vision_config=vision,
-                                            image_token_id=IMAGE, video_token_id=VIDEO, **ids)
+                                            **TOKEN_IDS.get(family, _QWEN_IDS))
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
     g = torch.Generator().manual_seed(seed)
@@ -102,6 +120,18 @@ def random_image(rng: np.random.Generator, h: int, w: int):
     return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
 
 
+def gemma3_processed(pil, dtype=torch.float64, name=""):
+    """A PIL image through Gemma-3's image processor (16x16, the tiny tower's size), as a treelit
+    ProcessedImage: one ``[1, 3, 16, 16]`` pixel block, grid ``(1, 1, 1)``, ``GEMMA3_TOKENS`` tokens."""
+    import transformers
+
+    from treelit.tree.images import ProcessedImage
+
+    proc = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16}, do_pan_and_scan=False)
+    out = proc(images=[pil], return_tensors="pt")
+    return ProcessedImage(out["pixel_values"].to(dtype), (1, 1, 1), GEMMA3_TOKENS, IMAGE, name=name)
+
+
 def processed(proc, pil, dtype=torch.float64, name=""):
     """A PIL image through the processor, as a treelit ProcessedImage."""
     from treelit.tree.images import ProcessedImage
@@ -136,11 +166,15 @@ def load_reference(path, dtype=torch.float64):
 def branch_inputs(model, images):
     """``inputs(b, ids)``: branch b's image arguments as the processor returns them (positions
     from this branch alone)."""
+    gemma3 = model.config.model_type == "gemma3"
+
     def inputs(b, ids):
         model.model.rope_deltas = None  # positions from this branch alone
         ims = images[b]
         if not ims:
             return {}
+        if gemma3:  # plain positions; token types mark the image blocks (bidirectional inside each)
+            return dict(pixel_values=torch.cat([i.pixel_values for i in ims]), token_type_ids=(ids == IMAGE).long())
         return dict(pixel_values=torch.cat([i.pixel_values for i in ims]),
                     image_grid_thw=torch.tensor([list(i.grid_thw) for i in ims]),
                     mm_token_type_ids=(ids == IMAGE).int())

@@ -114,3 +114,37 @@ def test_a_value_error_found_while_building_keeps_its_quotes():
         with _setup_errors():
             raise KeyError("no such thing 'k'")
     assert str(info.value) == "no such thing 'k'"
+
+
+@pytest.fixture
+def gemma3(tmp_path) -> str:
+    return _checkpoint(tmp_path / "gemma3", model_type="gemma3", vision_config={"image_size": 16},
+                       text_config={"model_type": "gemma3_text"})
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["attention=segment"], r"^attention=segment with a Gemma-3 checkpoint \(model.vision=true\): segment plans "
+                            r"attention from the tree's causal structure"),
+    ([], r"^attention=auto with a Gemma-3 checkpoint \(model.vision=true\): on CPU auto picks segment"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_gemma3_needs_a_backend_that_takes_image_blocks(overrides, expected, gemma3):
+    """Gemma-3's image blocks attend both ways: a backend that cannot express it is refused by
+    name before the model loads; sdpa_dense passes."""
+    base = ["model=hf_auto", f"model.hf_checkpoint={gemma3}", "model.vision=true"]
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose(base + overrides))
+    assert time.monotonic() - t0 < 5 and "\n" not in str(info.value)
+    assert re.search(expected, str(info.value)), str(info.value)
+    validate_config(compose(base + ["attention=sdpa_dense"]))
+
+
+def test_gemma3_image_blocks_are_not_split_over_ranks(gemma3):
+    from omegaconf import OmegaConf
+
+    from treelit.cli.model_option_checks import _check_image_blocks
+
+    cfg = OmegaConf.create({"attention": {"name": "sdpa_dense"},
+                            "trainer": {"strategy": {"context_parallel_degree": 2}}})
+    with pytest.raises(ConfigError, match="context_parallel_degree=2 with a Gemma-3 checkpoint .*split over ranks"):
+        _check_image_blocks(cfg)

@@ -113,3 +113,42 @@ def test_replay_with_images_and_activation_checkpointing(partitioned, pool, tmp_
     d = compare("qwen3_5_moe", branches, images, tmp_path_factory, router=("micro_batch", 0.5), budget=budget,
                 checkpointing=True)
     assert max(d) <= 1e-10, d
+
+
+@pytest.mark.slow
+def test_lora_replay_and_images_on_the_qwen3_5_moe_shape(pool, tmp_path_factory):  # noqa: F811
+    """LoRA adapters on the language model (Gated DeltaNet and attention projections; the experts
+    stay frozen), the routes replayed, images on shared prefixes: the adapters' gradients equal
+    transformers' with the same adapters and routes, branch by branch."""
+    import peft
+
+    from treelit.models.lora import apply_lora
+
+    models("qwen3_5_moe", tmp_path_factory)
+    path = _CACHE["qwen3_5_moe"]
+    ours = treelit.load_hf_model(path, dtype=F64, vision=True)
+    torch.manual_seed(0)
+    apply_lora(ours, {"rank": 4, "alpha": 8, "init": False})
+    set_moe_routing(ours, "replay")
+    ref = load_reference(path)
+    peft.inject_adapter_in_model(ours.treelit_lora_config, ref, adapter_name="default")
+    ref.load_state_dict({k[len("hf."):]: v for k, v in ours.state_dict().items()}, strict=True)
+    ref.to(F64)
+    for n, p in ref.named_parameters():
+        p.requires_grad_(".lora_" in n)
+    branches, images = _fixed_cases(pool)["fork_after_image"]
+    masks, weights = [text_mask(b) for b in branches], [1.0, 2.0, 0.5]
+    rec = [routing_for(b, MOE_LAYERS["qwen3_5_moe"], K, E) for b in branches]
+    with KeepFloat64():
+        expected = replay_branch_loss(ref, branches, masks, weights, per_branch_records(branches, rec),
+                                      inputs=branch_inputs(ref, images))
+        expected.backward()
+        theirs = _grads(ref)
+        tree = treelit.TokenTree.from_branches(branches, masks, weights, images=images, routed_experts=rec)
+        loss = treelit.tree_loss(ours, tree, "token-mean", "sdpa_dense")
+        loss.backward()
+        mine = _grads(ours, strip="hf.")
+    assert mine.keys() == theirs.keys() and mine and all(".lora_" in n for n in mine)
+    assert any("linear_attn" in n for n in mine) and any("self_attn" in n for n in mine)
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
+    assert max_rel_grad_diff(mine, theirs, grad_floor(F64), negligible_grad(F64)) <= 1e-10

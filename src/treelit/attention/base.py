@@ -37,11 +37,16 @@ class AttentionBackend:
     ``external_keys``: whether the backend takes E > 0 external keys (ancestors that live
     outside the row). Partitioned passes and context parallelism need them; a plugin backend
     that handles the row's own keys only sets it to False and is refused there by name.
+
+    ``bidirectional_blocks``: whether the backend takes row keys seen by queries before them
+    (``kv_lo[E + j] < j``: the bidirectional image blocks of Gemma-3); backends that plan from the
+    tree's structure (causal within a segment) do not, and are refused by name there.
     """
 
     name: str = "?"
     requires_cuda: bool = False
     external_keys: bool = True
+    bidirectional_blocks: bool = False
 
     def plan(self, layout) -> Any:
         raise NotImplementedError

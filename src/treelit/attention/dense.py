@@ -16,6 +16,7 @@ from treelit.attention.base import ATTENTION, AttentionBackend
 @ATTENTION.register("sdpa_dense")
 class DenseAttention(AttentionBackend):
     name = "sdpa_dense"
+    bidirectional_blocks = True  # any interval mask (Gemma-3's image blocks)
 
     def plan(self, layout) -> torch.Tensor:
         return layout.dense_mask()

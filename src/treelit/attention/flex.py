@@ -84,6 +84,7 @@ class FlexTreeAttention(AttentionBackend):
 
     name = "flex"
     requires_cuda = True
+    bidirectional_blocks = True  # the mask_mod and the block bounds read any interval (Gemma-3's image blocks)
 
     def __init__(self, block_size: int = 128, compile: bool = True) -> None:
         self.block_size = int(block_size)

@@ -139,10 +139,10 @@ def check_vision_options(cfg: DictConfig) -> None:
     for option, (bad, reason) in why.items():
         if bad:
             raise ConfigError(f"{option} with model.vision=true: {reason}")
-    _check_vision_checkpoint(model)
+    _check_vision_checkpoint(model, cfg)
 
 
-def _check_vision_checkpoint(model: Any) -> None:
+def _check_vision_checkpoint(model: Any, cfg: Any) -> None:
     """The checkpoint's ``config.json`` names a vision family with its tower (read, not loaded)."""
     ckpt = model.get("hf_checkpoint")
     if not ckpt or ckpt == "???":
@@ -162,4 +162,35 @@ def _check_vision_checkpoint(model: Any) -> None:
     except CheckpointError as exc:
         said = str(exc)
         raise ConfigError(said if "model.vision=true" in said else f"{said} (model.vision=true)") from None
+    if data.get("model_type") == "gemma3":
+        _check_image_blocks(cfg)
+
+
+def _check_image_blocks(cfg: Any) -> None:
+    """Gemma-3's language model attends bidirectionally inside each image block: a backend that
+    takes any visibility interval (``bidirectional_blocks``: sdpa_dense, flex), and whole blocks
+    in one process."""
+    att = str((cfg.get("attention") or {}).get("name", "auto"))
+    tr = cfg.get("trainer") or {}
+    what = "with a Gemma-3 checkpoint (model.vision=true)"
+    if att == "auto":
+        if str(tr.get("accelerator", "cpu")) in ("gpu", "cuda"):
+            return  # auto picks flex on CUDA
+        raise ConfigError(f"attention=auto {what}: on CPU auto picks segment for rows over 512 tokens, which cannot "
+                          "attend bidirectionally inside an image block; set attention=sdpa_dense (attention=flex "
+                          "on CUDA)")
+    from treelit.attention.base import ATTENTION
+
+    try:
+        backend = ATTENTION.get(att)
+    except KeyError:  # an unknown backend: named where the backend is built, with the known ones
+        return
+    if not getattr(backend, "bidirectional_blocks", False):
+        raise ConfigError(f"attention={att} {what}: {att} plans attention from the tree's causal structure and cannot "
+                          "attend bidirectionally inside an image block; use attention=sdpa_dense or attention=flex")
+    strategy = tr.get("strategy")
+    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
+    if isinstance(cp, int) and cp > 1:
+        raise ConfigError(f"trainer.strategy.context_parallel_degree={cp} {what}: an image block split over ranks "
+                          "would need the keys of later ranks (its tokens see each other both ways)")
 

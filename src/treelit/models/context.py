@@ -144,7 +144,9 @@ class TreeLayout:
     ``num_external``: E, number of external keys in front of the row's own keys.
     ``kv_pos [E + N]``: key positions (depths); ``window``: a sliding window (tokens a query
     sees, itself included), or None. With a window, query ``q`` sees key ``j`` iff it is
-    visible by the intervals *and* ``pos[q] - kv_pos[j] < window``.
+    visible by the intervals *and* ``pos[q] - kv_pos[j] < window``. ``blocks``: some row keys
+    are also seen by the earlier tokens of their block (``kv_lo[E + j] < j``:
+    :meth:`TreeContext.see_blocks`); only backends with ``bidirectional_blocks`` take such a layout.
     """
 
     batch: TreeBatch
@@ -153,6 +155,7 @@ class TreeLayout:
     num_external: int
     kv_pos: Optional[torch.Tensor] = None
     window: Optional[int] = None
+    blocks: bool = False
 
     @property
     def num_queries(self) -> int:
@@ -166,7 +169,7 @@ class TreeLayout:
         """This layout restricted to a sliding window (itself when the window cannot act)."""
         if window is None or not self.window_acts(window):
             return self
-        return TreeLayout(self.batch, self.kv_lo, self.kv_hi, self.num_external, self.kv_pos, int(window))
+        return TreeLayout(self.batch, self.kv_lo, self.kv_hi, self.num_external, self.kv_pos, int(window), self.blocks)
 
     def window_acts(self, window: int) -> bool:
         """Whether some query is further than ``window - 1`` positions from a key it could see
@@ -185,7 +188,9 @@ class TreeLayout:
             if name == "q_pos":
                 cache[name] = b.host("position_ids")
             else:
-                row = {"kv_lo": lambda: np.arange(b.num_tokens, dtype=np.int64), "kv_hi": lambda: b.host("subtree_end"),
+                lo = (lambda: self.kv_lo[E:].detach().cpu().numpy()) if self.blocks else (
+                    lambda: np.arange(b.num_tokens, dtype=np.int64))
+                row = {"kv_lo": lo, "kv_hi": lambda: b.host("subtree_end"),
                        "kv_pos": lambda: b.host("position_ids")}[name]()
                 cache[name] = np.concatenate([getattr(self, name)[:E].detach().cpu().numpy(), row]) if E else row
         return cache[name]
@@ -275,6 +280,21 @@ class TreeContext(_RouterRecord, _RecurrentInputs):
         if key not in self._plans:
             self._plans[key] = self.backend.plan(layout)
         return self._plans[key]
+
+    def see_blocks(self, start: torch.Tensor) -> None:
+        """Bidirectional blocks (Gemma-3's image blocks): row token ``j`` is also seen by the
+        earlier tokens of its block, ``start[j] .. j-1`` (``start [N]``, ``start[j] <= j``; a
+        block is a run of consecutive row indices on one path, so each key's visibility stays one
+        interval, ``[start[j], subtree_end[j])``). Before the pass's first attention layer."""
+        if not getattr(self.backend, "bidirectional_blocks", False):
+            raise ValueError(f"attention backend {getattr(self.backend, 'name', type(self.backend).__name__)!r} cannot "
+                             "attend bidirectionally inside a block (Gemma-3's image blocks); use attention=sdpa_dense "
+                             "or attention=flex")
+        if self._plans:
+            raise RuntimeError("see_blocks after the pass planned its attention")
+        lay, E = self.layout, self.layout.num_external
+        kv_lo = torch.cat([lay.kv_lo[:E], start.to(lay.kv_lo)])
+        self.layout = TreeLayout(lay.batch, kv_lo, lay.kv_hi, E, lay.kv_pos, lay.window, blocks=True)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   window: Optional[int] = None) -> torch.Tensor:

@@ -52,7 +52,7 @@ from treelit.models.factory import moe_routing, parse_dtype, set_moe_routing, se
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
-from treelit.models.hf_vision import VisionInputs, check_vision_config, tower_blocks
+from treelit.models.hf_vision import VisionInputs, check_vision_config, tower_blocks, vision_inputs
 from treelit.models.lora import apply_lora, lora_options
 from treelit.models.hf_recompute import checkpoint_contexts
 from treelit.models.hf_replay import ReplayBinding
@@ -425,7 +425,7 @@ def load_hf_model(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype]
             raise CheckpointError(f"{cfg_file}: config key 'model_type' = {cfg.model_type!r}: no layer of this "
                                   f"transformers {transformers.__version__} model calls a kernel entry point "
                                   "treelit can replace; its recurrent layers cannot run in tree mode")
-    parts = VisionInputs(hf, freeze_vision, vision_images_per_pass) if vision else None
+    parts = vision_inputs(hf, freeze_vision, vision_images_per_pass) if vision else None
     model = HFTreeModel(hf, parts).to(device)
     coef = model.config.moe.get("router_aux_loss_coef", 0.0)
     if model._router_refusal and coef > 0 and not router_loss_set:

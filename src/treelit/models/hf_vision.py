@@ -1,11 +1,19 @@
 """Vision-language checkpoints in tree mode: each distinct image encoded once per row.
 
-The families (``VISION_FAMILIES``: Qwen2.5-VL, Qwen3-VL, Qwen3.5 with its vision tower) share
-one shape: a vision tower turns an image's pixel patches into ``t*h*w / merge**2`` embedding
-rows (``get_image_features``), the language model reads them in place of the image's
-placeholder tokens, and positions are multimodal RoPE (M-RoPE): three rows (time, height,
+The families (``VISION_FAMILIES``: Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE with their
+vision tower, Qwen3-VL-MoE, GLM-4.5V, Gemma-3) share one shape: a vision tower turns an
+image's pixels into embedding rows (``get_image_features``; Qwen / GLM: ``t*h*w / merge**2``
+rows from pixel patches), the language model reads them in place of the image's placeholder
+tokens. Positions are multimodal RoPE (M-RoPE) in all but Gemma-3: three rows (time, height,
 width) that a position function (``get_rope_index``) derives from the token types and image
-grids of a sequence.
+grids of a sequence. The mixture-of-experts families route, replay recorded routes
+(``model.moe.routing=replay``) and take the router loss as their text models do
+(:mod:`treelit.models.hf_adapter`).
+
+Gemma-3 differs in two family-specific ways (:mod:`treelit.models.hf_gemma3`, chosen through
+``_INPUTS``): plain positions, and a language model that attends bidirectionally inside each
+image block, which the tree mask takes as one wider visibility interval per block key on the
+backends that read intervals as they are (``sdpa_dense``, ``flex``; others refused by name).
 
 In tree mode (an adapted model with :class:`VisionInputs`, ``model.vision``):
 
@@ -38,13 +46,14 @@ LoRA (adapters on the language model only) the tower is part of the frozen base,
 ``model.lora.modules_to_save`` names it (``[visual]``): PEFT's trained copy of the tower then
 trains in full beside the adapters, and is saved with them.
 
-Gemma-3 is refused: its language model attends bidirectionally inside an image block, a
-visibility rule treelit's tree mask does not have.
+Refused by ``model_type`` (``_REFUSED``): Qwen2-VL, not among the families checked against
+transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any, Dict, Optional
 
 import torch
@@ -54,13 +63,15 @@ from torch.utils.checkpoint import checkpoint
 
 from treelit.models.errors import CheckpointError
 
-__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config", "tower_blocks"]
+__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config", "tower_blocks",
+           "vision_inputs"]
 
-VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
-                   "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V"}
+VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5",
+                   "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V",
+                   "gemma3": "Gemma-3"}
+# families whose inputs are not the M-RoPE ones of VisionInputs: "module:class"
+_INPUTS = {"gemma3": "treelit.models.hf_gemma3:Gemma3Inputs"}
 _REFUSED = {
-    "gemma3": "Gemma-3 attends bidirectionally inside each image block, a visibility rule treelit's tree mask "
-              "does not implement; its branches would see other attention than per-branch training",
     "qwen2_vl": "Qwen2-VL is not among the vision families treelit checks against transformers "
                 f"({', '.join(VISION_FAMILIES.values())})",
 }
@@ -76,6 +87,16 @@ def check_vision_config(cfg, where: str) -> None:
                               f"families {sorted(VISION_FAMILIES)} only")
     if getattr(cfg, "vision_config", None) is None:
         raise CheckpointError(f"{where}: config key 'vision_config' is missing: the checkpoint has no vision tower")
+
+
+def vision_inputs(hf_model: nn.Module, freeze_vision: bool = False, images_per_pass: int = 0) -> "VisionInputs":
+    """The :class:`VisionInputs` of ``hf_model``'s family."""
+    spec = _INPUTS.get(getattr(hf_model.config, "model_type", ""))
+    cls = VisionInputs
+    if spec is not None:
+        module, name = spec.split(":")
+        cls = getattr(importlib.import_module(module), name)
+    return cls(hf_model, freeze_vision, images_per_pass)
 
 
 class VisionInputs:
