@@ -57,6 +57,15 @@ def _batch(name):
                                            images=images).to_batch()
 
 
+def _micro_batches(name, text):
+    """The row ``name``, then (``text``) a row of text only: a micro-batch whose ranks encode nothing."""
+    out = [_batch(name)]
+    if text:
+        out.append(treelit.TokenTree.from_branches([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 9, 4]],
+                                                   advantages=[0.5, -1.0, 0.2]).to_batch())
+    return out
+
+
 def _module(path, objective, partition, budget):
     model = treelit.load_hf_model(path, dtype=F64, vision=True)
     module = TreeLitModule(model, make_objective(objective), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
@@ -65,26 +74,25 @@ def _module(path, objective, partition, budget):
     return model, module
 
 
-def _step(module, model, batch, objective):
+def _step(module, model, micro, objective):
     """(loss, gradients by name, images encoded by the rollout read and by the update)."""
     with KeepFloat64():
         counts = []
         if objective != "sft":
             before = model.vision.images_encoded
-            module.record_rollout_logprobs([batch])
+            module.record_rollout_logprobs(micro)
             counts.append(model.vision.images_encoded - before)
         before = model.vision.images_encoded
-        out = module.compute_gradients([batch])
+        out = module.compute_gradients(micro)
         counts.append(model.vision.images_encoded - before)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out, grads, counts
 
 
-def _worker(rank, world, path, name, objective, partition, budget):
+def _worker(rank, world, path, name, objective, partition, budget, text):
     model, module = _module(path, objective, partition, budget)
     module._cp_group = dist.group.WORLD  # (what the FSDP2 strategy sets: the row split over the group)
-    batch = _batch(name)
-    out, grads, counts = _step(module, model, batch, objective)
+    out, grads, counts = _step(module, model, _micro_batches(name, text), objective)
     executor = type(module.executor).__name__
     loss = torch.tensor([out["loss"]], dtype=F64)
     dist.all_reduce(loss)  # (each rank holds 1/C of the row's loss)
@@ -113,7 +121,7 @@ def _layout(path, name):
     return where, image_owners(batch.images, 2), batch.images.grid_thw.prod(-1).tolist()
 
 
-def compare(path, name, objective, partition, budget):
+def compare(path, name, objective, partition, budget, text=False):
     where, owners, patches = _layout(path, name)
     big = int(np.argmax(patches))
     assert where[big] == {False, True} and owners[big] == 0, "the largest image must straddle the boundary"
@@ -122,7 +130,7 @@ def compare(path, name, objective, partition, budget):
     else:
         assert owners.count(1) == 2 and all(where[i] == {False} for i in range(3) if owners[i] == 1), \
             "rank 1's images must have their rows on rank 0 only"
-    got = launch(_worker, 2, path, name, objective, partition, budget, deadline=400)
+    got = launch(_worker, 2, path, name, objective, partition, budget, text, deadline=400)
     assert got["executor"] == (CPPartitioned if partition != "none" else ContextParallel).__name__
     if partition != "none":
         assert got["passes"] > 1, "the budget must cut the row into several passes"
@@ -133,7 +141,7 @@ def compare(path, name, objective, partition, budget):
         assert [c[run] for c in got["counts"]] == [owners.count(r) for r in range(2)], got["counts"]
         assert sum(c[run] for c in got["counts"]) == n
     model, module = _module(path, objective, "none", None)
-    out, want, counts = _step(module, model, _batch(name), objective)
+    out, want, counts = _step(module, model, _micro_batches(name, text), objective)
     assert type(module.executor) is WholeRow and counts == [n] * len(counts)
     loss = out["loss"]
     assert abs(got["loss"] - loss) <= 1e-9 * abs(loss), (got["loss"], loss)
@@ -152,10 +160,11 @@ def test_cp_images_equal_one_process(checkpoints):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("name,objective,partition,budget", [
     ("three", "sft", "none", None),
-    ("one", "grpo", "redundancy_free", 8),
-    ("three", "grpo", "redundancy_free", 9),
+    ("one", "grpo", "redundancy_free", 12),
+    ("three", "grpo", "redundancy_free", 19),
 ])
 def test_cp_images_cases(checkpoints, family, name, objective, partition, budget):
     """Three images (two owned by the rank that holds none of their rows), partitioned passes
-    (and the rollout log-probs' no-gradient read, which shares the rows too), Qwen3-VL's deepstack rows."""
-    compare(checkpoints[family], name, objective, partition, budget)
+    (and the rollout log-probs' no-gradient read, which shares the rows too), Qwen3-VL's deepstack
+    rows; each with a second micro-batch of text only (its row cut over the ranks, no image encoded)."""
+    compare(checkpoints[family], name, objective, partition, budget, text=True)
