@@ -168,3 +168,44 @@ def test_cp_images_cases(checkpoints, family, name, objective, partition, budget
     (and the rollout log-probs' no-gradient read, which shares the rows too), Qwen3-VL's deepstack
     rows; each with a second micro-batch of text only (its row cut over the ranks, no image encoded)."""
     compare(checkpoints[family], name, objective, partition, budget, text=True)
+
+
+def _fsdp_worker(rank, world, path):
+    """FSDP2 over the 4 ranks (the tower sharded with the rest: every rank runs it once per
+    micro-batch, a blank image where it owns none), 2 context-parallel groups of 2 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, module = _module(path, "sft", "none", None)
+    module._device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    module._cp_group, _ = dist.new_subgroups(group_size=2)
+    module.configure_model()
+    micro = _micro_batches("three" if rank < 2 else "one", text=True)
+    out, grads, counts = _step(module, model, micro, "sft")
+    grads = {n: g.full_tensor() for n, g in grads.items()}  # (a collective: every rank, the same order)
+    loss = torch.tensor([out["loss"]], dtype=F64)
+    dist.all_reduce(loss)
+    every = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(every, torch.tensor(counts, dtype=torch.long))
+    return {"loss": float(loss), "grads": grads, "counts": [int(c) for c in every],
+            "executor": type(module.executor).__name__}
+
+
+@pytest.mark.slow
+def test_cp_images_under_fsdp2_data_parallel(checkpoints):
+    """4 processes: FSDP2 over all of them and context parallelism C = 2 inside (ranks 0-1 split
+    the three-image row, ranks 2-3 the one-image row, each then a text row). The tower's gradient,
+    computed by each image's owner only, is summed over both dimensions by FSDP2: equal to one
+    process running every micro-batch (float64, 1e-9)."""
+    path = checkpoints["qwen2_5_vl"]
+    got = launch(_fsdp_worker, 4, path, deadline=500)
+    assert got["executor"] == ContextParallel.__name__
+    # per rank: its own images of its row, and a blank image wherever it owns none (the text row included)
+    assert got["counts"] == [1 + 1, 2 + 1, 1 + 1, 1 + 1], got["counts"]
+    model, module = _module(path, "sft", "none", None)
+    out, want, _ = _step(module, model, _micro_batches("three", True) + _micro_batches("one", True), "sft")
+    loss = out["loss"]
+    assert abs(got["loss"] - loss) <= 1e-9 * abs(loss), (got["loss"], loss)
+    assert got["grads"].keys() == want.keys()
+    assert sum(float(g.norm()) for k, g in want.items() if "visual" in k) > 0
+    err = max_rel_grad_diff(got["grads"], want, grad_floor(F64), negligible_grad(F64))
+    assert err <= 1e-9, f"max relative gradient difference {err:.2e}"
