@@ -140,10 +140,9 @@ def judge(c: Dict) -> Set[str]:
         bad.add("model.moe.routing")
     elif c["routing"] == "replay" and (c["vision"] or c["model"] != "moe"):
         bad.add("model.moe.routing")
-    # the vision tower runs in tree mode, in one process, without context parallelism or the
-    # per-branch verification
-    if c["vision"] and (c["mode"] != "tree" or c["verify_every"] or world > 1 or fsdp
-                        or (c["trainer"] != "cpu" and c["cp"] > 1)):
+    # the vision tower runs in tree mode, in one process, without the per-branch verification
+    # (context parallelism's degree is no refusal of its own: it needs FSDP2 and several processes)
+    if c["vision"] and (c["mode"] != "tree" or c["verify_every"] or world > 1 or fsdp):
         bad.add("model.vision=true")
     return bad
 

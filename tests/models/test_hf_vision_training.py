@@ -140,8 +140,6 @@ def _cfg(**over):
     ({"critic": {"kind": "separate"}}, "critic=separate with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "context_parallel_degree": 1}}},
      "trainer=fsdp2 with model.vision=true"),
-    ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
-     "trainer.strategy.context_parallel_degree=2 with model.vision=true"),
     ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.DDP"}, "devices": 2, "num_nodes": 1}},
      "trainer.devices=2 x trainer.num_nodes=1 with model.vision=true: several processes"),
 ])
@@ -162,8 +160,9 @@ def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
         treelit.tree_loss(text_model, tree)
     from treelit.cli.model_option_checks import check_vision_options
 
-    # partitioning and a shared critic run with images
+    # partitioning and a shared critic run with images, and context parallelism's degree is no refusal of its own
     check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}))
+    check_vision_options(_cfg(trainer={"strategy": {"_target_": "x.Strategy", "context_parallel_degree": 2}}))
 
 
 def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):

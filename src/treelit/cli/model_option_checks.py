@@ -127,7 +127,6 @@ def check_vision_options(cfg: DictConfig) -> None:
     tr = cfg.get("trainer") or {}
     strategy = tr.get("strategy")
     target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
-    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
     critic = (cfg.get("critic") or {}).get("kind", "none")
     verify = cfg.get("verify_every", 0)
     why = {
@@ -135,10 +134,6 @@ def check_vision_options(cfg: DictConfig) -> None:
                                     "the per-branch baseline has no image inputs; mode=tree trains exactly what it would"),
         f"verify_every={verify}": (isinstance(verify, int) and verify > 0,
                                    "it runs the per-branch baseline, which has no image inputs (use verify_every=0)"),
-        f"trainer.strategy.context_parallel_degree={cp}": (
-            isinstance(cp, int) and cp > 1,
-            "a row split over ranks would need each image's embeddings and tower gradient exchanged "
-            "(use context_parallel_degree=1)"),
         f"critic={critic}": (critic == "separate", "a separate critic's own trunk has not been checked against a "
                                                    "per-branch reference with images (critic=shared has)"),
         "trainer=fsdp2": ("FSDP2" in target or "ModelParallelStrategy" in target,
