@@ -104,9 +104,21 @@ def _worker(rank, world, path, name, objective, partition, budget, text):
             "passes": float(passes), "received": out.get("cp/received_bytes_max", 0.0)}
 
 
+class _Checkpoints(dict):
+    """A family's tiny checkpoint, written on first use."""
+
+    def __init__(self, factory):
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, family):
+        self[family] = str(vision_checkpoint(self.factory.mktemp(family), family))
+        return self[family]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {f: str(vision_checkpoint(tmp_path_factory.mktemp(f), f)) for f in ("qwen2_5_vl", "qwen3_vl")}
+    return _Checkpoints(tmp_path_factory)
 
 
 def _layout(path, name):

@@ -103,7 +103,8 @@ class ImageEncoder(StepPart):
         return blank_images(self.vision.visual, p.dtype, p.device)
 
     def backward(self, outputs: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
-        """The tower's backward with the gradient the passes sent back to its rows."""
+        """The tower's backward with the gradient the passes sent back to its rows (under context
+        parallelism, through the group's sum to each image's owner)."""
         torch.autograd.backward(outputs, grads)
 
     # the hook ------------------------------------------------------------------------------------
