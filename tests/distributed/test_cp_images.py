@@ -44,7 +44,8 @@ def _rows(name):
         branches = [[1] + span(a) + [3, 4, 5, 6, 7], [1] + span(a) + [6, 7, 2, 9, 4], [1] + span(a) + [3, 8, 9, 2]]
         images = [[a], [a], [a]]
     else:
-        branches = [[1, 2] + span(c) + [3] + span(b) + [5, 6, 7], [1, 2] + span(c) + [3] + span(b) + [9, 4] + span(a) + [2],
+        branches = [[1, 2] + span(c) + [3] + span(b) + [5, 6, 7],
+                    [1, 2] + span(c) + [3] + span(b) + [9, 4] + span(a) + [2],
                     [1, 2] + span(c) + [8, 9, 2, 3]]
         images = [[c, b], [c, b, a], [c]]
     n = len(branches)
