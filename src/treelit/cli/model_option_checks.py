@@ -118,7 +118,6 @@ def check_vision_options(cfg: DictConfig) -> None:
                           "tower, the other trains a copy of it in full; drop one")
     tr = cfg.get("trainer") or {}
     strategy = tr.get("strategy")
-    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
     critic = (cfg.get("critic") or {}).get("kind", "none")
     verify = cfg.get("verify_every", 0)
     why = {
@@ -126,10 +125,6 @@ def check_vision_options(cfg: DictConfig) -> None:
                                     "the per-branch baseline has no image inputs; mode=tree trains exactly what it would"),
         f"verify_every={verify}": (isinstance(verify, int) and verify > 0,
                                    "it runs the per-branch baseline, which has no image inputs (use verify_every=0)"),
-        f"trainer.strategy.context_parallel_degree={cp}": (
-            isinstance(cp, int) and cp > 1,
-            "a row split over ranks would need each image's embeddings and tower gradient exchanged "
-            "(use context_parallel_degree=1)"),
     }
     critic_model = (cfg.get("critic") or {}).get("model")
     if critic == "separate" and critic_model not in (None, "policy"):  # its own model must see the images

@@ -36,10 +36,11 @@ zeros through it, so that every rank calls the tower once forward and once backw
 micro-batch (docs/distributed.md, "Images"). Under DDP the passes issue no collectives and
 such a micro-batch encodes nothing (the gradients are summed once per update).
 
-Context parallelism (a row split over a group) plugs in at :meth:`ImageEncoder.encode` and
-:meth:`ImageEncoder.backward`: the group's ranks share the row's distinct images, each encodes
-its share, the rows are gathered to every rank of the group, and the leaf's gradient (each
-rank's passes' share) is summed over the group before each rank backpropagates its share.
+Context parallelism (a row split over a group, :meth:`ImageEncoder.rows`): the group's ranks
+hold the same micro-batch and share its distinct images, each image encoded by one rank (its
+owner); the rows are gathered to every rank of the group as the leaf, and the leaf's gradient
+(each rank's passes' share) is summed over the group before each owner backpropagates its
+images' rows (:mod:`treelit.partition.cp_images`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import torch
 
 from treelit.lightning.step_part import StepPart
 from treelit.models.forward import in_forward
+from treelit.partition.cp_images import cp_encode
 from treelit.tree.images import EncodedImages, ImageSet
 from treelit.utils.distributed import is_sharded
 
@@ -89,14 +91,27 @@ class ImageEncoder(StepPart):
         self.model = model  # the policy, or a separate critic's trunk (each its own tower)
         self.vision = _inner(model).vision
 
-    # the two steps context parallelism replaces ------------------------------------------------
     def encode(self, spec, images: ImageSet) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Embedding rows ``[R, D]`` of ``images`` (and Qwen3-VL's deepstack rows), inside the
         model's forward."""
         return in_forward(self.model, lambda m: self.vision.encode(images))
 
+    def rows(self, spec, images: Optional[ImageSet], collective: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """The micro-batch's image rows (``images`` None: a blank image's, for a sharded tower).
+        A row split over a context-parallel group: each image encoded by one rank of the group,
+        the rows shared, their gradient summed back to it (:func:`~treelit.partition.cp_images.cp_encode`)."""
+        if images is not None and spec.cp_degree > 1:
+            blank = self._blank if collective else None  # (a sharded tower: every rank runs it)
+            return cp_encode(lambda ims: self.encode(spec, ims), images, spec.cp_group, blank)
+        return self.encode(spec, images if images is not None else self._blank())
+
+    def _blank(self) -> ImageSet:
+        p = next(self.vision.visual.parameters())
+        return blank_images(self.vision.visual, p.dtype, p.device)
+
     def backward(self, outputs: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
-        """The tower's backward with the gradient the passes sent back to its rows."""
+        """The tower's backward with the gradient the passes sent back to its rows (under context
+        parallelism, through the group's sum to each image's owner)."""
         torch.autograd.backward(outputs, grads)
 
     # the hook ------------------------------------------------------------------------------------
@@ -109,11 +124,7 @@ class ImageEncoder(StepPart):
             return
         trains = grad and torch.is_grad_enabled() and self.vision.tower_trains()
         with torch.set_grad_enabled(trains):
-            if images is None:
-                p = next(self.vision.visual.parameters())
-                rows, deep = self.encode(spec, blank_images(self.vision.visual, p.dtype, p.device))
-            else:
-                rows, deep = self.encode(spec, images)
+            rows, deep = self.rows(spec, images, collective)
         outputs = [rows, *deep]
         leaves = [x.detach().requires_grad_(True) for x in outputs] if trains else outputs
         if images is not None:

@@ -244,6 +244,8 @@ def mrope_positions(vlm: nn.Module, batch) -> torch.Tensor:
         batch.mrope_position_ids = mrope_positions(vlm, parent)[:, tokens.to(parent.device)].to(batch.device)
         return batch.mrope_position_ids
     N, dev = batch.num_tokens, batch.device
+    if batch.num_branches == 0 and batch.image_row is None:  # a part of a row of text: the position thrice
+        return batch.position_ids[None].expand(3, -1)
     if batch.num_branches == 0:
         raise ValueError("M-RoPE positions need the row's branch tables (a row cut from a tree has none)")
     pos = torch.full((3, N), -1, dtype=torch.long, device=dev)

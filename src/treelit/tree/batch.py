@@ -289,8 +289,11 @@ class TreeBatch:
         tower's gradient is the sum over parts, as over branches), its tokens' rows, and its
         M-RoPE positions (its parent's, sliced; computed on the parent, which has the branches)."""
         if self.images is None:
-            return {}
-        images, rows = self.images.select(self.image_row[tokens])
+            if self.image_row is None:  # a row of text
+                return {}
+            images, rows = None, self.image_row[tokens]  # a part that shows no image: cut again, its positions stay
+        else:
+            images, rows = self.images.select(self.image_row[tokens])
         out = {"images": images, "image_row": rows}
         if self.image_embeds and images is not None:  # encoded once for the row: its rows
             out["image_embeds"] = {tower: enc.for_set(images) for tower, enc in self.image_embeds.items()}
