@@ -8,7 +8,8 @@ expert, and a 2-block vision tower. It trains with
   further screenshot), each distinct image encoded once per micro-batch;
 * routing replay: every branch's recorded experts (``routing_oracle.routing_for``, a function of
   the prefix, as a sampler's records are);
-* LoRA adapters on the language model (the base and the vision tower frozen);
+* LoRA adapters on the language model, the vision tower trained in full beside them
+  (``modules_to_save: [visual]``, PEFT's copy of it), the rest of the base frozen;
 * a shared critic (a value head on the policy's trunk) and ``objective=ppo``: GAE advantages per
   (branch, action) whitened over the step, the clipped policy and value losses.
 
@@ -40,7 +41,7 @@ from vision_oracle import IMAGE, image_processor, processed, random_image, span,
 F64 = torch.float64
 MOE_LAYERS, K, E = 4, 2, 8
 GAMMA, LAM, CLIP, VCLIP, VF = 0.9, 0.8, 0.2, 0.05, 0.7
-LORA = {"rank": 4, "alpha": 8, "init": False}
+LORA = {"rank": 4, "alpha": 8, "init": False, "modules_to_save": ["visual"]}  # the tower trained: PEFT's copy
 
 
 def critic_oracle():
@@ -98,7 +99,8 @@ def trees(cases, seed: int = 0) -> List[treelit.TokenTree]:
 
 
 def flagship_model(path, lora: bool = True):
-    """The policy: the checkpoint with its tower, routing replayed, LoRA on the language model."""
+    """The policy: the checkpoint with its tower, routing replayed, LoRA on the language model and
+    the tower trained (``lora=False``: every parameter trains)."""
     from treelit.models.factory import set_moe_routing
     from treelit.models.lora import apply_lora
 
@@ -138,7 +140,7 @@ def run_step(module, micro) -> Dict[str, Any]:
 
 
 def trained_grads(module, strip: str = "") -> Dict[str, torch.Tensor]:
-    """The gradients of what trains (the adapters and the value head), by name."""
+    """The gradients of what trains (the adapters, the tower's copy and the value head), by name."""
     from treelit.utils.distributed import gather_full
 
     out = {}
@@ -164,7 +166,7 @@ def branch_reference(path, cases, policy, critic, seed: int = 0):
     hf.load_state_dict({k[len("hf."):]: v for k, v in policy.state_dict().items()}, strict=True)
     hf.to(F64)
     for n, p in hf.named_parameters():
-        p.requires_grad_(".lora_" in n)
+        p.requires_grad_(".lora_" in n or ".modules_to_save." in n)
     branches = [b for c in cases for b in c[0]]
     images = [ims for c in cases for ims in c[1]]
     masks = [m for c in cases for m in c[2]]

@@ -5,9 +5,9 @@ with them), each rank a share of the groups, one update's loss and every trained
 one process's in float64 <= 1e-9. One process equals transformers branch by branch
 (tests/models/test_flagship.py), so the sharded run does too.
 
-Context parallelism (each group's row split over C = 2 ranks, FSDP2 over all four) runs where
-images under context parallelism are supported; until then that case is skipped with the
-refusal's own words.
+Context parallelism (each group's row split over C = 2 ranks, FSDP2 over all four): each distinct
+image is encoded by one rank of its group, its rows reach both, and the tower's gradient is
+summed back to it (treelit.partition.cp_images).
 """
 
 from __future__ import annotations
@@ -64,17 +64,6 @@ def one_process(path, partition, budget, size=FULL):
         return out["loss"], trained_grads(module)
 
 
-def _images_under_cp_refusal(path):
-    """The refusal of images under context parallelism, or None where they run."""
-    from treelit.partition.cp_plan import check_cp_model
-
-    try:
-        check_cp_model(flagship_module(path).model)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.fixture(scope="module")
 def flagship(tmp_path_factory):
     return str(vision_checkpoint(tmp_path_factory.mktemp("flagship"), "qwen3_5_moe"))
@@ -85,6 +74,7 @@ def check(res, ref):
     assert abs(res["loss"] - loss) <= 1e-9 * abs(loss), (res["loss"], loss)
     assert res["grads"].keys() == grads.keys() and len(grads) > 2
     assert any(".lora_" in k for k in grads) and "critic.head.weight" in grads
+    assert any("visual.modules_to_save" in k for k in grads)  # the tower's gradient, summed over the ranks
     assert max_rel_grad_diff(res["grads"], grads, grad_floor(F64), negligible_grad(F64)) <= 1e-9
 
 
@@ -101,13 +91,49 @@ def test_flagship_on_two_processes_equals_one_process(flagship):
     (2, 1, "none"),
     (2, 1, "redundancy_free"),
     pytest.param(4, 2, "none", id="fsdp2-cp2-4proc"),
+    pytest.param(4, 2, "redundancy_free", id="fsdp2-cp2-partitioned-4proc"),
 ])
 def test_flagship_sharded_equals_one_process(flagship, world, cp, partition):
     budget = max(len(b) for c in groups(*FULL) for b in c[0]) + 1 if partition != "none" else None
-    if cp > 1:
-        why = _images_under_cp_refusal(flagship)
-        if why:
-            pytest.skip(f"images under context parallelism: {why}")
     res = launch(sharded_step, world, flagship, cp, partition, budget, deadline=600)
     assert all(n > 0 for n in res["images"]), res["images"]  # every rank's rows show images
     check(res, one_process(flagship, partition, budget))
+
+
+@pytest.mark.slow
+def test_treelit_train_flagship_with_context_parallelism_equals_one_process(tmp_path):
+    """The recipe's run as a user starts it: ``treelit-train experiment=flagship`` on the example's
+    checkpoint and image groups, one process and ``trainer=fsdp2_cpu`` on four processes with
+    context parallelism C = 2 (float64, two optimizer steps of two PPO epochs each): the exported
+    adapters and the tower's trained copy agree (1e-9), and so do the loss and the critic's metrics."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from cli import run, tail
+
+    root = Path(__file__).resolve().parents[2]
+    made = subprocess.run([sys.executable, str(root / "examples" / "tiny_flagship.py"), str(tmp_path / "tiny")],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    common = ["experiment=flagship", f"model.hf_checkpoint={tmp_path / 'tiny' / 'checkpoint'}",
+              f"data.train_path={tmp_path / 'tiny' / 'data' / 'groups.jsonl'}", "model.dtype=float64",
+              "data.shuffle=false", "trainer.max_steps=2", "logger=none", "callbacks.checkpoint=null",
+              "callbacks.progress=null", "trainer.enable_progress_bar=false"]
+    out = {}
+    for name, extra in (("one", []), ("cp", ["trainer=fsdp2_cpu", "trainer.devices=4",
+                                             "trainer.strategy.context_parallel_degree=2"])):
+        out[name], log = tmp_path / name, tmp_path / f"{name}.log"
+        rc = run([*common, f"output_dir={out[name]}", *extra], tmp_path, log, timeout=600)
+        assert rc == 0, tail(log)
+    a, b = (load_file(str(out[n] / "hf_checkpoint" / "adapter_model.safetensors")) for n in ("one", "cp"))
+    assert a.keys() == b.keys() and any("lora_" in k for k in a) and any("visual" in k for k in a)
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # trained (PEFT's B starts at 0)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-9, atol=1e-12, msg=k)
+    ma, mb = (json.loads((out[n] / "summary.json").read_text())["metrics"] for n in ("one", "cp"))
+    for key in ("loss", "critic/value_loss", "critic/values_mean", "critic/returns_mean"):
+        assert abs(ma[key] - mb[key]) <= 1e-9 * max(1.0, abs(ma[key])), (key, ma[key], mb[key])

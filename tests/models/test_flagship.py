@@ -1,5 +1,6 @@
 """The flagship on one process (tests/flagship_case.py): a Qwen3.5-MoE-shaped multimodal hybrid
-with images, routing replay, LoRA on the language model and a shared critic (PPO with GAE on
+with images, routing replay, LoRA on the language model (the tower trained in full beside the
+adapters) and a shared critic (PPO with GAE on
 GRPO-shaped groups), through the module's step - rollout log-probs, the critic's values, the
 step-global advantages, the gradients - equals transformers branch by branch with the same
 images, routes, adapters and value head: loss and every trained gradient, float64 <= 1e-10,
@@ -43,7 +44,8 @@ def test_flagship_step_equals_transformers_branch_by_branch(flagship, partition)
     expected, theirs = branch_reference(flagship, cases, module.model, module.critic)
     if partition != "none":
         assert module.last_partition_stats.partitions > len(micro), "the budget cut nothing"
-    assert mine and all(".lora_" in k or k.startswith("critic.") for k in mine)
+    assert mine and all(".lora_" in k or "visual.modules_to_save" in k or k.startswith("critic.") for k in mine)
+    assert any("visual.modules_to_save" in k for k in mine)  # the tower trains
     assert mine.keys() == theirs.keys(), sorted(set(mine) ^ set(theirs))
     assert any("linear_attn" in k for k in mine) and any("self_attn" in k for k in mine)
     assert abs(out["loss"] - expected.item()) <= 1e-10 * abs(expected.item()), (out["loss"], expected.item())
@@ -62,8 +64,12 @@ def test_the_example_checkpoint_has_the_flagship_layer_pattern():
         "tiny_flagship", Path(__file__).resolve().parents[2] / "examples" / "tiny_flagship.py")
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
+    import transformers
+
     text, vision = FAMILIES["qwen3_5_moe"]
-    for key in ("num_hidden_layers", "layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    tested = transformers.AutoConfig.for_model("qwen3_5_moe", text_config=dict(text), vision_config=dict(vision))
+    assert ex.TEXT["layer_types"] == tested.text_config.layer_types  # (the config's own pattern there)
+    for key in ("num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "shared_expert_intermediate_size", "hidden_size", "linear_num_value_heads"):
         assert ex.TEXT[key] == text[key], key
     assert ex.TEXT["layer_types"][3::4] == ["full_attention"] and "linear_attention" in ex.TEXT["layer_types"]
