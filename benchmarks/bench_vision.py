@@ -24,7 +24,8 @@ flagship"): Qwen3.5-MoE-shaped, Gated DeltaNet layers with full attention every 
 8 experts (top-2) with a shared expert in every layer, a 16-pixel-patch tower; every branch
 carries recorded MoE routes (a function of each token's position and id, so branches agree on
 their shared prefix) replayed by ``model.moe.routing=replay``, and ``--lora R`` trains LoRA
-adapters on the language model as the flagship does. transformers has no routing replay, so
+adapters on the language model and the tower in full (``modules_to_save: [visual]``) as the
+flagship does. transformers has no routing replay, so
 the ``hf`` row is left out there; ``branch`` is the per-branch reference.
 
 Columns: CPU time of the step (``--threads`` threads, median of ``--reps``), screenshots encoded,
@@ -171,14 +172,15 @@ def max_rel(a, b):
 
 
 def flagship(model, args):
-    """The flagship's training set-up on a loaded model: recorded routes replayed, LoRA adapters."""
+    """The flagship's training set-up on a loaded model: recorded routes replayed, LoRA adapters on
+    the language model with the tower trained in full beside them (PEFT's copy)."""
     from treelit.models.factory import set_moe_routing
     from treelit.models.lora import apply_lora
 
     set_moe_routing(model, "replay")
     if args.lora:
         torch.manual_seed(0)
-        apply_lora(model, {"rank": args.lora, "alpha": 2 * args.lora, "init": False})
+        apply_lora(model, {"rank": args.lora, "alpha": 2 * args.lora, "init": False, "modules_to_save": ["visual"]})
     return model
 
 
@@ -272,8 +274,9 @@ def run(args):
         r["time_over_tree"] = r["step_s"] / base["step_s"]
         r["peak_over_tree"] = r["peak_bytes"] / base["peak_bytes"]
     text, vision = model_config(args.quick, args.family)
-    n_params = sum(p.numel() for p in ours.parameters())
-    n_vis = sum(p.numel() for p in ours.vision.visual.parameters())
+    # (a tower trained beside LoRA adapters is PEFT's copy of it: the model's size counts it once)
+    n_params = sum(p.numel() for n, p in ours.named_parameters() if "modules_to_save." not in n)
+    n_vis = sum(p.numel() for n, p in ours.vision.visual.named_parameters() if "modules_to_save." not in n)
     return {
         "shape": {"turns": args.turns, "branch_at": sorted(args.branch_at), "width": args.width, "height": args.height,
                   "branches": len(branches), "image_tokens": images[0][0].num_tokens,
@@ -336,7 +339,8 @@ def main(argv=None):
     p.add_argument("--skip", type=lambda s: s.split(","), default=[], help="modes to leave out (branch,hf)")
     p.add_argument("--family", choices=sorted(PATCH), default="qwen2_5_vl",
                    help="qwen3_5_moe: the flagship's model (Gated DeltaNet + attention, MoE, routes replayed)")
-    p.add_argument("--lora", type=int, default=0, help="R > 0: train LoRA adapters of rank R (the flagship's set-up)")
+    p.add_argument("--lora", type=int, default=0,
+                   help="R > 0: LoRA adapters of rank R and the tower trained (the flagship's set-up)")
     p.add_argument("--quick", action="store_true", help="a smaller model (tests); the shape is set by the options")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
