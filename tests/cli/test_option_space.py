@@ -140,9 +140,9 @@ def judge(c: Dict) -> Set[str]:
         bad.add("model.moe.routing")
     elif c["routing"] == "replay" and (c["vision"] or c["model"] != "moe"):
         bad.add("model.moe.routing")
-    # the vision tower runs in tree mode (one process, DDP, FSDP2, HSDP), without context
-    # parallelism or the per-branch verification
-    if c["vision"] and (c["mode"] != "tree" or c["verify_every"] or (c["trainer"] != "cpu" and c["cp"] > 1)):
+    # the vision tower runs everywhere (one process, DDP, FSDP2, HSDP, the per-branch baseline and its
+    # verification) but context parallelism
+    if c["vision"] and c["trainer"] != "cpu" and c["cp"] > 1:
         bad.add("model.vision=true")
     return bad
 

@@ -98,9 +98,10 @@ def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":
 
 def check_vision_options(cfg: DictConfig) -> None:
     """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option:
-    each of these runs branches apart or splits a row over processes, which has not been checked
-    against a per-branch reference with images. And the tower's own options without it. (DDP,
-    FSDP2 and HSDP run images: the step's image encoder, :mod:`treelit.lightning.image_part`.)"""
+    context parallelism (a row split over ranks), and a separate critic without a tower of its own.
+    And the tower's own options without it. (DDP, FSDP2 and HSDP run images: the step's image
+    encoder, :mod:`treelit.lightning.image_part`; ``mode=linear`` and ``verify_every``: the
+    per-branch baseline encodes each branch's own images.)"""
     model = cfg.get("model") or {}
     vision = model.get("vision", False)
     if not vision:
@@ -126,12 +127,7 @@ def check_vision_options(cfg: DictConfig) -> None:
     strategy = tr.get("strategy")
     cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
     critic = (cfg.get("critic") or {}).get("kind", "none")
-    verify = cfg.get("verify_every", 0)
     why = {
-        f"mode={cfg.get('mode')}": (cfg.get("mode", "tree") != "tree",
-                                    "the per-branch baseline has no image inputs; mode=tree trains exactly what it would"),
-        f"verify_every={verify}": (isinstance(verify, int) and verify > 0,
-                                   "it runs the per-branch baseline, which has no image inputs (use verify_every=0)"),
         f"trainer.strategy.context_parallel_degree={cp}": (
             isinstance(cp, int) and cp > 1,
             "a row split over ranks would need each image's embeddings and tower gradient exchanged "
