@@ -6,6 +6,7 @@ a blank image through the sharded tower, so that its collectives match the other
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness import launch
 from vision_cases import vision_steps
@@ -89,3 +90,41 @@ def test_hsdp_2x2_with_images_equals_one_process(checkpoint):
     spec = dict(strategy="hsdp", partition="redundancy_free", budget=24, shares=FOUR, path=checkpoint)
     (res,) = launch(vision_steps, 4, [spec], deadline=900)
     check(res, "hsdp")
+
+
+@pytest.mark.slow  # about 2 minutes on 2 cores
+def test_treelit_train_with_images_on_two_processes_equals_one(tmp_path):
+    """The command: the docs' screenshot recipe (a tiny Qwen3.5 vision checkpoint, GUI-agent records)
+    trained two steps with SGD on one process and on two (DDP; FSDP2 partitioned) ends at the same
+    weights. Not to 1e-9: the one process packs the four trees in one row and each of the two ranks
+    two, and transformers computes some of the tower's and norms' steps in float32 whatever the model's
+    dtype, so the groupings differ by float32 rounding (the exact checks above keep the rows alike)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from cli import run, tail
+
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(root / "examples" / "tiny_vision_agent.py"), str(tmp_path / "tv")], check=True,
+                   capture_output=True, timeout=300)
+    ck = tmp_path / "tv" / "checkpoint"
+    common = ["model=hf_auto", f"model.hf_checkpoint={ck}", "model.vision=true", "model.dtype=float64", "tree_builder=chat",
+              f"tree_builder.tokenizer_path={ck}", f"tree_builder.processor_path={ck}", "data=jsonl",
+              f"data.train_path={tmp_path / 'tv' / 'data' / 'agent.jsonl'}", "data.shuffle=false", "trainer.max_steps=2",
+              "logger=none", "callbacks.checkpoint=null", "optimizer=sgd"]
+    weights = {}
+    for name, extra in {"one": [], "ddp": ["trainer=ddp_cpu", "trainer.devices=2"],
+                        "fsdp2": ["trainer=fsdp2_cpu", "trainer.devices=2", "partition=redundancy_free"]}.items():
+        log = tmp_path / f"{name}.log"
+        assert run([*common, *extra, f"output_dir={tmp_path / name}"], tmp_path, log) == 0, tail(log)
+        weights[name] = {k: v for f in sorted((tmp_path / name / "hf_checkpoint").glob("*.safetensors"))
+                         for k, v in load_file(str(f)).items()}
+    start = {k: v for f in sorted(ck.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert any(not torch.equal(weights["one"][k], start[k]) for k in start if "visual" in k)  # the tower trained
+    for name in ("ddp", "fsdp2"):
+        assert weights[name].keys() == weights["one"].keys()
+        for k, v in weights["one"].items():
+            torch.testing.assert_close(weights[name][k], v, rtol=1e-7, atol=1e-8, msg=f"{name}: {k}")

@@ -1,6 +1,6 @@
 """Images with the rest of training: RL objectives and LoRA on the language model exact against
-transformers branch by branch (float64 <= 1e-10); what does not run with images yet refused by
-option before training, one line each."""
+transformers branch by branch (float64 <= 1e-10); what does not run with images yet (context
+parallelism) refused by option before training, one line each."""
 
 from __future__ import annotations
 
@@ -135,8 +135,6 @@ def _cfg(**over):
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"mode": "linear"}, "mode=linear with model.vision=true: the per-branch baseline has no image inputs"),
-    ({"verify_every": 5}, "verify_every=5 with model.vision=true"),
     ({"critic": {"kind": "separate", "model": "hf_auto"}},
      "critic.model=hf_auto with model.vision=true: critic=separate reads the images through a vision tower of its own"),
     ({"model": {"vision": True, "freeze_vision": True, "lora": {"rank": 4, "modules_to_save": ["visual"]}}},
@@ -159,6 +157,9 @@ def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
         treelit.tree_loss(text_model, tree)
     from treelit.cli.model_option_checks import check_vision_options
 
+    # the per-branch baseline and self-verification run with images (tests/models/test_hf_vision_linear.py)
+    check_vision_options(_cfg(mode="linear"))
+    check_vision_options(_cfg(verify_every=5))
     # partitioning and a critic, shared or separate (its own copy of the policy's model), run with images
     check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}))
     check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "separate", "model": "policy"}))

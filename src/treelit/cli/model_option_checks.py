@@ -91,10 +91,12 @@ def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":
 # the vision tower ---------------------------------------------------------------------------------
 
 def check_vision_options(cfg: DictConfig) -> None:
-    """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option:
-    each of these runs branches apart or splits a row over processes, which has not been checked
-    against a per-branch reference with images. And the tower's own options without it. (DDP,
-    FSDP2 and HSDP run images: the step's image encoder, :mod:`treelit.lightning.image_part`.)"""
+    """What a model with its vision tower (``model.vision=true``) does not run, refused by option: a
+    separate critic without a tower of its own, and LoRA's trained copy of the tower with a frozen
+    tower. And the tower's own options without it. (DDP, FSDP2, HSDP and context parallelism run
+    images: the step's image encoder, :mod:`treelit.lightning.image_part`, and
+    :mod:`treelit.partition.cp_images`; ``mode=linear`` and ``verify_every``: the per-branch
+    baseline encodes each branch's own images.)"""
     model = cfg.get("model") or {}
     vision = model.get("vision", False)
     if not vision:
@@ -116,24 +118,12 @@ def check_vision_options(cfg: DictConfig) -> None:
     if model.get("freeze_vision") and any(str(m).split(".")[-1] == "visual" for m in saved):
         raise ConfigError(f"model.freeze_vision=true with model.lora.modules_to_save={saved}: the one freezes the vision "
                           "tower, the other trains a copy of it in full; drop one")
-    tr = cfg.get("trainer") or {}
-    strategy = tr.get("strategy")
     critic = (cfg.get("critic") or {}).get("kind", "none")
-    verify = cfg.get("verify_every", 0)
-    why = {
-        f"mode={cfg.get('mode')}": (cfg.get("mode", "tree") != "tree",
-                                    "the per-branch baseline has no image inputs; mode=tree trains exactly what it would"),
-        f"verify_every={verify}": (isinstance(verify, int) and verify > 0,
-                                   "it runs the per-branch baseline, which has no image inputs (use verify_every=0)"),
-    }
     critic_model = (cfg.get("critic") or {}).get("model")
     if critic == "separate" and critic_model not in (None, "policy"):  # its own model must see the images
-        why[f"critic.model={critic_model}"] = (True, "critic=separate reads the images through a vision tower of its "
-                                                     "own; use critic.model=policy (a copy of the policy's model "
-                                                     "config, its tower included)")
-    for option, (bad, reason) in why.items():
-        if bad:
-            raise ConfigError(f"{option} with model.vision=true: {reason}")
+        raise ConfigError(f"critic.model={critic_model} with model.vision=true: critic=separate reads the images "
+                          "through a vision tower of its own; use critic.model=policy (a copy of the policy's model "
+                          "config, its tower included)")
     _check_vision_checkpoint(model, cfg)
 
 

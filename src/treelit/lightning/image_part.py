@@ -119,6 +119,9 @@ class ImageEncoder(StepPart):
     def micro_batch(self, spec, mb, grad: bool):
         images = mb.images if mb.images is not None and mb.images.num_images else None
         collective = is_sharded(self.model)  # every rank calls the sharded tower alike
+        if spec.mode != "tree":  # the per-branch baseline encodes each branch's own images (per-branch training)
+            yield
+            return
         if images is None and not collective:
             yield
             return

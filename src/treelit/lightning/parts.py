@@ -71,7 +71,8 @@ class RolloutLogprobs(StepPart):
                 if br is not None:
                     split_behavior(br)
             if spec.mode == "linear" and br is not None:
-                lps, _ = linear_branch_logprobs(spec.model, br.tokens, chunk_rows=spec.chunk_rows, routing=br.routing)
+                lps, _ = linear_branch_logprobs(spec.model, br.tokens, chunk_rows=spec.chunk_rows, routing=br.routing,
+                                              images=br.images)
                 br.old = [np.concatenate([[np.nan], lp.double().cpu().numpy()]) for lp in lps]
                 flat = torch.from_numpy(np.concatenate(br.old)).to(mb.device)
                 mb.branch_old_logp = flat

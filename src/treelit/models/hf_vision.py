@@ -139,6 +139,8 @@ class VisionInputs:
     def base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
         batch = getattr(ctx, "batch", None)
         embeds = self.language_model.get_input_embeddings()(input_ids)
+        if batch is None and getattr(ctx, "images", None) is not None:  # causal rows, each with its own images
+            return self._causal_rows(input_ids, position_ids, ctx, embeds)
         if batch is None:  # causal rows of text (the plain forward): M-RoPE of text is the position thrice
             return {"inputs_embeds": embeds, "position_ids": position_ids[None].expand(3, -1, -1)}
         kw: Dict[str, Any] = {"position_ids": mrope_positions(self.vlm, batch)[:, None, :]}
@@ -151,6 +153,37 @@ class VisionInputs:
             # same point of every rank's backward (with LoRA the embeddings are frozen)
             embeds = embeds.detach().requires_grad_(True)
         kw["inputs_embeds"] = embeds
+        return kw
+
+    def _causal_rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx, embeds: torch.Tensor):
+        """Right-padded causal rows ``[B, L]`` (the per-branch baseline), row ``r`` showing
+        ``ctx.images[r]`` in order: each row's images encoded for that row alone (per-branch training
+        encodes an image once per branch that shows it), its image tokens take their rows, and its
+        M-RoPE positions are the model's ``get_rope_index`` on the row's real tokens."""
+        B, L = input_ids.shape
+        lengths = ctx.lengths.tolist() if ctx.lengths is not None else [L] * B
+        is_img = input_ids == self.image_token_id
+        pos = position_ids[None].expand(3, B, L).clone()
+        out = embeds.clone()
+        deep_rows = []
+        for r, images in enumerate(ctx.images):
+            if images is None or not images.num_images:
+                continue
+            n = lengths[r]
+            rows, deep = self.encode(images)
+            at = torch.nonzero(is_img[r, :n]).squeeze(1)
+            if at.numel() != rows.shape[0]:
+                raise ValueError(f"row {r}: {at.numel()} image tokens for {rows.shape[0]} embedding rows of its images")
+            out[r, at] = rows.to(out.dtype)
+            p, _ = self.vlm.get_rope_index(input_ids[r:r + 1, :n], mm_token_type_ids=is_img[r:r + 1, :n].int(),
+                                           image_grid_thw=images.grid_thw.to(input_ids.device))
+            pos[:, r, :n] = p[:, 0].to(pos.device)
+            deep_rows.append(deep)
+        kw: Dict[str, Any] = {"inputs_embeds": out, "position_ids": pos}
+        if deep_rows and deep_rows[0]:  # Qwen3-VL: in the order of the image tokens, row by row
+            kw["visual_pos_masks"] = is_img
+            kw["deepstack_visual_embeds"] = [torch.cat([d[lvl] for d in deep_rows]).to(out.dtype)
+                                             for lvl in range(len(deep_rows[0]))]
         return kw
 
     def _with_images(self, batch, embeds: torch.Tensor):

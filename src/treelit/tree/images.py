@@ -91,6 +91,13 @@ class ImageSet:
         return ImageSet(self.pixel_values.to(device), self.grid_thw.to(device), self.num_tokens.to(device),
                         list(self.digests))
 
+    def take(self, which: torch.Tensor) -> "ImageSet":
+        """The images ``which`` (indices, in that order, repeats kept) as a set of their own."""
+        patches = torch.cat([self.grid_thw.new_zeros(1), torch.cumsum(self.grid_thw.prod(-1), 0)]).tolist()
+        idx = [int(i) for i in which]
+        return ImageSet(torch.cat([self.pixel_values[patches[i]:patches[i + 1]] for i in idx]), self.grid_thw[idx],
+                        self.num_tokens[idx], [self.digests[i] for i in idx])
+
     def image_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The image each embedding row (``>= 0``) belongs to."""
         return torch.searchsorted(self.row_offsets.to(rows.device), rows, right=True) - 1
