@@ -19,6 +19,15 @@ One step (forward and backward of the token-mean loss over all branches) three w
   code path);
 - ``hf``: transformers branch by branch with the processor's inputs (what users run today).
 
+``--family qwen3_5_moe`` runs the same shape on the flagship's model instead (docs/models.md, "The
+flagship"): Qwen3.5-MoE-shaped, Gated DeltaNet layers with full attention every 4th, a mixture of
+8 experts (top-2) with a shared expert in every layer, a 16-pixel-patch tower; every branch
+carries recorded MoE routes (a function of each token's position and id, so branches agree on
+their shared prefix) replayed by ``model.moe.routing=replay``, and ``--lora R`` trains LoRA
+adapters on the language model and the tower in full (``modules_to_save: [visual]``) as the
+flagship does. transformers has no routing replay, so
+the ``hf`` row is left out there; ``branch`` is the per-branch reference.
+
 Columns: CPU time of the step (``--threads`` threads, median of ``--reps``), screenshots encoded,
 peak tensor memory of the step (:mod:`treelit.utils.memory`; for the per-branch loops the peak of
 the whole loop, gradients included), tokens, and the largest relative gradient difference from the
@@ -49,7 +58,25 @@ IMAGE, VIDEO, START, END = 4000, 4001, 4002, 4003
 VOCAB = 4096
 
 
-def model_config(quick: bool):
+ROPE = {"rope_type": "default", "rope_theta": 1e6}
+PATCH = {"qwen2_5_vl": 14, "qwen3_5_moe": 16}
+
+
+def model_config(quick: bool, family: str = "qwen2_5_vl"):
+    if family == "qwen3_5_moe":
+        width, head = (64, 16) if quick else (128, 32)
+        text = dict(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=4,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=head, linear_key_head_dim=head, linear_value_head_dim=head,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+                    moe_intermediate_size=width // 2, shared_expert_intermediate_size=width, num_experts=8,
+                    num_experts_per_tok=2, max_position_embeddings=32768,
+                    rope_parameters=dict(ROPE, mrope_section=[2, 1, 1] if quick else [2, 3, 3], mrope_interleaved=True,
+                                         partial_rotary_factor=0.5))
+        vision = dict(depth=2 if quick else 4, hidden_size=32 if quick else 64, intermediate_size=64 if quick else 128,
+                      num_heads=2 if quick else 4, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                      out_hidden_size=width, num_position_embeddings=2304)
+        return text, vision
     text = dict(vocab_size=VOCAB, hidden_size=64 if quick else 128, intermediate_size=128 if quick else 384,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16 if quick else 32,
                 max_position_embeddings=32768,
@@ -61,11 +88,11 @@ def model_config(quick: bool):
     return text, vision
 
 
-def checkpoint(path: str, quick: bool) -> None:
+def checkpoint(path: str, quick: bool, family: str = "qwen2_5_vl") -> None:
     import transformers
 
-    text, vision = model_config(quick)
-    cfg = transformers.AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision,
+    text, vision = model_config(quick, family)
+    cfg = transformers.AutoConfig.for_model(family, text_config=text, vision_config=vision,
                                             image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                                             vision_end_token_id=END)
     torch.manual_seed(0)
@@ -87,7 +114,7 @@ def episode(args):
     """Branches (token ids, loss masks) and their screenshots, as the tree of turns described above."""
     import transformers
 
-    proc = transformers.Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2)
+    proc = transformers.Qwen2VLImageProcessorPil(patch_size=PATCH[args.family], merge_size=2, temporal_patch_size=2)
     rng = np.random.default_rng(0)
     nodes = {}  # (turn, path bits so far) -> (ProcessedImage, instruction, action)
 
@@ -119,6 +146,17 @@ def episode(args):
     return branches, masks, images
 
 
+def routes(ids, layers: int = 4, k: int = 2, experts: int = 8) -> np.ndarray:
+    """``[len(ids), layers, k]`` distinct sorted expert ids, a function of each token's (position,
+    id): branches through a prefix record the same routes for it, as a sampler's would."""
+    pos = np.arange(len(ids), dtype=np.int64)[:, None]
+    h = (pos * 1_000_003 + np.asarray(ids, dtype=np.int64)[:, None] * 7919 + np.arange(layers)[None] * 104_729)
+    h = (h * 2_654_435_761) % (2 ** 31 - 1)
+    first = h % experts
+    second = (first + 1 + (h // experts) % (experts - 1)) % experts
+    return np.sort(np.stack([first, second], -1), -1)[..., :k]
+
+
 def _grads(model, strip=""):
     out = {n[len(strip):]: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -133,6 +171,19 @@ def max_rel(a, b):
     return worst
 
 
+def flagship(model, args):
+    """The flagship's training set-up on a loaded model: recorded routes replayed, LoRA adapters on
+    the language model with the tower trained in full beside them (PEFT's copy)."""
+    from treelit.models.factory import set_moe_routing
+    from treelit.models.lora import apply_lora
+
+    set_moe_routing(model, "replay")
+    if args.lora:
+        torch.manual_seed(0)
+        apply_lora(model, {"rank": args.lora, "alpha": 2 * args.lora, "init": False, "modules_to_save": ["visual"]})
+    return model
+
+
 def run(args):
     import transformers
     from transformers.utils import logging as hf_logging
@@ -140,16 +191,23 @@ def run(args):
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
+    moe = args.family == "qwen3_5_moe"
     with tempfile.TemporaryDirectory() as d:
-        checkpoint(d, args.quick)
-        ours = treelit.load_hf_model(d, dtype=torch.float32, vision=True)
+        checkpoint(d, args.quick, args.family)
+        ours = flagship(treelit.load_hf_model(d, dtype=torch.float32, vision=True), args) if moe else \
+            treelit.load_hf_model(d, dtype=torch.float32, vision=True)
         grouped = (treelit.load_hf_model(d, dtype=torch.float32, vision=True,
                                          vision_images_per_pass=args.images_per_pass)
                    if args.images_per_pass else None)
-        hf = transformers.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32,
-                                                                      attn_implementation="sdpa", use_kernels=False)
+        if grouped is not None and moe:
+            grouped = flagship(grouped, args)
+        hf = None if moe else transformers.AutoModelForImageTextToText.from_pretrained(
+            d, dtype=torch.float32, attn_implementation="sdpa", use_kernels=False)
+    if moe and "hf" not in args.skip:
+        args.skip = [*args.skip, "hf"]  # (transformers has no routing replay)
     branches, masks, images = episode(args)
-    tree = treelit.TokenTree.from_branches(branches, masks, images=images)
+    routing = [routes(b) for b in branches] if moe else None
+    tree = treelit.TokenTree.from_branches(branches, masks, images=images, routed_experts=routing)
     batch = tree.to_batch()
     Z = float(batch.num_targets)
     stats = tree.stats()
@@ -162,8 +220,9 @@ def run(args):
 
     def branch_step():
         total = 0.0
-        for br, m, ims in zip(branches, masks, images):
-            one = treelit.TokenTree.from_branches([br], [m], images=[ims]).to_batch()
+        for i, (br, m, ims) in enumerate(zip(branches, masks, images)):
+            one = treelit.TokenTree.from_branches([br], [m], images=[ims],
+                                                  routed_experts=None if routing is None else [routing[i]]).to_batch()
             loss = treelit.tree_loss(ours, one, "token-mean", args.attention, normalizer=Z)
             loss.backward()
             total += loss.item()
@@ -214,20 +273,35 @@ def run(args):
     for r in rows:
         r["time_over_tree"] = r["step_s"] / base["step_s"]
         r["peak_over_tree"] = r["peak_bytes"] / base["peak_bytes"]
-    text, vision = model_config(args.quick)
-    n_params = sum(p.numel() for p in ours.parameters())
-    n_vis = sum(p.numel() for p in ours.vision.visual.parameters())
+    text, vision = model_config(args.quick, args.family)
+    # (a tower trained beside LoRA adapters is PEFT's copy of it: the model's size counts it once)
+    n_params = sum(p.numel() for n, p in ours.named_parameters() if "modules_to_save." not in n)
+    n_vis = sum(p.numel() for n, p in ours.vision.visual.named_parameters() if "modules_to_save." not in n)
     return {
         "shape": {"turns": args.turns, "branch_at": sorted(args.branch_at), "width": args.width, "height": args.height,
                   "branches": len(branches), "image_tokens": images[0][0].num_tokens,
                   "patches": int(np.prod(images[0][0].grid_thw)), "distinct_images": tree.images.num_images,
                   "image_occurrences": occurrences, "flat_tokens": stats["flat_tokens"],
                   "tree_tokens": stats["tree_tokens"], "ideal_speedup": stats["ideal_speedup"]},
-        "model": {"text": text, "vision": vision, "params": n_params, "vision_params": n_vis},
+        "model": {"family": args.family, "text": text, "vision": vision, "params": n_params, "vision_params": n_vis,
+                  "lora_rank": args.lora, "trained_params": sum(p.numel() for p in ours.parameters() if p.requires_grad),
+                  "routing": "replay" if moe else "live"},
         "env": {"torch": torch.__version__, "threads": args.threads, "clock": "process_time",
                 "machine": platform.machine(), "load_before": load_before, "load_after": os.getloadavg()[0]},
         "rows": rows,
     }
+
+
+NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_5_moe": "Qwen3.5-MoE"}
+
+
+def _extras(m) -> str:
+    out = ""
+    if m.get("routing") == "replay":
+        out += ", MoE routes replayed"
+    if m.get("lora_rank"):
+        out += f", LoRA rank {m['lora_rank']} ({m['trained_params'] / 1e3:.1f}k trained)"
+    return out
 
 
 def report(res):
@@ -236,7 +310,8 @@ def report(res):
           f"({s['patches']} patches, {s['image_tokens']} tokens), branching at turns {s['branch_at']}: "
           f"{s['branches']} branches, {s['distinct_images']} distinct screenshots of {s['image_occurrences']} shown")
     print(f"# {s['flat_tokens']} flat tokens, {s['tree_tokens']} in the tree, ideal speedup {s['ideal_speedup']:.2f}x; "
-          f"Qwen2.5-VL-shaped, {m['params'] / 1e6:.2f}M parameters ({m['vision_params'] / 1e6:.2f}M in the tower), "
+          f"{NAMES[m.get('family', 'qwen2_5_vl')]}-shaped, {m['params'] / 1e6:.2f}M parameters "
+          f"({m['vision_params'] / 1e6:.2f}M in the tower){_extras(m)}, "
           f"float32; torch {res['env']['torch']}, {res['env']['threads']} thread(s), CPU time; "
           f"load {res['env']['load_before']:.1f}")
     print(f"{'mode':9}{'step':>9} {'/tree':>6} {'encoded':>8} {'tokens':>8} {'peak':>9} {'/tree':>6} {'grad_diff':>9}")
@@ -262,6 +337,10 @@ def main(argv=None):
     p.add_argument("--images-per-pass", type=int, default=0,
                    help="k > 0: also the tree step with model.vision_images_per_pass=k (row tree/kK)")
     p.add_argument("--skip", type=lambda s: s.split(","), default=[], help="modes to leave out (branch,hf)")
+    p.add_argument("--family", choices=sorted(PATCH), default="qwen2_5_vl",
+                   help="qwen3_5_moe: the flagship's model (Gated DeltaNet + attention, MoE, routes replayed)")
+    p.add_argument("--lora", type=int, default=0,
+                   help="R > 0: LoRA adapters of rank R and the tower trained (the flagship's set-up)")
     p.add_argument("--quick", action="store_true", help="a smaller model (tests); the shape is set by the options")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -32,3 +32,22 @@ def test_quick_run_writes_every_mode(tmp_path):
     assert "GUI-agent episode" in proc.stdout
     assert data["env"]["command"] == ("python benchmarks/bench_vision.py --quick --width 224 --height 112 --turns 4 "
                                       f"--branch-at 1,2 --json {out}")
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_flagship_model(tmp_path):
+    """``--family qwen3_5_moe --lora R``: the flagship's model with replayed routes and adapters;
+    the tree and per-branch rows agree, the adapters and the tower train, and there is no transformers row."""
+    out = tmp_path / "flagship.json"
+    proc = subprocess.run([sys.executable, BENCH, "--quick", "--family", "qwen3_5_moe", "--lora", "4", "--width", "224",
+                           "--height", "112", "--turns", "4", "--branch-at", "1,2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == {"tree", "branch"}
+    assert data["model"]["routing"] == "replay" and data["model"]["lora_rank"] == 4
+    assert data["model"]["vision_params"] < data["model"]["trained_params"] < data["model"]["params"]
+    assert rows["tree"]["images_encoded"] == 11 and rows["branch"]["images_encoded"] == 16
+    assert rows["branch"]["max_rel_grad_diff"] < 1e-4 and rows["branch"]["time_over_tree"] > 0
+    assert "Qwen3.5-MoE-shaped" in proc.stdout and "MoE routes replayed" in proc.stdout

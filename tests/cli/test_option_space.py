@@ -140,11 +140,8 @@ def judge(c: Dict) -> Set[str]:
         bad.add("model.moe.routing")
     elif c["routing"] == "replay" and (c["vision"] or c["model"] != "moe"):
         bad.add("model.moe.routing")
-    # the vision tower runs in tree mode, in one process, without context parallelism or the
-    # per-branch verification
-    if c["vision"] and (c["mode"] != "tree" or c["verify_every"] or world > 1 or fsdp
-                        or (c["trainer"] != "cpu" and c["cp"] > 1)):
-        bad.add("model.vision=true")
+    # (the vision tower runs everywhere: one process, DDP, FSDP2, HSDP, context parallelism, the
+    # per-branch baseline and its verification; nothing is refused for model.vision=true alone)
     return bad
 
 

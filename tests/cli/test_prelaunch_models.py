@@ -57,13 +57,6 @@ def _refusal(overrides, vl=None, text=None, moe=None) -> str:
      r"model.preset=qwen3_moe_tiny has no MoE layers"),
     (["model=hf_auto", "model.hf_checkpoint={text}", "model.moe.routing=replay"],
      r"model.moe.routing=replay needs a mixture-of-experts model; the checkpoint .*text' \(qwen2\) has no MoE"),
-    (["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "trainer=fsdp2_cpu", "trainer.devices=2",
-      "trainer.strategy.context_parallel_degree=2"],
-     r"^trainer.strategy.context_parallel_degree=2 with model.vision=true: a row split over ranks"),
-    (["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "verify_every=3"],
-     r"^verify_every=3 with model.vision=true: it runs the per-branch baseline"),
-    (["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "trainer=ddp_cpu", "trainer.devices=2"],
-     r"^trainer.devices=2 x trainer.num_nodes=1 with model.vision=true: several processes"),
     (["model=hf_auto", "model.hf_checkpoint={text}", "model.vision=true"],
      r"model.hf_checkpoint: .*config key 'model_type' = 'qwen2': model.vision=true runs the vision families"),
     (["model=hf_auto", "model.hf_checkpoint={vl}", "model.freeze_vision=true"],
@@ -82,6 +75,12 @@ def test_model_option_is_one_line_at_validation(overrides, expected, vl, text, m
     ["model=hf_auto", "model.hf_checkpoint={moe}", "model.moe.routing=replay", "model.activation_checkpointing=true"],
     ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "model.freeze_vision=true",
      "critic=shared", "objective=ppo", "tree_builder.advantage=null"],
+    ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "trainer=ddp_cpu", "trainer.devices=2"],
+    ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "trainer=fsdp2_cpu", "trainer.devices=2"],
+    ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "verify_every=3"],
+    ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "mode=linear"],
+    ["model=hf_auto", "model.hf_checkpoint={vl}", "model.vision=true", "critic=separate", "critic.model=policy",
+     "objective=ppo", "tree_builder.advantage=null"],
 ], ids=lambda v: " ".join(v))
 def test_good_model_options_pass(overrides, vl, moe):
     validate_config(compose([o.format(vl=vl, moe=moe) for o in overrides]))

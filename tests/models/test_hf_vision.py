@@ -223,6 +223,29 @@ def test_mrope_positions_are_each_branchs_own(pool, tmp_path_factory):
     assert not torch.equal(pos[0], batch.position_ids)  # an image advances positions by its grid, not its length
 
 
+def test_parts_of_parts_keep_their_rows_mrope_positions(pool, tmp_path_factory):
+    """A part of a part (context parallelism cuts a partition's row again) has the whole row's
+    M-RoPE positions, also where the middle part shows no image (its positions after the image
+    are shifted by the image's grid, not its depth); a part of a row of text has the position thrice."""
+    from treelit.models.hf_vision import mrope_positions
+
+    a = pool["a"]
+    vlm = models("qwen2_5_vl", tmp_path_factory)[0].vision.vlm
+    branches = [[1] + span(a) + [2, 3, 4, 5], [1] + span(a) + [2, 6, 7]]
+    row = treelit.TokenTree.from_branches(branches, images=[[a], [a]]).to_batch()
+    want = mrope_positions(vlm, row).clone()
+    row.mrope_position_ids = None
+    text = torch.nonzero(torch.arange(row.num_tokens) > int(torch.nonzero(row.image_row >= 0).max())).flatten()
+    part = row.subset(text)  # after the image: shows none of it
+    assert part.images is None
+    inner = part.subset(torch.arange(1, part.num_tokens))
+    assert torch.equal(mrope_positions(vlm, inner), want[:, text[1:]])
+    assert not torch.equal(want[0, text[1:]], row.position_ids[text[1:]])  # (the shift is there to keep)
+    words = treelit.TokenTree.from_branches([[1, 2, 3, 4], [1, 2, 5]]).to_batch()
+    cut = torch.tensor([2, 3, 4])
+    assert torch.equal(mrope_positions(vlm, words.subset(cut)), mrope_positions(vlm, words)[:, cut])
+
+
 def test_mrope_disagreement_is_refused(pool, tmp_path_factory):
     """A shared token whose positions differ between branches is an error (not a silent pick)."""
     a = pool["a"]

@@ -1,6 +1,6 @@
 """Images with the rest of training: RL objectives and LoRA on the language model exact against
-transformers branch by branch (float64 <= 1e-10); what does not run with images yet refused by
-option before training, one line each."""
+transformers branch by branch (float64 <= 1e-10); what does not run with images yet (context
+parallelism) refused by option before training, one line each."""
 
 from __future__ import annotations
 
@@ -135,15 +135,10 @@ def _cfg(**over):
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"mode": "linear"}, "mode=linear with model.vision=true: the per-branch baseline has no image inputs"),
-    ({"verify_every": 5}, "verify_every=5 with model.vision=true"),
-    ({"critic": {"kind": "separate"}}, "critic=separate with model.vision=true"),
-    ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "context_parallel_degree": 1}}},
-     "trainer=fsdp2 with model.vision=true"),
-    ({"trainer": {"strategy": {"_target_": "x.DDP", "context_parallel_degree": 2}}},
-     "trainer.strategy.context_parallel_degree=2 with model.vision=true"),
-    ({"trainer": {"strategy": {"_target_": "treelit.lightning.strategies.DDP"}, "devices": 2, "num_nodes": 1}},
-     "trainer.devices=2 x trainer.num_nodes=1 with model.vision=true: several processes"),
+    ({"critic": {"kind": "separate", "model": "hf_auto"}},
+     "critic.model=hf_auto with model.vision=true: critic=separate reads the images through a vision tower of its own"),
+    ({"model": {"vision": True, "freeze_vision": True, "lora": {"rank": 4, "modules_to_save": ["visual"]}}},
+     r"model.freeze_vision=true with model.lora.modules_to_save=\['visual'\]: the one freezes the vision tower"),
 ])
 def test_what_does_not_run_with_images_is_refused_by_option(over, match):
     from treelit.cli.config import ConfigError
@@ -162,8 +157,30 @@ def test_rows_with_images_need_a_vision_model(pool):  # noqa: F811
         treelit.tree_loss(text_model, tree)
     from treelit.cli.model_option_checks import check_vision_options
 
-    # partitioning and a shared critic run with images
+    # the per-branch baseline and self-verification run with images (tests/models/test_hf_vision_linear.py)
+    check_vision_options(_cfg(mode="linear"))
+    check_vision_options(_cfg(verify_every=5))
+    # partitioning and a critic, shared or separate (its own copy of the policy's model), run with images
     check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "shared"}))
+    check_vision_options(_cfg(partition={"name": "redundancy_free"}, critic={"kind": "separate", "model": "policy"}))
+    # context parallelism's degree is no refusal of its own
+    check_vision_options(_cfg(trainer={"strategy": {"_target_": "x.Strategy", "context_parallel_degree": 2}}))
+
+
+@pytest.mark.parametrize("trainer", [
+    {"strategy": {"_target_": "treelit.lightning.strategies.DDP"}, "devices": 2, "num_nodes": 1},
+    {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "context_parallel_degree": 1}, "devices": 2},
+    {"strategy": {"_target_": "treelit.lightning.strategies.FSDP2", "replicate_degree": 2}, "devices": 2,
+     "num_nodes": 2},
+])
+def test_images_run_on_several_processes(trainer):
+    """DDP, FSDP2 and HSDP run images (exact against one process: tests/distributed/test_vision_parallel.py)."""
+    from treelit.cli.model_option_checks import check_vision_options
+
+    check_vision_options(_cfg(trainer=trainer, partition={"name": "redundancy_free"}))
+    # LoRA on the language model with the tower trained in full (PEFT's copy), or frozen
+    check_vision_options(_cfg(trainer=trainer, model={"vision": True, "lora": {"rank": 4, "modules_to_save": ["visual"]}}))
+    check_vision_options(_cfg(trainer=trainer, model={"vision": True, "freeze_vision": True, "lora": {"rank": 4}}))
 
 
 def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):

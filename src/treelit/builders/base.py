@@ -155,7 +155,7 @@ def build_tree_from_branches(
         [b["input_ids"] for b in branches], [b.get("loss_mask") for b in branches],
         [1.0 if b.get("weight") is None else b["weight"] for b in branches], advantages=adv,
         old_logprobs=lp["old_logprobs"], ref_logprobs=lp["ref_logprobs"], branch_fields=fields,
-        routed_experts=lp["routed_experts"])
+        routed_experts=lp["routed_experts"], images=images)
     if tree.token_routing is not None:
         # a token one branch left unrecorded (its final one) takes the routing another branch
         # through it recorded, as in the tree: each branch reads its tokens' merged routing

@@ -103,18 +103,13 @@ def has_moe_layers(model: Any) -> "tuple[str, Optional[bool]]":
 
 # the vision tower ---------------------------------------------------------------------------------
 
-def _processes(trainer: Any) -> int:
-    n = 1
-    for key in ("devices", "num_nodes"):
-        v = trainer.get(key, 1)
-        n *= v if isinstance(v, int) else (2 if str(v) in ("auto", "-1") else len(v) if hasattr(v, "__len__") else 1)
-    return n
-
-
 def check_vision_options(cfg: DictConfig) -> None:
-    """What a model with its vision tower (``model.vision=true``) does not run yet, refused by option:
-    each of these runs branches apart or splits a row over processes, which has not been checked
-    against a per-branch reference with images. And the tower's own options without it."""
+    """What a model with its vision tower (``model.vision=true``) does not run, refused by option: a
+    separate critic without a tower of its own, and LoRA's trained copy of the tower with a frozen
+    tower. And the tower's own options without it. (DDP, FSDP2, HSDP and context parallelism run
+    images: the step's image encoder, :mod:`treelit.lightning.image_part`, and
+    :mod:`treelit.partition.cp_images`; ``mode=linear`` and ``verify_every``: the per-branch
+    baseline encodes each branch's own images.)"""
     model = cfg.get("model") or {}
     vision = model.get("vision", False)
     if not vision:
@@ -131,33 +126,17 @@ def check_vision_options(cfg: DictConfig) -> None:
     if not (isinstance(per_pass, int) and not isinstance(per_pass, bool) and per_pass >= 0):
         raise ConfigError(f"model.vision_images_per_pass must be an integer >= 0 (0: all images at once), "
                           f"got {per_pass!r}")
-    tr = cfg.get("trainer") or {}
-    strategy = tr.get("strategy")
-    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
-    cp = strategy.get("context_parallel_degree", 1) if hasattr(strategy, "get") else 1
+    lora = model.get("lora") or {}
+    saved = list(lora.get("modules_to_save") or []) if hasattr(lora, "get") and lora.get("rank") else []
+    if model.get("freeze_vision") and any(str(m).split(".")[-1] == "visual" for m in saved):
+        raise ConfigError(f"model.freeze_vision=true with model.lora.modules_to_save={saved}: the one freezes the vision "
+                          "tower, the other trains a copy of it in full; drop one")
     critic = (cfg.get("critic") or {}).get("kind", "none")
-    verify = cfg.get("verify_every", 0)
-    why = {
-        f"mode={cfg.get('mode')}": (cfg.get("mode", "tree") != "tree",
-                                    "the per-branch baseline has no image inputs; mode=tree trains exactly what it would"),
-        f"verify_every={verify}": (isinstance(verify, int) and verify > 0,
-                                   "it runs the per-branch baseline, which has no image inputs (use verify_every=0)"),
-        f"trainer.strategy.context_parallel_degree={cp}": (
-            isinstance(cp, int) and cp > 1,
-            "a row split over ranks would need each image's embeddings and tower gradient exchanged "
-            "(use context_parallel_degree=1)"),
-        f"critic={critic}": (critic == "separate", "a separate critic's own trunk has not been checked against a "
-                                                   "per-branch reference with images (critic=shared has)"),
-        "trainer=fsdp2": ("FSDP2" in target or "ModelParallelStrategy" in target,
-                          "sharding the vision tower has not been checked against a per-branch reference with images"),
-        f"trainer.devices={tr.get('devices', 1)} x trainer.num_nodes={tr.get('num_nodes', 1)}": (
-            _processes(tr) > 1,
-            "several processes have not been checked against a per-branch reference with images (a rank whose rows "
-            "show no image leaves the tower without a gradient)"),
-    }
-    for option, (bad, reason) in why.items():
-        if bad:
-            raise ConfigError(f"{option} with model.vision=true: {reason}")
+    critic_model = (cfg.get("critic") or {}).get("model")
+    if critic == "separate" and critic_model not in (None, "policy"):  # its own model must see the images
+        raise ConfigError(f"critic.model={critic_model} with model.vision=true: critic=separate reads the images "
+                          "through a vision tower of its own; use critic.model=policy (a copy of the policy's model "
+                          "config, its tower included)")
     _check_vision_checkpoint(model, cfg)
 
 

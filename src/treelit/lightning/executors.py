@@ -18,6 +18,7 @@ context-parallel degree, the first executor that supports every part.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -127,18 +128,40 @@ class Executor:
         return True
 
     def run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
+        """One micro-batch's forward and backward (inside each part's :meth:`~treelit.lightning.
+        parts.StepPart.micro_batch`): its loss value and metrics."""
+        with self._micro_batch(mb, True):
+            return self._run(mb, step)
+
+    def logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
+        """``[N]`` float64 log-probs of the current policy at every target token (NaN elsewhere)."""
+        with self._micro_batch(mb, False):
+            return self._logprobs(mb, step)
+
+    def head_values(self, head, mb, step: UpdateStep) -> torch.Tensor:
+        """``[N]`` float64 values of ``head`` (``.values(h)``, read from ``head.trunk`` or, when
+        None, the policy's hidden states) at every target token, without gradient."""
+        with self._micro_batch(mb, False):
+            return self._head_values(head, mb, step)
+
+    @contextlib.contextmanager
+    def _micro_batch(self, mb, grad: bool):
+        with contextlib.ExitStack() as stack:  # (the first part outermost)
+            for part in self.parts:
+                stack.enter_context(part.micro_batch(self.spec, mb, grad))
+            yield
+
+    def _run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
         raise NotImplementedError
 
     def recomputes_alone(self) -> bool:
         """Whether one micro-batch's gradient can be computed again on this rank alone."""
         return True
 
-    def logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
+    def _logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
         raise NotImplementedError
 
-    def head_values(self, head, mb, step: UpdateStep) -> torch.Tensor:
-        """``[N]`` float64 values of ``head`` (``.values(h)``, read from ``head.trunk`` or, when
-        None, the policy's hidden states) at every target token, without gradient."""
+    def _head_values(self, head, mb, step: UpdateStep) -> torch.Tensor:
         trunk = head.trunk if head.trunk is not None else self.spec.model
         return partitioned_values(trunk, head, mb, attention=self.spec.attention, comm=step.state.comm,
                                   budget_tokens=step.budget if self.partitioned else None,
@@ -165,21 +188,21 @@ class Executor:
 class WholeRow(Executor):
     name = "whole_row"
 
-    def run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
+    def _run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
         loss, m = whole_row_loss(self.spec, self.parts, mb, step.norms)
         self.spec.backward(loss)
         step.state.stats.partitions += 1
         step.state.stats.token_forwards += mb.num_tokens
         return float(loss.detach()), m
 
-    def logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
+    def _logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
         s = self.spec
         sel, logp, _ = tree_token_logprobs(s.model, mb, s.attention, chunk_rows=s.chunk_rows)
         old = torch.full((mb.num_tokens,), float("nan"), dtype=torch.float64, device=mb.device)
         old[sel] = logp.double()
         return old
 
-    def head_values(self, head, mb, step: UpdateStep) -> torch.Tensor:
+    def _head_values(self, head, mb, step: UpdateStep) -> torch.Tensor:
         return tree_values(head, self.spec.model, mb, self.spec.attention)
 
 
@@ -187,12 +210,12 @@ class Partitioned(Executor):
     name = "partitioned"
     partitioned = True
 
-    def run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
+    def _run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
         res = self._passes(mb, step, step.state)
         step.state.failed = step.state.failed or res.failed
         return res.loss, res.metrics
 
-    def logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
+    def _logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
         s = self.spec
         return policy_logprobs(s.model, mb, budget_tokens=step.budget, attention=s.attention, chunk_rows=s.chunk_rows,
                                comm=step.state.comm)
@@ -235,7 +258,7 @@ class ContextParallel(_ContextParallelMetrics):
     def runs(cls, parts: Sequence[Any]) -> bool:
         return all(part.split_row for part in parts)
 
-    def run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
+    def _run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
         s = self.spec
         spec = PassSpec(s.aggregation, step.norms.Z, None, s.attention, s.chunk_rows, s.cp_group)
         loss_value, m, plan = cp_passes(s.model, s.objective, mb, spec,
@@ -249,7 +272,7 @@ class ContextParallel(_ContextParallelMetrics):
         stats.token_forwards += plan.size
         return loss_value, m
 
-    def logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
+    def _logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
         s = self.spec
         return cp_logprobs(s.model, mb, s.cp_group, attention=s.attention, chunk_rows=s.chunk_rows)
 
@@ -264,14 +287,14 @@ class CPPartitioned(_ContextParallelMetrics):
         super().__init__(spec, parts)
         self.partitioned = partitioned
 
-    def run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
+    def _run(self, mb, step: UpdateStep) -> Tuple[float, Dict[str, float]]:
         C = self.spec.cp_degree
         res = self._passes(mb, step, PassState(step.state.stats, step.state.comm))
         # (every rank of the group holds the whole loss, and the whole of each summed metric: the step sums over ranks)
         m = {k: v / C if k in self.summed else v for k, v in res.metrics.items()}
         return res.loss / C, m
 
-    def logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
+    def _logprobs(self, mb, step: UpdateStep) -> torch.Tensor:
         s = self.spec
         if not self.partitioned:
             return cp_logprobs(s.model, mb, s.cp_group, attention=s.attention, chunk_rows=s.chunk_rows)

@@ -11,18 +11,21 @@ hooks it needs:
   :meth:`~StepPart.clip_groups`;
 - before a step batch's first update: :meth:`~StepPart.before_updates`;
 - per update: :meth:`~StepPart.normalizer` (its step normaliser's share of a micro-batch);
-- per micro-batch: :meth:`~StepPart.whole_row` (composed around the whole-row loss),
+- per micro-batch: :meth:`~StepPart.micro_batch` (a context around each micro-batch's passes
+  and no-gradient reads, e.g. the image encoder's tower forward before and backward after),
+  :meth:`~StepPart.whole_row` (composed around the whole-row loss),
   :meth:`~StepPart.pass_parts` / :meth:`~StepPart.extra_runs` (the partition engine's),
   :meth:`~StepPart.pad` / :meth:`~StepPart.pad_loss` (a padding pass);
 - per step: :meth:`~StepPart.step_metrics`.
 
 :func:`step_parts` lists a run's parts from its configuration. A new capability adds a part
-here; the executors and the module do not change.
+here (or in a module of its own: the image encoder, :mod:`treelit.lightning.image_part`; the
+base class is :mod:`treelit.lightning.step_part`'s); the executors and the module do not change.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
@@ -38,70 +41,12 @@ from treelit.objectives.critic import (branch_values, check_critic_objective, cr
 from treelit.partition.context_parallel import check_cp_model
 from treelit.partition.parts import PassPart, RouterPass, ValuePass
 from treelit.rl.gae import explained_variance, value_sums, whiten
+from treelit.lightning.image_part import ImageEncoder, has_vision_tower
+from treelit.lightning.step_part import LossFn, StepPart
 from treelit.utils.distributed import is_sharded, shard_model, shard_module
 
-__all__ = ["StepPart", "RolloutLogprobs", "ReferenceModel", "ValueHead", "RouterLoss", "RoutingReplay", "step_parts",
+__all__ = ["StepPart", "ImageEncoder", "RolloutLogprobs", "ReferenceModel", "ValueHead", "RouterLoss", "RoutingReplay", "step_parts",
            "SUMMED_METRICS"]
-
-LossFn = Callable[..., Tuple[torch.Tensor, Dict[str, float]]]
-
-
-class StepPart:
-    """A capability of the step; every hook does nothing until a part fills it."""
-
-    name = ""
-    adds: Tuple[str, ...] = ()
-    needs: Tuple[str, ...] = ()
-    split_row = True  # its pass parts fold into one context-parallel pass over a whole row (ContextParallel)
-    summed_metrics: Tuple[str, ...] = ()  # shares of a step total (added over micro-batches, not averaged)
-    normalized = False  # it has a step normaliser of its own (:meth:`normalizer`)
-
-    # set-up
-    def configure(self, cp_degree: int) -> None:
-        """FSDP2 set-up, before the policy is sharded: refuse, with one line, what this part
-        cannot run with (``cp_degree``: context parallelism's C), or prepare what it keeps."""
-
-    def shard(self, dp_mesh, mp_policy) -> None:
-        """FSDP2: shard this part's own modules over the data-parallel mesh."""
-
-    def modules(self) -> List[torch.nn.Module]:
-        return []
-
-    def param_groups(self) -> List[Dict[str, Any]]:
-        return []
-
-    def clip_groups(self, groups: List[Tuple[str, list]]) -> List[Tuple[str, list]]:
-        return groups
-
-    # per step batch, per update
-    def before_updates(self, executor, micro, step) -> None:
-        """Before a step batch's first update (``step``: an ``UpdateStep`` without normalisers)."""
-
-    def normalizer(self, mb) -> Optional[float]:
-        """This micro-batch's share of the part's step normaliser (None: the part has none)."""
-        return None
-
-    # per micro-batch
-    def whole_row(self, spec, inner: LossFn, norms) -> LossFn:
-        return inner
-
-    def pass_parts(self, norms) -> List[PassPart]:
-        return []
-
-    def extra_runs(self, norms) -> List[Tuple[torch.nn.Module, List[PassPart]]]:
-        """Further models whose passes run after the policy's, with their own pass parts."""
-        return []
-
-    def pad(self, mb):
-        return mb
-
-    def pad_loss(self, spec, mb) -> Optional[torch.Tensor]:
-        return None
-
-    # per step
-    def step_metrics(self, first_updates: Sequence[Dict[str, float]], comm) -> Dict[str, float]:
-        return {}
-
 
 class RolloutLogprobs(StepPart):
     """``old_logprobs=rollout``: each micro-batch's old log-probs, the current policy's, before
@@ -126,7 +71,8 @@ class RolloutLogprobs(StepPart):
                 if br is not None:
                     split_behavior(br)
             if spec.mode == "linear" and br is not None:
-                lps, _ = linear_branch_logprobs(spec.model, br.tokens, chunk_rows=spec.chunk_rows, routing=br.routing)
+                lps, _ = linear_branch_logprobs(spec.model, br.tokens, chunk_rows=spec.chunk_rows, routing=br.routing,
+                                              images=br.images)
                 br.old = [np.concatenate([[np.nan], lp.double().cpu().numpy()]) for lp in lps]
                 flat = torch.from_numpy(np.concatenate(br.old)).to(mb.device)
                 mb.branch_old_logp = flat
@@ -347,6 +293,8 @@ def step_parts(model, objective, *, critic=None, old_logprobs: str = "data", lin
     """The parts of a run, in the order their hooks run (the first part's whole-row loss
     outermost; the pass parts in this order)."""
     parts: List[StepPart] = []
+    if has_vision_tower(model):  # first: its micro-batch context holds the others'
+        parts.append(ImageEncoder(model))
     if old_logprobs == "rollout":
         parts.append(RolloutLogprobs(objective))
     if hasattr(objective, "_reference_model") and getattr(objective, "reference", None) == "initial":
@@ -355,6 +303,8 @@ def step_parts(model, objective, *, critic=None, old_logprobs: str = "data", lin
         parts.append(RouterLoss(model))
     if critic is not None:
         parts.append(ValueHead(critic, model, objective, linear_values))
+        if critic.trunk is not None and has_vision_tower(critic.trunk):  # a separate critic sees the images
+            parts.append(ImageEncoder(critic.trunk))
     if replay_shape(model) is not None:
         parts.append(RoutingReplay(model))
     return parts

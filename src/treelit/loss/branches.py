@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 
 from treelit.tree.batch import check_aggregation
+from treelit.tree.images import ImageSet
 from treelit.tree.routing import check_routing_shape, decode_routing
 from treelit.tree.token_tree import TreeInputError, _as_mask_array, _as_token_array
 
@@ -87,10 +89,13 @@ class Branches:
     routing: Optional[List[np.ndarray]] = None
     # per-token advantages per branch, [L_b] (tree_node credit, or GAE with a critic), or None: ``adv``
     token_adv: Optional[List[np.ndarray]] = None
+    # the images each branch shows, in order (treelit.tree.images.ImageSet; None: none), or None: no branch has
+    # any. A vision model encodes a branch's images for that branch alone, as per-branch training does
+    images: Optional[List[Any]] = None
 
     @classmethod
     def build(cls, branches, loss_masks=None, weights=None, *, advantages=None, old_logprobs=None,
-              ref_logprobs=None, branch_fields=None, scope=None, routed_experts=None) -> "Branches":
+              ref_logprobs=None, branch_fields=None, scope=None, routed_experts=None, images=None) -> "Branches":
         if len(branches) == 0:
             raise TreeInputError("need at least one branch")
         toks = [_as_token_array(b, i, "") for i, b in enumerate(branches)]
@@ -125,7 +130,7 @@ class Branches:
         sc = np.zeros(len(toks), dtype=np.int64) if scope is None else np.asarray(scope, dtype=np.int64)
         return cls(toks, masks, w, n, adv, _per_token(old_logprobs, lengths, "old log-probs"),
                    _per_token(ref_logprobs, lengths, "reference log-probs"), fields, sc,
-                   routing=_routing(routed_experts, lengths))
+                   routing=_routing(routed_experts, lengths), images=_images(images, len(toks)))
 
     @classmethod
     def concat(cls, parts: Sequence["Branches"]) -> "Branches":
@@ -156,10 +161,13 @@ class Branches:
         if any(p.token_adv is not None for p in parts):  # a part without: its branch advantage on every token
             token_adv = [a for p in parts for a in (p.token_adv if p.token_adv is not None else
                          [np.full(len(t), 0.0 if p.adv is None else p.adv[b]) for b, t in enumerate(p.tokens)])]
+        images = None
+        if any(p.images is not None for p in parts):
+            images = [im for p in parts for im in (p.images if p.images is not None else [None] * len(p.tokens))]
         return cls([t for p in parts for t in p.tokens], [m for p in parts for m in p.masks],
                    np.concatenate([p.weights for p in parts]), np.concatenate([p.n for p in parts]), adv,
                    cat_opt("old"), cat_opt("ref"), fields, np.concatenate(scope), cat_opt("behav"), routing,
-                   token_adv)
+                   token_adv, images)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -223,6 +231,30 @@ class Branches:
                 raise TreeInputError(f"branch {b} has {len(t)} tokens, more than the model's max_seq_len {max_seq_len}")
 
 
+def _images(images, B: int) -> Optional[List[Any]]:
+    """Per branch its images (:class:`~treelit.tree.images.ProcessedImage` lists) as an ImageSet each."""
+    if images is None or not any(images):
+        return None
+    if len(images) != B:
+        raise TreeInputError(f"got images for {len(images)} branches, there are {B}")
+    return [ImageSet.of(list(ims)) if ims else None for ims in images]
+
+
+def _tree_images(x, span) -> Optional[List[Any]]:
+    """Each branch's images read back out of a ``TreeBatch``: the images its tokens show, in order."""
+    if getattr(x, "images", None) is None or x.image_row is None:
+        return None
+    rows = x.image_row.cpu()[x.branch_tokens.cpu()]
+    starts = x.images.row_offsets[:-1].cpu()
+    out = []
+    for s in span:
+        r = rows[s]
+        first = torch.isin(r, starts) & (r >= 0)  # an image's first embedding row: the image starts
+        which = torch.searchsorted(starts, r[first])
+        out.append(x.images.take(which) if len(which) else None)
+    return out
+
+
 def as_branches(x) -> Branches:
     """``x`` if it is :class:`Branches`; the branches of a ``TreeBatch`` otherwise (read back out
     of its per-branch arrays: a convenience, not an independent reference)."""
@@ -252,4 +284,5 @@ def as_branches(x) -> Branches:
     if routing is not None:  # each branch reads its tokens' (merged) routing
         r = routing.cpu().numpy()[x.branch_tokens.cpu().numpy()]
         out.routing = [r[s] for s in span]
+    out.images = _tree_images(x, span)
     return out

@@ -20,10 +20,19 @@ from treelit.loss.logprobs import token_logprobs, weighted_nll
 from treelit.models.context import CausalContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
 
-__all__ = ["Branches", "LinearBranches", "sft_linear_loss", "linear_micro_batches", "linear_branch_logprobs"]
+__all__ = ["Branches", "LinearBranches", "sft_linear_loss", "linear_micro_batches", "linear_branch_logprobs",
+           "row_images"]
 
 
 LinearBranches = Branches  # the per-branch inputs (see :mod:`treelit.loss.branches`)
+
+
+def row_images(images, idx: List[int]) -> Optional[list]:
+    """The images of the rows ``idx`` of a padded micro-batch (None: none of them shows any)."""
+    if images is None:
+        return None
+    rows = [images[i] for i in idx]
+    return rows if any(r is not None for r in rows) else None
 
 
 def linear_micro_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
@@ -56,9 +65,10 @@ def _group_loss(model, lb: LinearBranches, idx: List[int], coef: np.ndarray, chu
     pos = torch.arange(L, device=device).expand(len(idx), L)
     lengths = torch.tensor([len(lb.tokens[i]) for i in idx], device=device)
     routing = padded_routing(lb.routing, idx, L, device)
+    images = row_images(lb.images, idx)
 
     def run(m):
-        h = decoder_hidden(m, ids, pos, CausalContext(lengths, routing))
+        h = decoder_hidden(m, ids, pos, CausalContext(lengths, routing, images))
         rows, cols = torch.nonzero(tmask, as_tuple=True)
         return weighted_nll(h[rows, cols - 1], output_weight(m), ids[rows, cols], c[rows, cols].to(h.dtype), chunk_rows=chunk_rows)
 
@@ -93,10 +103,11 @@ def padded_routing(routing, idx: List[int], L: int, device) -> Optional[torch.Te
 
 
 def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_tokens: int = 8192, chunk_rows=None,
-                           routing=None):
+                           routing=None, images=None):
     """Per branch (run as its own causal sequence), the log-prob of each token from position 1
     on, and optionally the entropy of each predicting distribution: lists of ``[L_b - 1]``.
-    ``routing``: per-branch recorded MoE routing (``Branches.routing``) for routing replay."""
+    ``routing``: per-branch recorded MoE routing (``Branches.routing``) for routing replay;
+    ``images``: per-branch images (``Branches.images``) for a vision model."""
     toks = [np.asarray(b, dtype=np.int64) for b in branches]
     device = next(model.parameters()).device
     logps: List[torch.Tensor] = [None] * len(toks)  # type: ignore[list-item]
@@ -110,9 +121,10 @@ def linear_branch_logprobs(model, branches, *, with_entropy: bool = False, max_t
         pos = torch.arange(L, device=device).expand(len(idx), L)
         lengths = torch.tensor([len(toks[i]) for i in idx], device=device)
         rows = padded_routing(routing, idx, L, device)
+        shown = row_images(images, idx)
 
-        def run(m, rows=rows):
-            h = decoder_hidden(m, ids, pos, CausalContext(lengths, rows))
+        def run(m, rows=rows, shown=shown):
+            h = decoder_hidden(m, ids, pos, CausalContext(lengths, rows, shown))
             return [
                 token_logprobs(h[r, : len(toks[i]) - 1], output_weight(m), ids[r, 1 : len(toks[i])],
                                chunk_rows=chunk_rows, with_entropy=with_entropy)

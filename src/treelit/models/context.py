@@ -87,8 +87,12 @@ class CausalContext(_RouterRecord, _RecurrentInputs):
 
     kind = "causal"
 
-    def __init__(self, lengths: Optional[torch.Tensor] = None, routing: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, lengths: Optional[torch.Tensor] = None, routing: Optional[torch.Tensor] = None,
+                 images: Optional[list] = None) -> None:
         self.lengths = lengths  # [B] real lengths (for recurrent layers); None = no padding
+        # per row, the images it shows in order (treelit.tree.images.ImageSet, None: none): a vision model
+        # encodes each row's own (treelit.models.hf_vision); None: no row shows any
+        self.images = images
         # [B, L, L_moe, k] recorded experts per row and position (-1: none, padding included)
         self.routing = None if routing is None else routing.reshape(-1, *routing.shape[2:])
         self._layouts: Dict[tuple, Any] = {}

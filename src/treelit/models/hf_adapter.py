@@ -52,7 +52,7 @@ from treelit.models.factory import moe_routing, parse_dtype, set_moe_routing, se
 from treelit.models.hf import read_config_json
 from treelit.models.hf_files import check_weight_shapes, weight_files
 from treelit.models.hf_kernels import HYBRID_FAMILIES, bind_tree_kernels, check_bound, no_hub_kernels
-from treelit.models.hf_vision import VisionInputs, check_vision_config, vision_inputs
+from treelit.models.hf_vision import VisionInputs, check_vision_config, tower_blocks, vision_inputs
 from treelit.models.lora import apply_lora, lora_options
 from treelit.models.hf_recompute import checkpoint_contexts
 from treelit.models.hf_replay import ReplayBinding
@@ -266,6 +266,14 @@ class HFTreeModel(nn.Module):
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
+
+    def fsdp_blocks(self) -> list:
+        """FSDP2's units (:func:`~treelit.utils.distributed.shard_model`): the decoder's layers and,
+        with a vision tower, the tower's blocks, sharded alike (docs/distributed.md, "Images")."""
+        blocks = list(self.layers)
+        if self.vision is not None:
+            blocks += tower_blocks(self.vision.visual)
+        return blocks
 
     @property
     def vocab_size(self) -> int:

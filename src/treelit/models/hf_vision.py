@@ -31,13 +31,20 @@ In tree mode (an adapted model with :class:`VisionInputs`, ``model.vision``):
   DeltaNet through treelit's tree kernels, the vision tower on its own sdpa attention (an
   image attends within itself, never across the tree).
 
-A part of a row (a partition; :meth:`TreeBatch.subset`) keeps the images its tokens show and
-encodes them itself: an image shown in two partitions is encoded by each, and the tower's
-gradient is the sum over them, as it is over branches. Its positions are the whole row's (the
-part holds no branches), computed once on the row and sliced.
+In training the step's image encoder (:class:`~treelit.lightning.image_part.ImageEncoder`, a
+step part) runs the tower once per micro-batch and hands every pass the rows it needs
+(``batch.image_embeds``); the tower's backward then runs once, with the gradient the passes
+summed. Without it (library use: ``tree_loss``, ``tree_backward``), a part of a row (a
+partition; :meth:`TreeBatch.subset`) keeps the images its tokens show and encodes them
+itself: an image shown in two partitions is encoded by each, and the tower's gradient is the
+sum over them, as it is over branches. A part's positions are the whole row's (the part holds
+no branches), computed once on the row and sliced.
 
 ``freeze_vision``: the tower's parameters stop requiring gradients (the common LoRA / RL
-setting); the projector (the patch merger, part of the tower in these families) follows.
+setting); the projector (the patch merger, part of the tower in these families) follows. With
+LoRA (adapters on the language model only) the tower is part of the frozen base, unless
+``model.lora.modules_to_save`` names it (``[visual]``): PEFT's trained copy of the tower then
+trains in full beside the adapters, and is saved with them.
 
 Refused by ``model_type`` (``_REFUSED``): Qwen2-VL, not among the families checked against
 transformers.
@@ -56,7 +63,8 @@ from torch.utils.checkpoint import checkpoint
 
 from treelit.models.errors import CheckpointError
 
-__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config", "vision_inputs"]
+__all__ = ["VISION_FAMILIES", "VisionInputs", "mrope_positions", "check_vision_config", "tower_blocks",
+           "vision_inputs"]
 
 VISION_FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5",
                    "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v_moe": "GLM-4.5V",
@@ -124,21 +132,66 @@ class VisionInputs:
     def language_model(self) -> nn.Module:
         return self._hf[0].model.language_model
 
+    def tower_trains(self) -> bool:
+        """Whether any parameter of the tower (or LoRA's trained copy of it) requires a gradient."""
+        return any(p.requires_grad for p in self.visual.parameters())
+
     def base_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> Dict[str, Any]:
         batch = getattr(ctx, "batch", None)
         embeds = self.language_model.get_input_embeddings()(input_ids)
+        if batch is None and getattr(ctx, "images", None) is not None:  # causal rows, each with its own images
+            return self._causal_rows(input_ids, position_ids, ctx, embeds)
         if batch is None:  # causal rows of text (the plain forward): M-RoPE of text is the position thrice
             return {"inputs_embeds": embeds, "position_ids": position_ids[None].expand(3, -1, -1)}
         kw: Dict[str, Any] = {"position_ids": mrope_positions(self.vlm, batch)[:, None, :]}
         if batch.images is not None and batch.images.num_images:
             embeds, extra = self._with_images(batch, embeds)
             kw.update(extra)
+        if not embeds.requires_grad and torch.is_grad_enabled() and self.tower_trains():
+            # a row without images reads no tower rows: its inputs require a gradient all the same, as a
+            # row with images does, so that under FSDP2 the first layer's gradient reduction runs at the
+            # same point of every rank's backward (with LoRA the embeddings are frozen)
+            embeds = embeds.detach().requires_grad_(True)
         kw["inputs_embeds"] = embeds
         return kw
 
+    def _causal_rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx, embeds: torch.Tensor):
+        """Right-padded causal rows ``[B, L]`` (the per-branch baseline), row ``r`` showing
+        ``ctx.images[r]`` in order: each row's images encoded for that row alone (per-branch training
+        encodes an image once per branch that shows it), its image tokens take their rows, and its
+        M-RoPE positions are the model's ``get_rope_index`` on the row's real tokens."""
+        B, L = input_ids.shape
+        lengths = ctx.lengths.tolist() if ctx.lengths is not None else [L] * B
+        is_img = input_ids == self.image_token_id
+        pos = position_ids[None].expand(3, B, L).clone()
+        out = embeds.clone()
+        deep_rows = []
+        for r, images in enumerate(ctx.images):
+            if images is None or not images.num_images:
+                continue
+            n = lengths[r]
+            rows, deep = self.encode(images)
+            at = torch.nonzero(is_img[r, :n]).squeeze(1)
+            if at.numel() != rows.shape[0]:
+                raise ValueError(f"row {r}: {at.numel()} image tokens for {rows.shape[0]} embedding rows of its images")
+            out[r, at] = rows.to(out.dtype)
+            p, _ = self.vlm.get_rope_index(input_ids[r:r + 1, :n], mm_token_type_ids=is_img[r:r + 1, :n].int(),
+                                           image_grid_thw=images.grid_thw.to(input_ids.device))
+            pos[:, r, :n] = p[:, 0].to(pos.device)
+            deep_rows.append(deep)
+        kw: Dict[str, Any] = {"inputs_embeds": out, "position_ids": pos}
+        if deep_rows and deep_rows[0]:  # Qwen3-VL: in the order of the image tokens, row by row
+            kw["visual_pos_masks"] = is_img
+            kw["deepstack_visual_embeds"] = [torch.cat([d[lvl] for d in deep_rows]).to(out.dtype)
+                                             for lvl in range(len(deep_rows[0]))]
+        return kw
+
     def _with_images(self, batch, embeds: torch.Tensor):
-        """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image."""
-        rows, deep = self.encode(batch.images)
+        """``embeds [1, N, D]`` with each image token's embedding row of its (once-encoded) image:
+        the row's ``image_embeds`` of this tower when the step's image encoder encoded them for the micro-batch
+        (:mod:`treelit.lightning.image_part`), else encoded here."""
+        pre = (getattr(batch, "image_embeds", None) or {}).get(self)  # (another model's tower: not its rows)
+        rows, deep = (pre.rows, pre.deep) if pre is not None else self.encode(batch.images)
         rows = rows.to(embeds.dtype)
         sel = batch.image_row >= 0
         at = batch.image_row.clamp(min=0)
@@ -175,6 +228,16 @@ class VisionInputs:
         feats = self.vlm.get_image_features(pixel_values, grid_thw, return_dict=True)
         deep = getattr(feats, "deepstack_features", None) or []
         return torch.cat(feats.pooler_output), [torch.cat(f) for f in deep]
+
+
+def tower_blocks(visual: nn.Module) -> list:
+    """The vision tower's blocks (FSDP2's units: :meth:`HFTreeModel.fsdp_blocks`). A tower that
+    LoRA trains in full (``model.lora.modules_to_save`` naming it) is PEFT's wrapper: the frozen
+    original's blocks (what runs with the adapters off) and the trained copy's."""
+    towers = [visual]
+    if hasattr(visual, "original_module") and hasattr(visual, "modules_to_save"):
+        towers = [visual.original_module, *visual.modules_to_save.values()]
+    return [b for t in towers for b in t.blocks]
 
 
 def _function_modes() -> list:
@@ -214,6 +277,8 @@ def mrope_positions(vlm: nn.Module, batch) -> torch.Tensor:
         batch.mrope_position_ids = mrope_positions(vlm, parent)[:, tokens.to(parent.device)].to(batch.device)
         return batch.mrope_position_ids
     N, dev = batch.num_tokens, batch.device
+    if batch.num_branches == 0 and batch.image_row is None:  # a part of a row of text: the position thrice
+        return batch.position_ids[None].expand(3, -1)
     if batch.num_branches == 0:
         raise ValueError("M-RoPE positions need the row's branch tables (a row cut from a tree has none)")
     pos = torch.full((3, N), -1, dtype=torch.long, device=dev)

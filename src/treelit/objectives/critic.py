@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from treelit.loss.logprobs import token_logprobs
-from treelit.loss.linear import linear_micro_batches
+from treelit.loss.linear import linear_micro_batches, row_images
 from treelit.loss.tree import prepare_batch, tree_hidden
 from treelit.models.context import CausalContext
 from treelit.models.forward import decoder_hidden, in_forward, output_weight
@@ -71,7 +71,7 @@ def tree_values(critic, model, batch, attention="auto") -> torch.Tensor:
     return out
 
 
-def _causal_hidden(m, toks: List[np.ndarray], idx: List[int], device):
+def _causal_hidden(m, toks: List[np.ndarray], idx: List[int], device, images=None):
     L = max(len(toks[i]) for i in idx)
     ids = torch.zeros(len(idx), L, dtype=torch.long)
     for r, i in enumerate(idx):
@@ -79,7 +79,7 @@ def _causal_hidden(m, toks: List[np.ndarray], idx: List[int], device):
     ids = ids.to(device)
     pos = torch.arange(L, device=device).expand(len(idx), L)
     lengths = torch.tensor([len(toks[i]) for i in idx], device=device)
-    return decoder_hidden(m, ids, pos, CausalContext(lengths)), ids
+    return decoder_hidden(m, ids, pos, CausalContext(lengths, images=row_images(images, idx))), ids
 
 
 @torch.no_grad()
@@ -90,7 +90,7 @@ def branch_values(critic, model, br, max_tokens: int = 8192) -> List[np.ndarray]
     device = next(trunk.parameters()).device
     out: List[np.ndarray] = [None] * len(br.tokens)  # type: ignore[list-item]
     for idx in linear_micro_batches([len(t) for t in br.tokens], max_tokens):
-        h, _ = in_forward(trunk, lambda m: _causal_hidden(m, br.tokens, idx, device))
+        h, _ = in_forward(trunk, lambda m: _causal_hidden(m, br.tokens, idx, device, br.images))
         for r, i in enumerate(idx):
             n = len(br.tokens[i])
             v = np.full(n, np.nan)
@@ -275,7 +275,7 @@ def critic_linear_loss(objective, critic, model, br, *, aggregation: str, normal
     n_clip = n_pairs = 0.0
     for idx in linear_micro_batches([len(t) for t in br.tokens], max_tokens):
         def run(m):
-            h, ids = _causal_hidden(m, br.tokens, idx, device)
+            h, ids = _causal_hidden(m, br.tokens, idx, device, br.images)
             out = []
             for r, i in enumerate(idx):
                 n = len(br.tokens[i])
@@ -286,7 +286,7 @@ def critic_linear_loss(objective, critic, model, br, *, aggregation: str, normal
 
         res = in_forward(model, run)
         if not shared:
-            hc, _ = in_forward(critic.trunk, lambda m: _causal_hidden(m, br.tokens, idx, device))
+            hc, _ = in_forward(critic.trunk, lambda m: _causal_hidden(m, br.tokens, idx, device, br.images))
             res = [(lp, ent, critic.values(hc[r, : len(br.tokens[i]) - 1])) for r, ((lp, ent, _), i)
                    in enumerate(zip(res, idx))]
         for (lp, ent, v), b in zip(res, idx):

@@ -153,7 +153,8 @@ class _PolicyObjective(Objective):
         if self.reference != "data":
             if not hasattr(self, "_lin_ref_cache") or self._lin_ref_cache[0] is not br:
                 with torch.no_grad(), self.as_reference(model) as reference:
-                    refs, _ = primitives.linear_branch_logprobs(reference, br.tokens, routing=br.routing)
+                    refs, _ = primitives.linear_branch_logprobs(reference, br.tokens, routing=br.routing,
+                                                                images=br.images)
                 self._lin_ref_cache = (br, refs)
             return self._lin_ref_cache[1][b].to(torch.float64)
         if br.ref is None:
@@ -251,7 +252,8 @@ class _PolicyObjective(Objective):
         self._check_advantages(br)
         Z = self._Z(br, aggregation, normalizer)
         logps, ents = primitives.linear_branch_logprobs(model, br.tokens, with_entropy=bool(self.entropy_coef),
-                                             max_tokens=max_tokens, chunk_rows=chunk_rows, routing=br.routing)
+                                             max_tokens=max_tokens, chunk_rows=chunk_rows, routing=br.routing,
+                                             images=br.images)
         coef = br.weights * _branch_scale(br.n, aggregation)
         total = logps[0].new_zeros(())
         for b, lp in enumerate(logps):
@@ -465,7 +467,7 @@ class DPO(_PolicyObjective):
         """Per-branch reference sequence log-probs, branch by branch (no tree)."""
         if self.reference != "data":
             with torch.no_grad(), self.as_reference(model) as reference:
-                lps, _ = primitives.linear_branch_logprobs(reference, br.tokens, routing=br.routing)
+                lps, _ = primitives.linear_branch_logprobs(reference, br.tokens, routing=br.routing, images=br.images)
             return torch.stack([(lp.double().cpu() * torch.from_numpy(m[1:].astype(np.float64))).sum()
                                 for lp, m in zip(lps, br.masks)])
         if br.ref is None:
@@ -501,7 +503,7 @@ class DPO(_PolicyObjective):
         br = as_branches(branches)
         br.validate_for_model(model.tok_embeddings.num_embeddings, getattr(model, "max_seq_len", None))
         lps, _ = primitives.linear_branch_logprobs(model, br.tokens, max_tokens=max_tokens, chunk_rows=chunk_rows,
-                                                    routing=br.routing)
+                                                    routing=br.routing, images=br.images)
         pi = torch.stack([(lp * torch.from_numpy(m[1:].astype(np.float64)).to(lp)).sum() for lp, m in zip(lps, br.masks)])
         ref = self._ref_seq_linear(model, br)
         return self._loss_from_seq(pi, ref, br.pairs(), br.weights, self._Z(br, aggregation, normalizer)), {}

@@ -123,6 +123,10 @@ class TreeBatch:
     mrope_position_ids: Optional[torch.Tensor] = None
     # a part of a row (subset) whose M-RoPE positions are its parent's: (parent row, token indices)
     mrope_parent: Optional[Any] = None
+    # the row's images already encoded, per tower that encoded them (tower -> treelit.tree.images.
+    # EncodedImages; set for one micro-batch by the step's image encoders, treelit.lightning.image_part:
+    # the policy's, a separate critic's): each model reads its own tower's rows, not the tower
+    image_embeds: Optional[Dict[Any, Any]] = None
     # host (numpy) copies of tensor fields, made where the row was built or before it moved to a
     # device: name -> (the tensor they mirror, its values); see :meth:`host`
     _host_copies: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -280,18 +284,25 @@ class TreeBatch:
         )
 
     def _image_part(self, tokens: torch.Tensor) -> Dict[str, Any]:
-        """A part's images: those its tokens show (each part encodes them itself: the tower's
-        gradient is then the sum over parts, as over branches), its tokens' rows, and its
+        """A part's images: those its tokens show (encoded once for the row when the row carries
+        ``image_embeds``, whose rows it then reads; else each part encodes them itself: the
+        tower's gradient is the sum over parts, as over branches), its tokens' rows, and its
         M-RoPE positions (its parent's, sliced; computed on the parent, which has the branches)."""
         if self.images is None:
-            return {}
-        images, rows = self.images.select(self.image_row[tokens])
+            if self.image_row is None:  # a row of text
+                return {}
+            images, rows = None, self.image_row[tokens]  # a part that shows no image: cut again, its positions stay
+        else:
+            images, rows = self.images.select(self.image_row[tokens])
+        out = {"images": images, "image_row": rows}
+        if self.image_embeds and images is not None:  # encoded once for the row: its rows
+            out["image_embeds"] = {tower: enc.for_set(images) for tower, enc in self.image_embeds.items()}
         if self.mrope_position_ids is not None:
-            return {"images": images, "image_row": rows, "mrope_position_ids": self.mrope_position_ids[:, tokens]}
+            return {**out, "mrope_position_ids": self.mrope_position_ids[:, tokens]}
         if self.mrope_parent is not None:
             parent, idx = self.mrope_parent
-            return {"images": images, "image_row": rows, "mrope_parent": (parent, idx[tokens])}
-        return {"images": images, "image_row": rows, "mrope_parent": (self, tokens)}
+            return {**out, "mrope_parent": (parent, idx[tokens])}
+        return {**out, "mrope_parent": (self, tokens)}
 
     # sizes -----------------------------------------------------------------------------
     @property

@@ -29,7 +29,7 @@ import torch
 
 from treelit.tree.errors import TreeInputError
 
-__all__ = ["ProcessedImage", "ImageSet", "image_counts", "image_digest", "merge_keys"]
+__all__ = ["ProcessedImage", "ImageSet", "EncodedImages", "image_counts", "image_digest", "merge_keys"]
 
 
 def image_digest(pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> str:
@@ -91,6 +91,13 @@ class ImageSet:
         return ImageSet(self.pixel_values.to(device), self.grid_thw.to(device), self.num_tokens.to(device),
                         list(self.digests))
 
+    def take(self, which: torch.Tensor) -> "ImageSet":
+        """The images ``which`` (indices, in that order, repeats kept) as a set of their own."""
+        patches = torch.cat([self.grid_thw.new_zeros(1), torch.cumsum(self.grid_thw.prod(-1), 0)]).tolist()
+        idx = [int(i) for i in which]
+        return ImageSet(torch.cat([self.pixel_values[patches[i]:patches[i + 1]] for i in idx]), self.grid_thw[idx],
+                        self.num_tokens[idx], [self.digests[i] for i in idx])
+
     def image_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The image each embedding row (``>= 0``) belongs to."""
         return torch.searchsorted(self.row_offsets.to(rows.device), rows, right=True) - 1
@@ -136,6 +143,35 @@ class ImageSet:
         maps = [torch.cat([torch.arange(start[d], start[d] + int(n)) for d, n in zip(s.digests, s.num_tokens)])
                 for s in sets]
         return ImageSet(torch.cat(parts), torch.stack(grids), torch.stack(counts), order), maps
+
+
+@dataclass
+class EncodedImages:
+    """A row's images already through the vision tower (the step's image encoder,
+    :mod:`treelit.lightning.image_part`): ``rows [R, D]`` the embedding rows of the row's
+    :class:`ImageSet` in its order (Qwen3-VL: ``deep``, its deepstack rows per level, ``[R, D]``
+    each), and ``digests`` / ``row_offsets`` of that set. The model reads them instead of
+    encoding the images itself; a part of the row (:meth:`for_set`) reads the rows of its own images."""
+
+    rows: torch.Tensor
+    deep: List[torch.Tensor]
+    digests: List[str]
+    row_offsets: List[int]
+
+    @classmethod
+    def of(cls, images: ImageSet, rows: torch.Tensor, deep: Sequence[torch.Tensor]) -> "EncodedImages":
+        return cls(rows, list(deep), list(images.digests), images.row_offsets.tolist())
+
+    def for_set(self, images: ImageSet) -> "EncodedImages":
+        """The rows of ``images`` (a subset of this row's images, by digest), in its order."""
+        if list(images.digests) == self.digests:
+            return self
+        where = {d: i for i, d in enumerate(self.digests)}
+        at = self.rows.device
+        idx = torch.cat([torch.arange(self.row_offsets[where[d]], self.row_offsets[where[d] + 1], device=at)
+                         for d in images.digests])
+        return EncodedImages(self.rows[idx], [f[idx] for f in self.deep], list(images.digests),
+                             images.row_offsets.tolist())
 
 
 def merge_keys(ids: np.ndarray, images: Sequence[ProcessedImage], table: Dict[str, int], source: str,
