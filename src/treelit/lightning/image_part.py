@@ -17,7 +17,9 @@ in others. Encoded by this part, around the executor's work on one micro-batch:
 
 The tower's gradient is then the sum over passes of what each pass sends back through the
 rows it read: exactly what encoding in each pass gives (the tower is a function of the image
-alone), with one tower forward and backward per micro-batch instead of one per pass.
+alone), with one tower forward and backward per micro-batch instead of one per pass. The cost:
+the tower's activations live from the encode to its backward, across the micro-batch's passes
+(``model.vision_images_per_pass`` bounds them to k images', recomputed in the backward).
 
 No-gradient reads (values, rollout log-probs) get the rows too, without a leaf. A frozen tower
 (``model.freeze_vision``) is run without gradient, and nothing runs after the passes.
