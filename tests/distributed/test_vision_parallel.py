@@ -69,7 +69,7 @@ def test_ddp_and_fsdp2_with_images_equal_one_process(checkpoint):
         check(res, name, tower="frozen" not in name, sharded=not name.startswith("ddp"))
 
 
-@pytest.mark.parametrize("kind", ["separate", pytest.param("shared", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) for k in ("separate", "shared")])
 def test_fsdp2_ppo_with_a_critic_and_images_equals_one_process(checkpoint, tmp_path_factory, kind):
     """critic=separate: the critic's own vision model (its tower sharded per block too) sees the
     images through its own tower; PPO's values, whitened GAE and every gradient (policy, critic

@@ -183,17 +183,6 @@ def test_images_run_on_several_processes(trainer):
     check_vision_options(_cfg(trainer=trainer, model={"vision": True, "freeze_vision": True, "lora": {"rank": 4}}))
 
 
-def test_rollout_refuses_a_vision_checkpoint(tmp_path, tmp_path_factory):
-    import json
-
-    from treelit.cli.rollout import Sampler
-
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {}}))
-    pol = Sampler.__new__(Sampler)
-    with pytest.raises(ValueError, match="a vision-language checkpoint .* treelit-rollout samples text models"):
-        pol.load({"path": str(tmp_path), "version": 1})
-
-
 def test_shared_critic_with_images(pool, tmp_path_factory, monkeypatch):  # noqa: F811
     """PPO with a shared critic (a value head on the policy's trunk) on a tree with images: the
     values, GAE per (branch, action), the clipped policy and value losses and every gradient equal
