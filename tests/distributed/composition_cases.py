@@ -214,9 +214,9 @@ def cell_step(rank: int, world: int, cell: Dict[str, Any]) -> Optional[Dict[str,
     with _exact(cell):
         if world > 1:
             C = _mesh(module, strategy, world)
-            micro = rank_micro_batches(forest, rank // C, world // C, MICRO_TOKENS)
+            micro = rank_micro_batches(forest, rank // C, world // C, cell.get("micro_tokens", MICRO_TOKENS))
         else:
-            micro = treelit.pack_trees(forest, MICRO_TOKENS)
+            micro = treelit.pack_trees(forest, cell.get("micro_tokens", MICRO_TOKENS))
         for part in module.parts:  # before the update: rollout log-probs, the critic's values and advantages
             part.before_updates(module.executor, micro, module._read_step())
         out = module.compute_gradients(micro)
@@ -227,10 +227,11 @@ def cell_step(rank: int, world: int, cell: Dict[str, Any]) -> Optional[Dict[str,
             named += [(f"critic.{n}", p) for n, p in critic.named_parameters() if p.requires_grad]
         grads = {n: (gather_full(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype))
                  .detach().clone() for n, p in named}
-        counts = comm.sum_vector([out["partitions"], out["token_forwards"]])
+        counts = comm.sum_vector([out["partitions"], out["token_forwards"], sum(not mb.num_targets for mb in micro)])
     if rank != 0:
         return None
     return {"loss": loss, "grads": grads, "partitions": float(counts[0]), "token_forwards": float(counts[1]),
+            "padding": int(counts[2]),  # padding micro-batches (no targets), over every rank
             "tree_tokens": sum(t.to_batch().num_tokens for t in forest)}
 
 

@@ -61,6 +61,16 @@ def test_fsdp2_partitioned_with_a_rank_without_images_equals_one_process(checkpo
     assert all("lora_" in k or "modules_to_save" in k for k in results[1]["keys"])
 
 
+def test_fsdp2_reference_kl_with_a_rank_without_images_equals_one_process(checkpoint):
+    """GRPO with a KL penalty to a frozen copy of the initial model (``reference=initial``): the
+    copy's tower is sharded like the policy's, so it too is encoded once per micro-batch by an
+    encoder of its own, a rank without images running the blank image (else rank 0's reference
+    passes all-gather the copy's tower and rank 1's do not: a collective mismatch)."""
+    res, = launch(vision_steps, 2, [dict(CASES["fsdp2-grpo"], path=checkpoint, kl=True)], deadline=600)
+    check(res, "fsdp2-grpo-reference-kl")
+    assert res["ref_encoded"] == 5, res["ref_encoded"]  # rank 0: img0's 2 images, img1's 2, the padding row's blank
+
+
 @pytest.mark.slow
 def test_ddp_and_fsdp2_with_images_equal_one_process(checkpoint):
     names = ["fsdp2", "ddp", "ddp-partitioned-grpo", "fsdp2-grpo", "fsdp2-lora-tower-frozen", "ddp-lora-tower-trained"]

@@ -83,7 +83,8 @@ def _module(spec, model, world, critic=None, partition=None):
     from treelit.objectives import make_objective
 
     name = spec.get("objective", "sft")
-    objective = make_objective(name, gamma=0.9, lam=0.8) if critic is not None else make_objective(name)
+    objective = make_objective(name, gamma=0.9, lam=0.8) if critic is not None else make_objective(name, **kl(spec))
+    moved_off_reference(spec, objective, model)
     module = TreeLitModule(model, objective, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), attention="sdpa_dense",
                            partition=partition or spec.get("partition", "none"), budget_tokens=spec.get("budget"),
                            old_logprobs="rollout" if name != "sft" else "data", critic=critic)
@@ -97,6 +98,24 @@ def _module(spec, model, world, critic=None, partition=None):
         module._device_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         module.configure_model()
     return module
+
+
+def kl(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``kl``: a KL penalty to a frozen copy of the initial model (``reference=initial``), the
+    copy's tower sharded like the policy's."""
+    return dict(kl_coef=0.1, reference="initial") if spec.get("kl") else {}
+
+
+def moved_off_reference(spec, objective, model) -> None:
+    """With ``kl``: the reference copy made, then the policy moved off it (the KL term trains)."""
+    if not spec.get("kl"):
+        return
+    objective._reference_model(model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def vision_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -113,7 +132,9 @@ def vision_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     from treelit.models.hf_vision import tower_blocks
 
     tower_units = [isinstance(b, FSDPModule) for b in tower_blocks(model.vision.visual)]
+    ref_tower = module.objective._ref_model.vision if spec.get("kl") else None
     out = _update(module, micro)
+    ref_encoded = ref_tower.images_encoded if ref_tower is not None else None
     from treelit.utils.distributed import Collectives
 
     loss = Collectives().sum(out["loss"])
@@ -131,7 +152,7 @@ def vision_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             "extra_nonzero": [k for k in extra if bool(grads[k].any())],
             "grad_err": max_rel_grad_diff(grads, ref_grads, grad_floor(F64), negligible_grad(F64)),
             "tower_norm": sum(float(g.norm()) for k, g in grads.items() if "visual" in k),
-            "partitions": [p[0] for p in partitions], "tower_units": tower_units}
+            "partitions": [p[0] for p in partitions], "tower_units": tower_units, "ref_encoded": ref_encoded}
 
 
 def _update(module, micro):
@@ -168,7 +189,8 @@ def reference(spec: Dict[str, Any], trees) -> "tuple[float, Dict[str, torch.Tens
     from treelit.objectives import make_objective
 
     model = build(spec)
-    obj = make_objective(spec.get("objective", "sft"))
+    obj = make_objective(spec.get("objective", "sft"), **kl(spec))
+    moved_off_reference(spec, obj, model)
     micro = [t.to_batch() for t in trees]
     Z = treelit.global_normalizer(micro, "token-mean", objective=obj)
     total = 0.0

@@ -25,6 +25,7 @@ base class is :mod:`treelit.lightning.step_part`'s); the executors and the modul
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from treelit.loss.branches import as_branches
 from treelit.loss.linear import linear_branch_logprobs
 from treelit.loss.router import RouterTerms, router_aux, router_normalizer_contribution
+from treelit.loss.tree import sft_tree_loss
 from treelit.models.factory import replay_shape
 from treelit.objectives.behavior import split_behavior
 from treelit.objectives.critic import (branch_values, check_critic_objective, critic_linear_loss, critic_padding_pass,
@@ -99,12 +101,34 @@ class ReferenceModel(StepPart):
 
     def __init__(self, objective, model) -> None:
         self.objective, self.model = objective, model
+        self._images = None  # the reference's own tower's encoder (a vision model)
 
     def configure(self, cp_degree: int) -> None:
         self.objective._reference_model(self.model)  # the copy: of the initial model, before it is sharded
 
+    def micro_batch(self, spec, mb, grad: bool):
+        """A vision model's copy has a tower of its own: its images are encoded once per
+        micro-batch by an encoder of that tower (frozen: no backward), like the policy's, so that
+        under FSDP2 / HSDP every rank calls the sharded copy's tower alike (a rank without images
+        runs the blank image) and a partitioned row encodes each image once, not once per pass."""
+        reference = self.objective._reference_model(self.model)
+        if not grad or not has_vision_tower(reference):  # (the reference log-probs: in the gradient passes only)
+            return contextlib.nullcontext()
+        if self._images is None:
+            self._images = ImageEncoder(reference)
+        return self._images.micro_batch(spec, mb, grad)
+
     def shard(self, dp_mesh, mp_policy) -> None:
         shard_model(self.objective._reference_model(self.model), dp_mesh, mp_policy=mp_policy)
+
+    def pad_loss(self, spec, mb):
+        """A padding micro-batch (no targets) runs the sharded copy's forward too: the other
+        ranks' micro-batches run it for their reference log-probs (its all-gathers)."""
+        reference = self.objective._reference_model(self.model)
+        if not is_sharded(reference):
+            return None
+        with torch.no_grad():
+            return sft_tree_loss(reference, mb, spec.aggregation, spec.attention, normalizer=1.0)
 
 
 class ValueHead(StepPart):
