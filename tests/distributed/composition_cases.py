@@ -12,7 +12,7 @@ replay and the router loss, with Gated DeltaNet beside attention for ``hybrid``)
 ``images``, a tiny Qwen2.5-VL (Qwen3.5 for ``hybrid``) through the transformers adapter with its
 vision tower, or (``cell["hf"]``) a transformers text checkpoint through the adapter.
 Objective: PPO with a critic, else GRPO (``reference_kl``: with a KL penalty to a frozen copy of
-the initial model); old log-probs recomputed by the policy (``old_logprobs=rollout``); or SFT
+the initial model; ``reference_base_kl``, with ``lora``: to the policy with its adapters off); old log-probs recomputed by the policy (``old_logprobs=rollout``); or SFT
 (``cell["objective"] = "sft"``: the objective of the transformers oracle).
 """
 
@@ -144,6 +144,8 @@ def build_module(features, strategy: str, vision_path: Optional[str], objective:
         critic = Critic(kind, output_weight(model).shape[1], trunk, vf_coef=0.7, value_clip=0.05, dtype=F64,
                         init_std=0.3)
     kl = dict(kl_coef=0.1, reference="initial") if "reference_kl" in f else {}
+    if "reference_base_kl" in f:  # (LoRA: the reference is the policy with its adapters off)
+        kl = dict(kl_coef=0.1, reference="base")
     if objective == "sft":  # (the transformers oracle's objective)
         objective = make_objective("sft")
     elif critic is not None:
@@ -151,7 +153,8 @@ def build_module(features, strategy: str, vision_path: Optional[str], objective:
     else:
         objective = make_objective("grpo", **kl)
     if kl:  # the frozen copy of the initial model, then the policy moved off it (the KL term trains)
-        objective._reference_model(model)
+        if kl["reference"] == "initial":
+            objective._reference_model(model)
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
             for p in model.parameters():

@@ -93,7 +93,9 @@ class RolloutLogprobs(StepPart):
 
 class ReferenceModel(StepPart):
     """``reference=initial``: the frozen copy of the initial model, sharded like the policy
-    (the reference log-probs themselves are the objective's: ``FoldSpec.reference_model``)."""
+    (the reference log-probs themselves are the objective's: ``FoldSpec.reference_model``);
+    ``reference=base`` (LoRA): the policy itself with its adapters off, a second forward of the
+    sharded policy, its only hook the padding pass's."""
 
     name = "reference"
     adds = ("reference log-probs",)
@@ -103,14 +105,21 @@ class ReferenceModel(StepPart):
         self.objective, self.model = objective, model
         self._images = None  # the reference's own tower's encoder (a vision model)
 
+    @property
+    def _copy(self) -> bool:
+        return self.objective.reference == "initial"
+
     def configure(self, cp_degree: int) -> None:
-        self.objective._reference_model(self.model)  # the copy: of the initial model, before it is sharded
+        if self._copy:
+            self.objective._reference_model(self.model)  # the copy: of the initial model, before it is sharded
 
     def micro_batch(self, spec, mb, grad: bool):
         """A vision model's copy has a tower of its own: its images are encoded once per
         micro-batch by an encoder of that tower (frozen: no backward), like the policy's, so that
         under FSDP2 / HSDP every rank calls the sharded copy's tower alike (a rank without images
         runs the blank image) and a partitioned row encodes each image once, not once per pass."""
+        if not self._copy:  # (base: the policy's own tower, encoded by the policy's encoder)
+            return contextlib.nullcontext()
         reference = self.objective._reference_model(self.model)
         if not grad or not has_vision_tower(reference):  # (the reference log-probs: in the gradient passes only)
             return contextlib.nullcontext()
@@ -119,15 +128,19 @@ class ReferenceModel(StepPart):
         return self._images.micro_batch(spec, mb, grad)
 
     def shard(self, dp_mesh, mp_policy) -> None:
-        shard_model(self.objective._reference_model(self.model), dp_mesh, mp_policy=mp_policy)
+        if self._copy:  # (base: the policy, sharded as the policy)
+            shard_model(self.objective._reference_model(self.model), dp_mesh, mp_policy=mp_policy)
 
     def pad_loss(self, spec, mb):
-        """A padding micro-batch (no targets) runs the sharded copy's forward too: the other
-        ranks' micro-batches run it for their reference log-probs (its all-gathers)."""
-        reference = self.objective._reference_model(self.model)
-        if not is_sharded(reference):
+        """A padding micro-batch (no targets) runs the sharded reference's forward too: the other
+        ranks' micro-batches run it for their reference log-probs (its all-gathers): the copy's,
+        or with ``base`` a second forward of the policy, its adapters off."""
+        if not (self.objective.name == "dpo" or self.objective.kl_coef):  # (no reference pass: none to match)
             return None
-        with torch.no_grad():
+        sharded = self.objective._reference_model(self.model) if self._copy else self.model
+        if not is_sharded(sharded):
+            return None
+        with torch.no_grad(), self.objective.as_reference(self.model) as reference:
             return sft_tree_loss(reference, mb, spec.aggregation, spec.attention, normalizer=1.0)
 
 
@@ -321,7 +334,7 @@ def step_parts(model, objective, *, critic=None, old_logprobs: str = "data", lin
         parts.append(ImageEncoder(model))
     if old_logprobs == "rollout":
         parts.append(RolloutLogprobs(objective))
-    if hasattr(objective, "_reference_model") and getattr(objective, "reference", None) == "initial":
+    if hasattr(objective, "_reference_model") and getattr(objective, "reference", None) in ("initial", "base"):
         parts.append(ReferenceModel(objective, model))
     if RouterTerms.enabled(model):
         parts.append(RouterLoss(model))
