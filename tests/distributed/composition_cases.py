@@ -153,13 +153,11 @@ def build_module(features, strategy: str, vision_path: Optional[str], objective:
     else:
         objective = make_objective("grpo", **kl)
     if kl:  # the frozen copy of the initial model, then the policy moved off it (the KL term trains)
+        from vision_cases import nudge_trained
+
         if kl["reference"] == "initial":
             objective._reference_model(model)
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        nudge_trained(model)
     partition = "redundancy_free" if strategy.endswith("partitioned") else "none"
     module = TreeLitModule(model, objective, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), attention="segment",
                            partition=partition, old_logprobs="data" if objective.name == "sft" else "rollout",

@@ -111,11 +111,16 @@ def moved_off_reference(spec, objective, model) -> None:
     if not spec.get("kl"):
         return
     objective._reference_model(model)
-    g = torch.Generator().manual_seed(5)
+    nudge_trained(model)
+
+
+def nudge_trained(model, seed: int = 5, scale: float = 0.05) -> None:
+    """Every trained parameter moved by ``scale`` x a seeded normal draw (off its reference)."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
-                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def vision_step(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
